@@ -1,0 +1,96 @@
+"""One product, several implementations, one switch: `q8_matmul`.
+
+`y = x @ W` for a Q8_0 weight W (K x N, blocked along K), with fp32
+accumulation. Implementations (tokamax's convention, `implementation=`):
+
+  'pallas'     the fold kernel (TPU Mosaic / GPU Triton; `interpret=True` on CPU),
+               for decode-shaped products (`q8_gemv_applies`)
+  'xla'        K-chunked dequantise-and-dot, every shape, every backend
+  'reference'  dequantise the whole weight, then dot (the yardstick; slow)
+  None         the best for the backend and shape, always falling back to 'xla'
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from q8rules.kernels.reference import q8_matmul_reference
+from q8rules.kernels.xla import q8_matmul_xla
+from q8rules.q8_0 import BLOCK, Q8Array
+
+Implementation = Literal["xla", "pallas", "reference"] | None
+IMPLEMENTATIONS = ("xla", "pallas", "reference")
+ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None:
+  """Raise a clear error when x (..., K) and the Q8_0 weight (K, N) do not fit together."""
+  if not isinstance(w, Q8Array):
+    raise TypeError(f"{what}: the weight must be a Q8Array, got {type(w).__name__}")
+  if w.ndim != 2 or w.axis != 0:
+    raise ValueError(
+      f"{what}: the weight must be 2-D (K, N) blocked along axis 0, got shape"
+      f" {w.shape} blocked along axis {w.axis}"
+    )
+  if np.dtype(w.q.dtype) != np.dtype(np.int8):
+    raise TypeError(f"{what}: Q8_0 values must be int8, got {w.q.dtype}")
+  if np.dtype(w.scale.dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+    raise TypeError(f"{what}: Q8_0 scales must be float32 or float16, got {w.scale.dtype}")
+  k, n = w.shape
+  if k % BLOCK or tuple(w.scale.shape) != (k // BLOCK, n):
+    raise ValueError(
+      f"{what}: scale shape {tuple(w.scale.shape)} does not match values {w.shape}"
+      f" (expected ({k // BLOCK}, {n}) with K a multiple of {BLOCK})"
+    )
+  if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
+    raise TypeError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
+  if x.ndim < 1 or x.shape[-1] != k:
+    raise ValueError(
+      f"{what}: activations of shape {tuple(x.shape)} do not contract with a weight of K={k} rows"
+    )
+
+
+def pick_implementation(m: int, k: int, n: int, *, backend: str | None = None) -> str:
+  """The implementation `implementation=None` runs for an (m, K) x (K, N) product."""
+  del m, k, n
+  backend = backend or jax.default_backend()
+  del backend
+  return "xla"
+
+
+def q8_matmul(
+  x: jax.Array,
+  w: Q8Array,
+  *,
+  implementation: Implementation = None,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """`y = x @ W` for x (..., K) float32/bfloat16/float16 and W a (K, N) Q8Array.
+
+  Accumulates in float32 and returns (..., N) in x's dtype.
+  """
+  check_operands(x, w)
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(
+      f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+    )
+  k, n = w.shape
+  x2d = x.reshape(-1, k)
+  impl = implementation or pick_implementation(x2d.shape[0], k, n)
+  if impl == "xla":
+    y = q8_matmul_xla(x2d, w.q, w.scale)
+  elif impl == "reference":
+    y = q8_matmul_reference(x2d, w.q, w.scale)
+  else:
+    del interpret
+    raise NotImplementedError(
+      "implementation='pallas': the Pallas fold kernel has not landed yet; use 'xla'"
+    )
+  return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+__all__ = ["q8_matmul", "check_operands", "pick_implementation", "IMPLEMENTATIONS"]
