@@ -1,0 +1,181 @@
+"""Where a weight's axes go in the 2-D (K, N) Q8_0 layout, and how a product maps onto it.
+
+A weight of any rank is stored as the matrix `(K, N)`: its contraction axes
+(the ones the activation is summed against) flattened into K, in the weight's
+own axis order, and its other axes flattened into N. K is zero-padded to a
+multiple of 32 (zeros quantize to zero blocks, so the product is unchanged).
+A Dense kernel `(in, out)` is already `(K, N)`; attention's `'BTD,DNH->BTNH'`
+weight `(D, N, H)` becomes `(D, N*H)`; its output `'BTNH,NHD->BTD'` weight
+`(N, H, D)` becomes `(N*H, D)`.
+
+`ProductLayout` is the rest of the plan for one product: which activation axes
+line up with K (in the same order), and how `(M, N)` is put back into the
+output shape `lax.dot_general` or `jnp.einsum` would return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+
+from q8rules.q8_0 import BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+  """How a float weight of `shape` is laid out as a (K, N) Q8_0 matrix.
+
+  Attributes:
+    shape: the float weight's shape.
+    contract: the weight axes flattened into K, in order.
+    free: the weight axes flattened into N, in order.
+  """
+
+  shape: tuple[int, ...]
+  contract: tuple[int, ...]
+  free: tuple[int, ...]
+
+  @property
+  def k(self) -> int:
+    return math.prod(self.shape[a] for a in self.contract)
+
+  @property
+  def k_padded(self) -> int:
+    return -(-self.k // BLOCK) * BLOCK
+
+  @property
+  def n(self) -> int:
+    return math.prod(self.shape[a] for a in self.free)
+
+  def to_matrix(self, w: jax.Array) -> jax.Array:
+    """(shape) -> (K_padded, N): transpose, flatten, zero-pad K."""
+    w2d = jnp.transpose(w, self.contract + self.free).reshape(self.k, self.n)
+    if self.k_padded != self.k:
+      w2d = jnp.pad(w2d, ((0, self.k_padded - self.k), (0, 0)))
+    return w2d
+
+  def from_matrix(self, w2d: jax.Array) -> jax.Array:
+    """(K_padded, N) -> (shape): the inverse of `to_matrix`."""
+    order = self.contract + self.free
+    moved = w2d[: self.k].reshape(tuple(self.shape[a] for a in order))
+    return jnp.transpose(moved, [order.index(a) for a in range(len(self.shape))])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductLayout:
+  """One product `x (*) w` as `(M, K) @ (K, N)`.
+
+  Attributes:
+    weight: the weight's layout.
+    lhs_contract: the activation axes matching `weight.contract`, pairwise.
+    lhs_free: the other activation axes, in order (they become M).
+    out_perm: the permutation taking `(*lhs_free, *weight.free)` to the
+      op's output order (identity for dot_general).
+  """
+
+  weight: WeightLayout
+  lhs_contract: tuple[int, ...]
+  lhs_free: tuple[int, ...]
+  out_perm: tuple[int, ...]
+
+  def check_lhs(self, lhs_shape: tuple[int, ...]) -> None:
+    """Raise when the activation's contraction sizes do not match the weight's."""
+    got = tuple(lhs_shape[a] for a in self.lhs_contract)
+    want = tuple(self.weight.shape[a] for a in self.weight.contract)
+    if got != want:
+      raise ValueError(
+          f'activation of shape {tuple(lhs_shape)} contracts axes {self.lhs_contract} of'
+          f' sizes {got} against a weight {self.weight.shape} expecting {want}'
+      )
+
+  def lhs_matrix(self, x: jax.Array) -> jax.Array:
+    """x -> (M, K_padded): transpose, flatten, zero-pad K."""
+    m = math.prod(x.shape[a] for a in self.lhs_free)
+    x2d = jnp.transpose(x, self.lhs_free + self.lhs_contract).reshape(m, self.weight.k)
+    if self.weight.k_padded != self.weight.k:
+      x2d = jnp.pad(x2d, ((0, 0), (0, self.weight.k_padded - self.weight.k)))
+    return x2d
+
+  def output(self, y2d: jax.Array, lhs_shape: tuple[int, ...]) -> jax.Array:
+    """(M, N) -> the op's output shape."""
+    shape = tuple(lhs_shape[a] for a in self.lhs_free) + tuple(
+        self.weight.shape[a] for a in self.weight.free
+    )
+    y = y2d.reshape(shape)
+    if self.out_perm != tuple(range(len(shape))):
+      y = jnp.transpose(y, self.out_perm)
+    return y
+
+
+class UnsupportedProduct(ValueError):
+  """The op's shape of product has no Q8_0 weight-only form (it stays float)."""
+
+
+def from_dot_general(
+    lhs_ndim: int,
+    rhs_shape: tuple[int, ...],
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+) -> ProductLayout:
+  """The layout of `lax.dot_general(x, w, dimension_numbers)` with w the weight."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  if lb or rb:
+    raise UnsupportedProduct(f'the weight has batch dimensions {tuple(rb)}')
+  pairs = sorted(zip((int(a) % len(rhs_shape) for a in rc), (int(a) % lhs_ndim for a in lc)))
+  contract = tuple(r for r, _ in pairs)
+  lhs_contract = tuple(l for _, l in pairs)
+  if not contract:
+    raise UnsupportedProduct('the product contracts no axis')
+  free = tuple(a for a in range(len(rhs_shape)) if a not in contract)
+  lhs_free = tuple(a for a in range(lhs_ndim) if a not in lhs_contract)
+  weight = WeightLayout(tuple(int(s) for s in rhs_shape), contract, free)
+  return ProductLayout(weight, lhs_contract, lhs_free, tuple(range(len(lhs_free) + len(free))))
+
+
+def _ellipsis_letters(lhs: str, lhs_ndim: int, used: set[str]) -> str:
+  """Fresh index letters for the axes an ellipsis in `lhs` stands for."""
+  if '...' not in lhs:
+    return ''
+  spare = [c for c in string.ascii_letters if c not in used]
+  return ''.join(spare[: lhs_ndim - (len(lhs) - 3)])
+
+
+def from_einsum(einsum_str: str, lhs_ndim: int, rhs_shape: tuple[int, ...]) -> ProductLayout:
+  """The layout of `jnp.einsum(einsum_str, x, w)` with w the weight (second operand)."""
+  spec = einsum_str.replace(' ', '')
+  if '->' not in spec:
+    raise UnsupportedProduct(f'einsum {einsum_str!r} has no explicit output')
+  inputs, out = spec.split('->')
+  operands = inputs.split(',')
+  if len(operands) != 2:
+    raise UnsupportedProduct(f'einsum {einsum_str!r} does not have two operands')
+  lhs, rhs = operands
+  used = set(spec) - {'.', ',', '-', '>'}
+  if '...' in rhs:
+    raise UnsupportedProduct(f'einsum {einsum_str!r}: an ellipsis in the weight')
+  ellipsis = _ellipsis_letters(lhs, lhs_ndim, used)
+  lhs, out = lhs.replace('...', ellipsis), out.replace('...', ellipsis)
+  if len(lhs) != lhs_ndim or len(rhs) != len(rhs_shape):
+    raise UnsupportedProduct(f'einsum {einsum_str!r} does not match the operand ranks')
+  if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
+    raise UnsupportedProduct(f'einsum {einsum_str!r} repeats an index in one operand')
+  batch = [c for c in rhs if c in lhs and c in out]
+  if batch:
+    raise UnsupportedProduct(f'einsum {einsum_str!r}: the weight has batch index {batch}')
+  summed_rhs = [c for c in rhs if c not in lhs and c not in out]
+  summed_lhs = [c for c in lhs if c not in rhs and c not in out]
+  if summed_rhs or summed_lhs:
+    raise UnsupportedProduct(f'einsum {einsum_str!r} sums an index of one operand alone')
+  contract = [c for c in rhs if c in lhs]
+  layout = from_dot_general(
+      lhs_ndim,
+      rhs_shape,
+      (([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]), ((), ())),
+  )
+  dg_out = [lhs[a] for a in layout.lhs_free] + [rhs[a] for a in layout.weight.free]
+  if sorted(dg_out) != sorted(out):
+    raise UnsupportedProduct(f'einsum {einsum_str!r}: output indices do not match')
+  return dataclasses.replace(layout, out_perm=tuple(dg_out.index(c) for c in out))

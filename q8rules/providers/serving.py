@@ -1,0 +1,324 @@
+"""`Q8Provider`: serve matched Dense/Einsum weights as Q8_0 through Qwix's interception.
+
+Built on `qwix.PtqProvider`, which already intercepts `jax.lax.dot_general`,
+`jax.numpy.einsum`, `jax.numpy.dot`, `flax.linen.Module.param` and Flax's
+`promote_dtype`, and replaces a weight param by a `WithAux(array, how)` when a
+quantized model is initialised. This provider keeps that machinery and changes
+what a matched product does:
+
+  * the weight becomes a 2-D `Q8Array` (K, N) blocked along its contraction
+    axes (`q8rules.layout`), with `WithAux.how` a `Q8How` saying how;
+  * the product runs through `q8rules.q8_matmul` (the Pallas fold or the
+    chunked XLA path), never through a float copy of the weight;
+  * every intercepted op is recorded for `report()`.
+
+K not a multiple of 32 is zero-padded (exact: zero rows quantize to zero
+blocks and meet zero activations); the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from qwix._src.providers import ptq
+from qwix._src.utils import flax_util
+
+from q8rules import kernels
+from q8rules.layout import (
+    ProductLayout,
+    UnsupportedProduct,
+    WeightLayout,
+    from_dot_general,
+    from_einsum,
+)
+from q8rules.q8_0 import Q8Array, quantize
+from q8rules.report import OpRecord, Report
+from q8rules.rules import Q8Rule, describe, validate_rule
+
+WithAux = ptq.WithAux
+
+
+@dataclasses.dataclass(frozen=True)
+class Q8How:
+  """How a weight is stored as Q8_0; kept beside it in the param tree (`WithAux.how`).
+
+  Attributes:
+    layout: where the float weight's axes go in the (K, N) matrix.
+    scale_dtype: 'float32' or 'float16'.
+    dtype: the float weight's dtype name (what dequantising gives back).
+  """
+
+  layout: WeightLayout
+  scale_dtype: str
+  dtype: str
+
+
+def quantize_weight(w: jax.Array, how: Q8How, *, name: str = 'weight') -> Q8Array:
+  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0."""
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise TypeError(f'{name}: cannot quantize a weight of dtype {w.dtype} to Q8_0 (not float)')
+  if tuple(w.shape) != how.layout.shape:
+    raise ValueError(
+        f'{name}: weight of shape {tuple(w.shape)} does not match its Q8 params, which'
+        f' were made for shape {how.layout.shape}'
+    )
+  return dataclasses.replace(
+      quantize(how.layout.to_matrix(w), axis=0, scale_dtype=how.scale_dtype, name=name),
+      dtype=np.dtype(how.dtype),
+  )
+
+
+class _Q8Quantizer:
+  """Stands in for qwix's qarray module in `ptq.create_quantized_param`."""
+
+  @staticmethod
+  def quantize(value: jax.Array, how: Q8How) -> Q8Array:
+    return quantize_weight(value, how, name=_current_op_name())
+
+
+def _current_module_path() -> str:
+  return '/'.join(map(str, flax_util.get_current_module_path()))
+
+
+def _current_op_name() -> str:
+  return _current_module_path() or '(top module)'
+
+
+class Q8Provider(ptq.PtqProvider):
+  """Serve weights of ops matched by `Q8Rule`s as Q8_0.
+
+  Use as `qwix.quantize_model(model, Q8Provider(rules))` for linen (then
+  `init`/`apply` as usual: `init` creates Q8 params directly), and
+  `qwix.quantize_model(model, Q8Provider(rules), *inputs)` for nnx.
+  After the first run, `report()` lists every intercepted op.
+  """
+
+  def __init__(self, rules: Sequence[Q8Rule], *, disable_jit: bool = False):
+    rules = [validate_rule(r, provider=type(self).__name__) for r in rules]
+    super().__init__(rules, disable_jit=disable_jit)
+    self._records: dict[tuple[str, str], OpRecord] = {}
+    self._warned_unused = False
+
+  # ---- the intercepted ops -------------------------------------------------
+
+  def dot_general(
+      self,
+      lhs: jax.Array,
+      rhs: jax.Array | WithAux,
+      dimension_numbers: jax.lax.DotDimensionNumbers,
+      precision: jax.lax.PrecisionLike = None,
+      preferred_element_type: jax.typing.DTypeLike | None = None,
+      *,
+      out_sharding: Any = None,
+  ) -> jax.Array:
+    rule, op_id = self._get_current_rule_and_op_id('dot_general')
+
+    def as_float() -> jax.Array:
+      return jax.lax.dot_general(
+          lhs,
+          rhs,
+          dimension_numbers,
+          precision=precision,
+          preferred_element_type=preferred_element_type,
+          out_sharding=out_sharding,
+      )
+
+    return self._product(
+        rule,
+        op_id,
+        lhs,
+        rhs,
+        lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers),
+        as_float,
+        preferred_element_type,
+    )
+
+  def einsum(
+      self,
+      einsum_str: str,
+      *operands: jax.Array,
+      precision: jax.lax.PrecisionLike = None,
+      preferred_element_type: jax.typing.DTypeLike | None = None,
+      _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
+      out_sharding: Any = None,
+  ) -> jax.Array:
+    rule, op_id = self._get_current_rule_and_op_id('einsum')
+
+    def as_float() -> jax.Array:
+      return jnp.einsum(
+          einsum_str,
+          *operands,
+          precision=precision,
+          preferred_element_type=preferred_element_type,
+          _dot_general=_dot_general,
+          out_sharding=out_sharding,
+      )
+
+    if len(operands) != 2:
+      self._record(rule, op_id, 'float', note=f'{len(operands)}-operand einsum')
+      return as_float()
+    lhs, rhs = operands
+    return self._product(
+        rule,
+        op_id,
+        lhs,
+        rhs,
+        lambda shape: from_einsum(einsum_str, lhs.ndim, shape),
+        as_float,
+        preferred_element_type,
+    )
+
+  def asarray(self, a, dtype=None, order=None, **kwargs):
+    """Intercepts jnp.asarray so a Q8 weight passes through unchanged."""
+    unboxed = flax_util.unbox(a)
+    if isinstance(unboxed, WithAux) and isinstance(unboxed.how, Q8How):
+      return unboxed
+    if isinstance(unboxed, Q8Array):
+      return unboxed
+    return super().asarray(a, dtype=dtype, order=order, **kwargs)
+
+  def process_model_output(self, method_name: str, model_output: Any) -> Any:
+    out = super().process_model_output(method_name, model_output)
+    if not self._warned_unused:
+      self._warned_unused = True
+      for rule in self.get_unused_rules():
+        warnings.warn(f'Q8 rule matched nothing: {describe(rule)}', stacklevel=2)
+    return out
+
+  # ---- the product ---------------------------------------------------------
+
+  def _product(
+      self,
+      rule: Q8Rule | None,
+      op_id: str,
+      lhs: jax.Array,
+      rhs: Any,
+      make_layout: Callable[[tuple[int, ...]], ProductLayout],
+      as_float: Callable[[], jax.Array],
+      preferred_element_type: Any,
+  ) -> jax.Array:
+    where = f'{_current_op_name()}/{op_id}'
+    if isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How):  # a Q8 weight
+      how, weight = rhs.how, rhs.array
+      try:
+        layout = make_layout(how.layout.shape)
+      except UnsupportedProduct as e:
+        raise ValueError(f'{where}: Q8 weight used by a product it cannot serve: {e}') from e
+      if layout.weight != how.layout:
+        raise ValueError(
+            f'{where}: the Q8 weight was laid out as {how.layout} but this product needs'
+            f' {layout.weight}'
+        )
+    elif rule is not None and (name := flax_util.find_param(rhs)):  # a float weight
+      try:
+        layout = make_layout(tuple(rhs.shape))
+      except UnsupportedProduct as e:
+        warnings.warn(f'{where}: left float: {e}', stacklevel=3)
+        self._record(rule, op_id, 'float', note=f'left float: {e}')
+        return as_float()
+      if not jnp.issubdtype(rhs.dtype, jnp.floating):
+        raise TypeError(
+            f'{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights'
+        )
+      how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
+      weight = ptq.create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
+    else:
+      note = 'no rule matched' if rule is None else 'operand is not a weight'
+      self._record(rule, op_id, 'float', note=note)
+      return as_float()
+
+    try:
+      layout.check_lhs(tuple(lhs.shape))
+    except ValueError as e:
+      raise ValueError(f'{where}: {e}') from e
+    x2d = layout.lhs_matrix(lhs)
+    k_pad, n = layout.weight.k_padded, layout.weight.n
+    if tuple(weight.q.shape) != (k_pad, n):
+      raise ValueError(
+          f'{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight'
+          f' layout ({k_pad}, {n})'
+      )
+    implementation = rule.implementation if rule is not None else None
+    path = implementation or kernels.pick_implementation(x2d.shape[0], k_pad, n)
+    try:
+      y2d = kernels.q8_matmul(
+          x2d,
+          weight,
+          implementation=path,
+          interpret=rule.interpret if rule is not None else None,
+      )
+    except (TypeError, ValueError, NotImplementedError) as e:
+      raise type(e)(f'{where}: {e}') from e
+    out_dtype = preferred_element_type or lhs.dtype
+    k = layout.weight.k
+    self._record(
+        rule,
+        op_id,
+        path,
+        weight_shape=layout.weight.shape,
+        m=int(x2d.shape[0]),
+        k=k,
+        n=n,
+        float_bytes=k * n * np.dtype(how.dtype).itemsize,
+        q8_bytes=weight.nbytes,
+        note=f'K padded {k} -> {k_pad}' if k_pad != k else '',
+    )
+    return layout.output(y2d, tuple(lhs.shape)).astype(out_dtype)
+
+  # ---- the report ------------------------------------------------------------
+
+  def _record(self, rule: Q8Rule | None, op_id: str, path: str, **fields: Any) -> None:
+    module = _current_module_path()
+    index = None if rule is None else self._rules.index(rule)
+    self._records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
+
+  def report(self) -> Report:
+    """Every op intercepted so far (the latest trace of each) and the rules that matched nothing."""
+    unused = list(self.get_unused_rules()) if self._initial_run_complete else []
+    return Report(ops=list(self._records.values()), unused_rules=unused)
+
+
+def quantize_params(
+    params: Any,
+    abstract_quantized_params: Any,
+    *,
+    allow_extra_params: bool = False,
+) -> Any:
+  """Float checkpoint params in, Q8 params out, without running the model.
+
+  Like `qwix.quantize_params`.
+
+  Args:
+    params: the float param tree (linen: unboxed `variables['params']`; nnx:
+      `nnx.to_pure_dict(nnx.state(model, nnx.Param))`).
+    abstract_quantized_params: the param tree of the Q8 model (linen: from
+      `init`, possibly under `jax.eval_shape`), or the Q8 nnx model itself.
+    allow_extra_params: skip float params the Q8 model does not have.
+
+  Returns:
+    The param tree with every weight the Q8 model serves as Q8_0 replaced by
+    `WithAux(Q8Array, Q8How)`, other leaves as given.
+  """
+  quantized = {}
+  for path, param in flax.traverse_util.flatten_dict(params).items():
+    abs_param = flax_util.get_value_from_path(abstract_quantized_params, path)
+    if abs_param is None:
+      if allow_extra_params:
+        continue
+      raise ValueError(f'{"/".join(map(str, path))} is not in the quantized model\'s params')
+    abs_param = flax_util.unbox(abs_param)
+    if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
+      name = '/'.join(map(str, path))
+      param = abs_param.replace(array=quantize_weight(jnp.asarray(param), abs_param.how, name=name))
+    quantized[path] = param
+  if isinstance(abstract_quantized_params, nnx.Module):
+    quantized = nnx.to_pure_dict(nnx.state(quantized))
+  return flax.traverse_util.unflatten_dict(quantized)
