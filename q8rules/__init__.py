@@ -7,15 +7,15 @@ from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
 
 __all__ = [
-    'BLOCK',
-    'OpRecord',
-    'Q8Array',
-    'Q8How',
-    'Q8Provider',
-    'Q8Rule',
-    'Report',
-    'dequantize',
-    'q8_matmul',
-    'quantize',
-    'quantize_params',
+  "BLOCK",
+  "OpRecord",
+  "Q8Array",
+  "Q8How",
+  "Q8Provider",
+  "Q8Rule",
+  "Report",
+  "dequantize",
+  "q8_matmul",
+  "quantize",
+  "quantize_params",
 ]

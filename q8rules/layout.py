@@ -88,8 +88,8 @@ class ProductLayout:
     want = tuple(self.weight.shape[a] for a in self.weight.contract)
     if got != want:
       raise ValueError(
-          f'activation of shape {tuple(lhs_shape)} contracts axes {self.lhs_contract} of'
-          f' sizes {got} against a weight {self.weight.shape} expecting {want}'
+        f"activation of shape {tuple(lhs_shape)} contracts axes {self.lhs_contract} of"
+        f" sizes {got} against a weight {self.weight.shape} expecting {want}"
       )
 
   def lhs_matrix(self, x: jax.Array) -> jax.Array:
@@ -103,7 +103,7 @@ class ProductLayout:
   def output(self, y2d: jax.Array, lhs_shape: tuple[int, ...]) -> jax.Array:
     """(M, N) -> the op's output shape."""
     shape = tuple(lhs_shape[a] for a in self.lhs_free) + tuple(
-        self.weight.shape[a] for a in self.weight.free
+      self.weight.shape[a] for a in self.weight.free
     )
     y = y2d.reshape(shape)
     if self.out_perm != tuple(range(len(shape))):
@@ -116,19 +116,21 @@ class UnsupportedProduct(ValueError):
 
 
 def from_dot_general(
-    lhs_ndim: int,
-    rhs_shape: tuple[int, ...],
-    dimension_numbers: jax.lax.DotDimensionNumbers,
+  lhs_ndim: int,
+  rhs_shape: tuple[int, ...],
+  dimension_numbers: jax.lax.DotDimensionNumbers,
 ) -> ProductLayout:
   """The layout of `lax.dot_general(x, w, dimension_numbers)` with w the weight."""
   (lc, rc), (lb, rb) = dimension_numbers
   if lb or rb:
-    raise UnsupportedProduct(f'the weight has batch dimensions {tuple(rb)}')
-  pairs = sorted(zip((int(a) % len(rhs_shape) for a in rc), (int(a) % lhs_ndim for a in lc)))
+    raise UnsupportedProduct(f"the weight has batch dimensions {tuple(rb)}")
+  pairs = sorted(
+    zip((int(a) % len(rhs_shape) for a in rc), (int(a) % lhs_ndim for a in lc), strict=True)
+  )
   contract = tuple(r for r, _ in pairs)
-  lhs_contract = tuple(l for _, l in pairs)
+  lhs_contract = tuple(a for _, a in pairs)
   if not contract:
-    raise UnsupportedProduct('the product contracts no axis')
+    raise UnsupportedProduct("the product contracts no axis")
   free = tuple(a for a in range(len(rhs_shape)) if a not in contract)
   lhs_free = tuple(a for a in range(lhs_ndim) if a not in lhs_contract)
   weight = WeightLayout(tuple(int(s) for s in rhs_shape), contract, free)
@@ -137,45 +139,45 @@ def from_dot_general(
 
 def _ellipsis_letters(lhs: str, lhs_ndim: int, used: set[str]) -> str:
   """Fresh index letters for the axes an ellipsis in `lhs` stands for."""
-  if '...' not in lhs:
-    return ''
+  if "..." not in lhs:
+    return ""
   spare = [c for c in string.ascii_letters if c not in used]
-  return ''.join(spare[: lhs_ndim - (len(lhs) - 3)])
+  return "".join(spare[: lhs_ndim - (len(lhs) - 3)])
 
 
 def from_einsum(einsum_str: str, lhs_ndim: int, rhs_shape: tuple[int, ...]) -> ProductLayout:
   """The layout of `jnp.einsum(einsum_str, x, w)` with w the weight (second operand)."""
-  spec = einsum_str.replace(' ', '')
-  if '->' not in spec:
-    raise UnsupportedProduct(f'einsum {einsum_str!r} has no explicit output')
-  inputs, out = spec.split('->')
-  operands = inputs.split(',')
+  spec = einsum_str.replace(" ", "")
+  if "->" not in spec:
+    raise UnsupportedProduct(f"einsum {einsum_str!r} has no explicit output")
+  inputs, out = spec.split("->")
+  operands = inputs.split(",")
   if len(operands) != 2:
-    raise UnsupportedProduct(f'einsum {einsum_str!r} does not have two operands')
+    raise UnsupportedProduct(f"einsum {einsum_str!r} does not have two operands")
   lhs, rhs = operands
-  used = set(spec) - {'.', ',', '-', '>'}
-  if '...' in rhs:
-    raise UnsupportedProduct(f'einsum {einsum_str!r}: an ellipsis in the weight')
+  used = set(spec) - {".", ",", "-", ">"}
+  if "..." in rhs:
+    raise UnsupportedProduct(f"einsum {einsum_str!r}: an ellipsis in the weight")
   ellipsis = _ellipsis_letters(lhs, lhs_ndim, used)
-  lhs, out = lhs.replace('...', ellipsis), out.replace('...', ellipsis)
+  lhs, out = lhs.replace("...", ellipsis), out.replace("...", ellipsis)
   if len(lhs) != lhs_ndim or len(rhs) != len(rhs_shape):
-    raise UnsupportedProduct(f'einsum {einsum_str!r} does not match the operand ranks')
+    raise UnsupportedProduct(f"einsum {einsum_str!r} does not match the operand ranks")
   if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
-    raise UnsupportedProduct(f'einsum {einsum_str!r} repeats an index in one operand')
+    raise UnsupportedProduct(f"einsum {einsum_str!r} repeats an index in one operand")
   batch = [c for c in rhs if c in lhs and c in out]
   if batch:
-    raise UnsupportedProduct(f'einsum {einsum_str!r}: the weight has batch index {batch}')
+    raise UnsupportedProduct(f"einsum {einsum_str!r}: the weight has batch index {batch}")
   summed_rhs = [c for c in rhs if c not in lhs and c not in out]
   summed_lhs = [c for c in lhs if c not in rhs and c not in out]
   if summed_rhs or summed_lhs:
-    raise UnsupportedProduct(f'einsum {einsum_str!r} sums an index of one operand alone')
+    raise UnsupportedProduct(f"einsum {einsum_str!r} sums an index of one operand alone")
   contract = [c for c in rhs if c in lhs]
   layout = from_dot_general(
-      lhs_ndim,
-      rhs_shape,
-      (([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]), ((), ())),
+    lhs_ndim,
+    rhs_shape,
+    (([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]), ((), ())),
   )
   dg_out = [lhs[a] for a in layout.lhs_free] + [rhs[a] for a in layout.weight.free]
   if sorted(dg_out) != sorted(out):
-    raise UnsupportedProduct(f'einsum {einsum_str!r}: output indices do not match')
+    raise UnsupportedProduct(f"einsum {einsum_str!r}: output indices do not match")
   return dataclasses.replace(layout, out_perm=tuple(dg_out.index(c) for c in out))

@@ -72,8 +72,8 @@ class Q8Array:
     )
 
   def __repr__(self) -> str:
-    if not hasattr(self.q, 'shape') or not hasattr(self.scale, 'dtype'):  # leaves of a tree.map
-      return f'Q8Array(q={self.q!r}, scale={self.scale!r}, axis={self.axis})'
+    if not hasattr(self.q, "shape") or not hasattr(self.scale, "dtype"):  # leaves of a tree.map
+      return f"Q8Array(q={self.q!r}, scale={self.scale!r}, axis={self.axis})"
     return (
       f"Q8Array(shape={self.shape}, axis={self.axis},"
       f" scale_dtype={np.dtype(self.scale.dtype).name},"

@@ -33,7 +33,7 @@ class OpRecord:
   n: int = 0
   float_bytes: int = 0
   q8_bytes: int = 0
-  note: str = ''
+  note: str = ""
 
 
 @dataclasses.dataclass
@@ -53,31 +53,34 @@ class Report:
 
   def paths(self) -> dict[str, str]:
     """'module/op' -> path taken."""
-    return {f'{r.module}/{r.op}': r.path for r in self.ops}
+    return {f"{r.module}/{r.op}": r.path for r in self.ops}
 
   def __str__(self) -> str:
-    head = ('module', 'op', 'rule', 'path', 'weight', 'M x K x N', 'float B', 'Q8 B', 'note')
+    head = ("module", "op", "rule", "path", "weight", "M x K x N", "float B", "Q8 B", "note")
     rows = [
-        (
-            r.module or '(top)',
-            r.op,
-            '-' if r.rule is None else str(r.rule),
-            r.path,
-            'x'.join(map(str, r.weight_shape)) if r.weight_shape else '-',
-            f'{r.m}x{r.k}x{r.n}' if r.k else '-',
-            f'{r.float_bytes:,}' if r.float_bytes else '-',
-            f'{r.q8_bytes:,}' if r.q8_bytes else '-',
-            r.note,
-        )
-        for r in self.ops
+      (
+        r.module or "(top)",
+        r.op,
+        "-" if r.rule is None else str(r.rule),
+        r.path,
+        "x".join(map(str, r.weight_shape)) if r.weight_shape else "-",
+        f"{r.m}x{r.k}x{r.n}" if r.k else "-",
+        f"{r.float_bytes:,}" if r.float_bytes else "-",
+        f"{r.q8_bytes:,}" if r.q8_bytes else "-",
+        r.note,
+      )
+      for r in self.ops
     ]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
-    lines = ['  '.join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=True)]
+    lines = [
+      "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+      for row in (head, *rows)
+    ]
     if self.q8_bytes:
       lines.append(
-          f'quantized weights: {self.float_bytes:,} B as float -> {self.q8_bytes:,} B as Q8_0'
-          f' ({self.q8_bytes / self.float_bytes:.3f}x)'
+        f"quantized weights: {self.float_bytes:,} B as float -> {self.q8_bytes:,} B as Q8_0"
+        f" ({self.q8_bytes / self.float_bytes:.3f}x)"
       )
     for rule in self.unused_rules:
-      lines.append(f'rule matched nothing: {describe(rule)}')
-    return '\n'.join(lines)
+      lines.append(f"rule matched nothing: {describe(rule)}")
+    return "\n".join(lines)

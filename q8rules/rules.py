@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 
-Q8_0 = 'q8_0'
+Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
 
-IMPLEMENTATIONS = (None, 'xla', 'pallas')
+IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,37 +38,35 @@ def describe(rule: qwix.QuantizationRule) -> str:
   """The rule with only its non-default fields, e.g. `Q8Rule(module_path='mlp/.*')`."""
   default = type(rule)()
   fields = [
-      f'{f.name}={getattr(rule, f.name)!r}'
-      for f in dataclasses.fields(rule)
-      if getattr(rule, f.name) != getattr(default, f.name)
-      and f.name not in ('act_static_scale', 'act_calibration_method')
+    f"{f.name}={getattr(rule, f.name)!r}"
+    for f in dataclasses.fields(rule)
+    if getattr(rule, f.name) != getattr(default, f.name)
+    and f.name not in ("act_static_scale", "act_calibration_method")
   ]
-  return f'{type(rule).__name__}({", ".join(fields)})'
+  return f"{type(rule).__name__}({', '.join(fields)})"
 
 
 def validate_rule(rule: qwix.QuantizationRule, *, provider: str) -> Q8Rule:
   """Raise a clear error on a rule the Q8_0 providers cannot honour."""
   if not isinstance(rule, Q8Rule):
-    raise TypeError(
-        f'{provider} takes q8rules.Q8Rule, got {type(rule).__name__}: {rule}'
-    )
+    raise TypeError(f"{provider} takes q8rules.Q8Rule, got {type(rule).__name__}: {rule}")
   problems = []
   if rule.weight_qtype != Q8_0:
-    problems.append(f'weight_qtype={rule.weight_qtype!r} (Q8_0 only)')
+    problems.append(f"weight_qtype={rule.weight_qtype!r} (Q8_0 only)")
   if rule.act_qtype is not None:
-    problems.append(f'act_qtype={rule.act_qtype!r} (weight-only: activations stay float)')
+    problems.append(f"act_qtype={rule.act_qtype!r} (weight-only: activations stay float)")
   if rule.act_static_scale:
-    problems.append('act_static_scale (weight-only)')
+    problems.append("act_static_scale (weight-only)")
   if rule.tile_size is not None:
-    problems.append(f'tile_size={rule.tile_size!r} (Q8_0 blocks are always 32 rows)')
-  if rule.weight_calibration_method != 'absmax':
+    problems.append(f"tile_size={rule.tile_size!r} (Q8_0 blocks are always 32 rows)")
+  if rule.weight_calibration_method != "absmax":
     problems.append(
-        f'weight_calibration_method={rule.weight_calibration_method!r} (Q8_0 is absmax)'
+      f"weight_calibration_method={rule.weight_calibration_method!r} (Q8_0 is absmax)"
     )
   if np.dtype(rule.scale_dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
-    problems.append(f'scale_dtype={rule.scale_dtype!r} (float32 or float16)')
+    problems.append(f"scale_dtype={rule.scale_dtype!r} (float32 or float16)")
   if rule.implementation not in IMPLEMENTATIONS:
-    problems.append(f'implementation={rule.implementation!r} (one of {IMPLEMENTATIONS})')
+    problems.append(f"implementation={rule.implementation!r} (one of {IMPLEMENTATIONS})")
   if problems:
-    raise ValueError(f'{provider} cannot honour rule {rule}: ' + '; '.join(problems))
+    raise ValueError(f"{provider} cannot honour rule {rule}: " + "; ".join(problems))
   return rule

@@ -2,4 +2,4 @@
 
 from q8rules.providers.serving import Q8How, Q8Provider, quantize_params
 
-__all__ = ['Q8How', 'Q8Provider', 'quantize_params']
+__all__ = ["Q8How", "Q8Provider", "quantize_params"]

@@ -33,11 +33,11 @@ from qwix._src.utils import flax_util
 
 from q8rules import kernels
 from q8rules.layout import (
-    ProductLayout,
-    UnsupportedProduct,
-    WeightLayout,
-    from_dot_general,
-    from_einsum,
+  ProductLayout,
+  UnsupportedProduct,
+  WeightLayout,
+  from_dot_general,
+  from_einsum,
 )
 from q8rules.q8_0 import Q8Array, quantize
 from q8rules.report import OpRecord, Report
@@ -61,18 +61,18 @@ class Q8How:
   dtype: str
 
 
-def quantize_weight(w: jax.Array, how: Q8How, *, name: str = 'weight') -> Q8Array:
+def quantize_weight(w: jax.Array, how: Q8How, *, name: str = "weight") -> Q8Array:
   """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
-    raise TypeError(f'{name}: cannot quantize a weight of dtype {w.dtype} to Q8_0 (not float)')
+    raise TypeError(f"{name}: cannot quantize a weight of dtype {w.dtype} to Q8_0 (not float)")
   if tuple(w.shape) != how.layout.shape:
     raise ValueError(
-        f'{name}: weight of shape {tuple(w.shape)} does not match its Q8 params, which'
-        f' were made for shape {how.layout.shape}'
+      f"{name}: weight of shape {tuple(w.shape)} does not match its Q8 params, which"
+      f" were made for shape {how.layout.shape}"
     )
   return dataclasses.replace(
-      quantize(how.layout.to_matrix(w), axis=0, scale_dtype=how.scale_dtype, name=name),
-      dtype=np.dtype(how.dtype),
+    quantize(how.layout.to_matrix(w), axis=0, scale_dtype=how.scale_dtype, name=name),
+    dtype=np.dtype(how.dtype),
   )
 
 
@@ -85,11 +85,11 @@ class _Q8Quantizer:
 
 
 def _current_module_path() -> str:
-  return '/'.join(map(str, flax_util.get_current_module_path()))
+  return "/".join(map(str, flax_util.get_current_module_path()))
 
 
 def _current_op_name() -> str:
-  return _current_module_path() or '(top module)'
+  return _current_module_path() or "(top module)"
 
 
 class Q8Provider(ptq.PtqProvider):
@@ -110,70 +110,70 @@ class Q8Provider(ptq.PtqProvider):
   # ---- the intercepted ops -------------------------------------------------
 
   def dot_general(
-      self,
-      lhs: jax.Array,
-      rhs: jax.Array | WithAux,
-      dimension_numbers: jax.lax.DotDimensionNumbers,
-      precision: jax.lax.PrecisionLike = None,
-      preferred_element_type: jax.typing.DTypeLike | None = None,
-      *,
-      out_sharding: Any = None,
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array | WithAux,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    *,
+    out_sharding: Any = None,
   ) -> jax.Array:
-    rule, op_id = self._get_current_rule_and_op_id('dot_general')
+    rule, op_id = self._get_current_rule_and_op_id("dot_general")
 
     def as_float() -> jax.Array:
       return jax.lax.dot_general(
-          lhs,
-          rhs,
-          dimension_numbers,
-          precision=precision,
-          preferred_element_type=preferred_element_type,
-          out_sharding=out_sharding,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
       )
 
     return self._product(
-        rule,
-        op_id,
-        lhs,
-        rhs,
-        lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers),
-        as_float,
-        preferred_element_type,
+      rule,
+      op_id,
+      lhs,
+      rhs,
+      lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers),
+      as_float,
+      preferred_element_type,
     )
 
   def einsum(
-      self,
-      einsum_str: str,
-      *operands: jax.Array,
-      precision: jax.lax.PrecisionLike = None,
-      preferred_element_type: jax.typing.DTypeLike | None = None,
-      _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
-      out_sharding: Any = None,
+    self,
+    einsum_str: str,
+    *operands: jax.Array,
+    precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
+    out_sharding: Any = None,
   ) -> jax.Array:
-    rule, op_id = self._get_current_rule_and_op_id('einsum')
+    rule, op_id = self._get_current_rule_and_op_id("einsum")
 
     def as_float() -> jax.Array:
       return jnp.einsum(
-          einsum_str,
-          *operands,
-          precision=precision,
-          preferred_element_type=preferred_element_type,
-          _dot_general=_dot_general,
-          out_sharding=out_sharding,
+        einsum_str,
+        *operands,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        _dot_general=_dot_general,
+        out_sharding=out_sharding,
       )
 
     if len(operands) != 2:
-      self._record(rule, op_id, 'float', note=f'{len(operands)}-operand einsum')
+      self._record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
       return as_float()
     lhs, rhs = operands
     return self._product(
-        rule,
-        op_id,
-        lhs,
-        rhs,
-        lambda shape: from_einsum(einsum_str, lhs.ndim, shape),
-        as_float,
-        preferred_element_type,
+      rule,
+      op_id,
+      lhs,
+      rhs,
+      lambda shape: from_einsum(einsum_str, lhs.ndim, shape),
+      as_float,
+      preferred_element_type,
     )
 
   def asarray(self, a, dtype=None, order=None, **kwargs):
@@ -190,86 +190,86 @@ class Q8Provider(ptq.PtqProvider):
     if not self._warned_unused:
       self._warned_unused = True
       for rule in self.get_unused_rules():
-        warnings.warn(f'Q8 rule matched nothing: {describe(rule)}', stacklevel=2)
+        warnings.warn(f"Q8 rule matched nothing: {describe(rule)}", stacklevel=2)
     return out
 
   # ---- the product ---------------------------------------------------------
 
   def _product(
-      self,
-      rule: Q8Rule | None,
-      op_id: str,
-      lhs: jax.Array,
-      rhs: Any,
-      make_layout: Callable[[tuple[int, ...]], ProductLayout],
-      as_float: Callable[[], jax.Array],
-      preferred_element_type: Any,
+    self,
+    rule: Q8Rule | None,
+    op_id: str,
+    lhs: jax.Array,
+    rhs: Any,
+    make_layout: Callable[[tuple[int, ...]], ProductLayout],
+    as_float: Callable[[], jax.Array],
+    preferred_element_type: Any,
   ) -> jax.Array:
-    where = f'{_current_op_name()}/{op_id}'
+    where = f"{_current_op_name()}/{op_id}"
     if isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How):  # a Q8 weight
       how, weight = rhs.how, rhs.array
       try:
         layout = make_layout(how.layout.shape)
       except UnsupportedProduct as e:
-        raise ValueError(f'{where}: Q8 weight used by a product it cannot serve: {e}') from e
+        raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
       if layout.weight != how.layout:
         raise ValueError(
-            f'{where}: the Q8 weight was laid out as {how.layout} but this product needs'
-            f' {layout.weight}'
+          f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
+          f" {layout.weight}"
         )
     elif rule is not None and (name := flax_util.find_param(rhs)):  # a float weight
       try:
         layout = make_layout(tuple(rhs.shape))
       except UnsupportedProduct as e:
-        warnings.warn(f'{where}: left float: {e}', stacklevel=3)
-        self._record(rule, op_id, 'float', note=f'left float: {e}')
+        warnings.warn(f"{where}: left float: {e}", stacklevel=3)
+        self._record(rule, op_id, "float", note=f"left float: {e}")
         return as_float()
       if not jnp.issubdtype(rhs.dtype, jnp.floating):
         raise TypeError(
-            f'{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights'
+          f"{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights"
         )
       how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
       weight = ptq.create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
     else:
-      note = 'no rule matched' if rule is None else 'operand is not a weight'
-      self._record(rule, op_id, 'float', note=note)
+      note = "no rule matched" if rule is None else "operand is not a weight"
+      self._record(rule, op_id, "float", note=note)
       return as_float()
 
     try:
       layout.check_lhs(tuple(lhs.shape))
     except ValueError as e:
-      raise ValueError(f'{where}: {e}') from e
+      raise ValueError(f"{where}: {e}") from e
     x2d = layout.lhs_matrix(lhs)
     k_pad, n = layout.weight.k_padded, layout.weight.n
     if tuple(weight.q.shape) != (k_pad, n):
       raise ValueError(
-          f'{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight'
-          f' layout ({k_pad}, {n})'
+        f"{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight"
+        f" layout ({k_pad}, {n})"
       )
     implementation = rule.implementation if rule is not None else None
     path = implementation or kernels.pick_implementation(x2d.shape[0], k_pad, n)
     try:
       y2d = kernels.q8_matmul(
-          x2d,
-          weight,
-          implementation=path,
-          interpret=rule.interpret if rule is not None else None,
+        x2d,
+        weight,
+        implementation=path,
+        interpret=rule.interpret if rule is not None else None,
       )
     except (TypeError, ValueError, NotImplementedError) as e:
-      raise type(e)(f'{where}: {e}') from e
+      raise type(e)(f"{where}: {e}") from e
     out_dtype = preferred_element_type or lhs.dtype
     k = layout.weight.k
     self._record(
-        rule,
-        op_id,
-        path,
-        weight_shape=layout.weight.shape,
-        m=int(x2d.shape[0]),
-        k=k,
-        n=n,
-        float_bytes=k * n * np.dtype(how.dtype).itemsize,
-        q8_bytes=weight.nbytes,
-        note=f'K padded {k} -> {k_pad}' if k_pad != k else '',
+      rule,
+      op_id,
+      path,
+      weight_shape=layout.weight.shape,
+      m=int(x2d.shape[0]),
+      k=k,
+      n=n,
+      float_bytes=k * n * np.dtype(how.dtype).itemsize,
+      q8_bytes=weight.nbytes,
+      note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
     )
     return layout.output(y2d, tuple(lhs.shape)).astype(out_dtype)
 
@@ -287,10 +287,10 @@ class Q8Provider(ptq.PtqProvider):
 
 
 def quantize_params(
-    params: Any,
-    abstract_quantized_params: Any,
-    *,
-    allow_extra_params: bool = False,
+  params: Any,
+  abstract_quantized_params: Any,
+  *,
+  allow_extra_params: bool = False,
 ) -> Any:
   """Float checkpoint params in, Q8 params out, without running the model.
 
@@ -313,10 +313,10 @@ def quantize_params(
     if abs_param is None:
       if allow_extra_params:
         continue
-      raise ValueError(f'{"/".join(map(str, path))} is not in the quantized model\'s params')
+      raise ValueError(f"{'/'.join(map(str, path))} is not in the quantized model's params")
     abs_param = flax_util.unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
-      name = '/'.join(map(str, path))
+      name = "/".join(map(str, path))
       param = abs_param.replace(array=quantize_weight(jnp.asarray(param), abs_param.how, name=name))
     quantized[path] = param
   if isinstance(abstract_quantized_params, nnx.Module):
