@@ -1,0 +1,127 @@
+"""The demo: a small Llama-style decoder served float and as Q8_0, side by side.
+
+`python -m q8rules` prints what the rules matched and which path each op took,
+the weight bytes, the error of the Q8_0 model against the float one, and the
+time of one decode step of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+
+import q8rules
+from q8rules.models import Decoder, DecoderConfig, init_cache
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array leaf of a param tree (Q8 weights count int8 + scales)."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+  """Median wall time of `fn()` in ms, after one warm-up call."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m q8rules", description=__doc__)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--dim", type=int, default=512)
+  p.add_argument("--ffn", type=int, default=1408)
+  p.add_argument("--vocab", type=int, default=2048)
+  p.add_argument("--steps", type=int, default=16, help="greedy decode steps compared")
+  p.add_argument("--repeats", type=int, default=30, help="timed decode steps")
+  p.add_argument("--implementation", choices=["xla", "pallas"], default=None)
+  p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
+  return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  args = parse_args(argv)
+  config = DecoderConfig(
+    vocab=args.vocab,
+    dim=args.dim,
+    layers=args.layers,
+    heads=args.dim // 64,
+    head_dim=64,
+    ffn=args.ffn,
+    max_len=8 + args.steps + 1,
+    dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
+  )
+  print(f"q8rules demo on {jax.default_backend()}: {config}")
+  model = Decoder(config)
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (1, 8)), jnp.int32)
+  cache = init_cache(config)
+  float_vars = jax.jit(model.init)(jax.random.key(0), prompt, cache, 0)
+
+  # The rules: every Dense/DenseGeneral/Einsum weight as Q8_0.
+  provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation=args.implementation)])
+  q8_model = qwix.quantize_model(model, provider)
+  abstract = jax.eval_shape(q8_model.init, jax.random.key(0), prompt, cache, 0)
+  q8_params = jax.jit(q8rules.quantize_params)(float_vars["params"], abstract["params"])
+  q8_vars = {"params": q8_params}
+
+  float_step, q8_step = jax.jit(model.apply), jax.jit(q8_model.apply)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    # Prefill, then greedy decode with both models from the same prompt.
+    logits_f, cache_f = float_step(float_vars, prompt, cache, 0)
+    logits_q, cache_q = q8_step(q8_vars, prompt, cache, 0)
+    prefill_err = float(jnp.linalg.norm(logits_q - logits_f) / jnp.linalg.norm(logits_f))
+    tok_f = jnp.argmax(logits_f[:, -1:], -1)
+    agree, errs = 0, []
+    for i in range(args.steps):
+      lf, cache_f = float_step(float_vars, tok_f, cache_f, 8 + i)
+      lq, cache_q = q8_step(q8_vars, tok_f, cache_q, 8 + i)  # the same token into both
+      errs.append(float(jnp.linalg.norm(lq - lf) / jnp.linalg.norm(lf)))
+      agree += int(jnp.argmax(lf[:, -1]) == jnp.argmax(lq[:, -1]))
+      tok_f = jnp.argmax(lf[:, -1:], -1)
+
+  report = provider.report()  # the latest trace: the one-token decode step
+  print("\nWhat matched and which path each op took (decode step, M = 1 token):")
+  print(report)
+
+  pos = 8 + args.steps
+  t_float = median_ms(lambda: float_step(float_vars, tok_f, cache_f, pos), args.repeats)
+  t_q8 = median_ms(lambda: q8_step(q8_vars, tok_f, cache_q, pos), args.repeats)
+  float_bytes, q8_bytes = tree_bytes(float_vars["params"]), tree_bytes(q8_params)
+  moved_f, moved_q = report.float_bytes, report.q8_bytes
+  print("\nWeights (whole param tree, embeddings and norms included):")
+  print(f"  float {float_bytes / 2**20:8.2f} MiB   Q8_0 {q8_bytes / 2**20:8.2f} MiB")
+  print("Error of the Q8_0 model against the float model (relative L2 of logits):")
+  print(f"  prefill {prefill_err:.2e}   decode mean {np.mean(errs):.2e}   max {np.max(errs):.2e}")
+  print(f"  greedy next-token agreement over {args.steps} steps: {agree}/{args.steps}")
+  print("One decode step (jit, median of", args.repeats, "runs):")
+  print(
+    f"  float {t_float:7.3f} ms   reads {moved_f / 2**20:6.2f} MiB of matched weights"
+    f"  ({moved_f / t_float / 1e6:5.1f} GB/s)"
+  )
+  print(
+    f"  Q8_0  {t_q8:7.3f} ms   reads {moved_q / 2**20:6.2f} MiB of matched weights"
+    f"  ({moved_q / t_q8 / 1e6:5.1f} GB/s)   {t_float / t_q8:.2f}x the float speed"
+  )
+  return {
+    "report": report,
+    "prefill_err": prefill_err,
+    "decode_errs": errs,
+    "agree": agree,
+    "float_ms": t_float,
+    "q8_ms": t_q8,
+    "float_bytes": float_bytes,
+    "q8_bytes": q8_bytes,
+  }

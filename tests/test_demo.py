@@ -1,0 +1,32 @@
+"""The README's first command, on a tiny configuration."""
+
+from __future__ import annotations
+
+from q8rules.demo import main
+
+
+def test_demo_runs_and_reports(capsys):
+  out = main(
+    [
+      "--layers",
+      "1",
+      "--dim",
+      "128",
+      "--ffn",
+      "256",
+      "--vocab",
+      "256",
+      "--steps",
+      "3",
+      "--repeats",
+      "2",
+    ]
+  )
+  text = capsys.readouterr().out
+  assert "What matched and which path each op took" in text
+  assert "layers_0/attn/o" in text and "lm_head" in text
+  paths = out["report"].paths()
+  assert paths["layers_0/mlp/down/dot_general0"] == "xla"
+  assert paths["layers_0/attn/einsum0"] == "float"  # scores: two activations, no weight
+  assert out["q8_bytes"] < 0.5 * out["float_bytes"]
+  assert 0 < out["prefill_err"] < 0.05  # Q8_0 error against float: real but small
