@@ -1,6 +1,6 @@
 """q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights."""
 
-from q8rules.kernels import q8_matmul
+from q8rules.kernels import q8_gemv_applies, q8_matmul
 from q8rules.providers import Q8How, Q8Provider, quantize_params
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
@@ -15,6 +15,7 @@ __all__ = [
   "Q8Rule",
   "Report",
   "dequantize",
+  "q8_gemv_applies",
   "q8_matmul",
   "quantize",
   "quantize_params",

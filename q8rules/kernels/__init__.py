@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.kernels.fold import q8_fold, q8_gemv_applies, q8_gemv_reason
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -54,11 +55,20 @@ def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None
     )
 
 
-def pick_implementation(m: int, k: int, n: int, *, backend: str | None = None) -> str:
-  """The implementation `implementation=None` runs for an (m, K) x (K, N) product."""
-  del m, k, n
-  backend = backend or jax.default_backend()
-  del backend
+def pick_implementation(
+  m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
+) -> str:
+  """The implementation `implementation=None` runs for an (m, K) x (K, N) product.
+
+  'pallas' (the fold) on TPU and GPU when `q8_gemv_applies(m, k, n)` (itemsize:
+  bytes of an activation value), 'xla' otherwise. Always 'xla' on CPU: the
+  fold only runs there in interpret mode, ~30x slower.
+  """
+  backend = (backend or jax.default_backend()).lower()
+  if backend in ("tpu", "gpu", "cuda", "rocm") and q8_gemv_applies(
+    m, k, n, backend=backend, itemsize=itemsize
+  ):
+    return "pallas"
   return "xla"
 
 
@@ -80,17 +90,26 @@ def q8_matmul(
     )
   k, n = w.shape
   x2d = x.reshape(-1, k)
-  impl = implementation or pick_implementation(x2d.shape[0], k, n)
+  itemsize = np.dtype(x.dtype).itemsize
+  impl = implementation or pick_implementation(x2d.shape[0], k, n, itemsize=itemsize)
   if impl == "xla":
     y = q8_matmul_xla(x2d, w.q, w.scale)
   elif impl == "reference":
     y = q8_matmul_reference(x2d, w.q, w.scale)
   else:
-    del interpret
-    raise NotImplementedError(
-      "implementation='pallas': the Pallas fold kernel has not landed yet; use 'xla'"
-    )
+    reason = q8_gemv_reason(x2d.shape[0], k, n, itemsize=itemsize)
+    if reason:
+      raise ValueError(f"implementation='pallas': the fold does not apply: {reason}; use 'xla'")
+    y = q8_fold(x2d, w.q, w.scale, interpret=interpret)
   return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-__all__ = ["q8_matmul", "check_operands", "pick_implementation", "IMPLEMENTATIONS"]
+__all__ = [
+  "IMPLEMENTATIONS",
+  "check_operands",
+  "pick_implementation",
+  "q8_fold",
+  "q8_gemv_applies",
+  "q8_gemv_reason",
+  "q8_matmul",
+]

@@ -1,0 +1,222 @@
+"""When the fold applies, and the fold itself with its gradient: `q8_fold`.
+
+The fold (`fold_tpu`, `fold_gpu`) serves decode-shaped products: a few rows
+of activations against a Q8_0 weight, reading the int8 values and scales once
+for all the rows. It applies (`q8_gemv_applies`) when
+
+  * m is at most a tile's rows: 8 on TPU (an f32 sublane tile), 16 on GPU
+    (Triton's smallest dot); on CPU the TPU form runs in interpret mode, 8;
+  * K is whole Q8_0 blocks (a multiple of 32);
+  * it moves no more bytes than reading the weight dense in bf16:
+    m*K*itemsize*column_tiles + K*N*1.125 <= K*N*2 (x is re-read once per
+    column tile; int8 plus one f32 scale per 32 values is 1.125 bytes each).
+
+Columns are the kernel's column tiles, the last padded with zero values and
+zero scales (N=40, a tensor-parallel chip's share of heads, becomes one tile of
+128 on TPU), so the pad's sums land only in the result's pad, which is sliced
+off. Padding copies the weight on each call: keep N a multiple of the tile
+(128 on TPU, 64 on GPU) for weights that are served often.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from q8rules.kernels import fold_gpu, fold_tpu
+from q8rules.q8_0 import BLOCK
+
+TILE_ROWS = {"tpu": fold_tpu.TILE_ROWS, "gpu": fold_gpu.TILE_ROWS}
+"""Rows one fold call takes, per kernel form: TPU 8, GPU 16."""
+
+_FORMS = {"tpu": "tpu", "cpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+_DENSE_BYTES = 2.0  # a bf16 weight value
+_Q8_BYTES = 1.125  # an int8 value plus 1/32 of an f32 scale
+_X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def kernel_form(backend: str | None = None) -> str:
+  """'tpu' or 'gpu': the fold kernel a backend runs.
+
+  backend: 'tpu', 'gpu' ('cuda', 'rocm'), 'cpu' (the TPU form, interpreted) or
+  None for `jax.default_backend()`.
+  """
+  backend = (backend or jax.default_backend()).lower()
+  if backend not in _FORMS:
+    raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(_FORMS)}")
+  return _FORMS[backend]
+
+
+def _column_tiles(n: int, form: str) -> int:
+  module = fold_tpu if form == "tpu" else fold_gpu
+  return -(-n // module.column_tile(n))
+
+
+def _shape_reason(m: int, k: int, n: int, form: str) -> str | None:
+  """Why the kernel cannot run an (m, K) x (K, N) product at all, or None."""
+  rows = TILE_ROWS[form]
+  if m < 1:
+    return f"m={m}: no rows to fold"
+  if m > rows:
+    return f"m={m} > {rows} tile rows"
+  if k < 1 or k % BLOCK:
+    return f"K={k} not a multiple of {BLOCK}"
+  if n < 1:
+    return f"N={n}: no columns"
+  return None
+
+
+def q8_gemv_reason(
+  m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
+) -> str | None:
+  """Why the fold does not apply to an (m, K) x (K, N) product; None when it does.
+
+  Args:
+    m, k, n: rows of activations, contraction size, columns of the weight.
+    backend: 'tpu' (8 tile rows), 'gpu'/'cuda'/'rocm' (16), 'cpu' (the TPU
+      form, interpreted: 8) or None for `jax.default_backend()`.
+    itemsize: bytes of an activation value (2 for bf16, 4 for float32).
+
+  Returns:
+    e.g. 'm=64 > 8 tile rows', 'K=1000 not a multiple of 32', or None.
+  """
+  form = kernel_form(backend)
+  reason = _shape_reason(m, k, n, form)
+  if reason:
+    return reason
+  tiles = _column_tiles(n, form)
+  fold_bytes = m * k * itemsize * tiles + k * n * _Q8_BYTES
+  dense_bytes = k * n * _DENSE_BYTES
+  if fold_bytes > dense_bytes:
+    return (
+      f"the fold moves {fold_bytes:.0f} bytes (x re-read over {tiles} column tiles)"
+      f" > {dense_bytes:.0f} for the weight in bf16"
+    )
+  return None
+
+
+def q8_gemv_applies(
+  m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
+) -> bool:
+  """Whether the fold runs an (m, K) x (K, N) product on `backend` (see `q8_gemv_reason`):
+  m up to a tile's rows (TPU 8, GPU 16), whole Q8_0 blocks of K, and no more
+  bytes moved than a dense bf16 weight."""
+  return q8_gemv_reason(m, k, n, backend=backend, itemsize=itemsize) is None
+
+
+def _run_kernel(x2d, q, scale, form: str, block_n: int | None, interpret: bool) -> jax.Array:
+  """The kernel on N padded to whole column tiles: (m, N) float32."""
+  n = q.shape[1]
+  module = fold_tpu if form == "tpu" else fold_gpu
+  tn = block_n or module.column_tile(n)
+  pad = module.padded_columns(n, tn) - n
+  if pad:  # zero values and zero scales: the pad's sums stay in the pad
+    q = jnp.pad(q, ((0, 0), (0, pad)))
+    scale = jnp.pad(scale, ((0, 0), (0, pad)))
+  kernel = fold_tpu.fold_tpu if form == "tpu" else fold_gpu.fold_gpu
+  return kernel(x2d, q, scale, block_n=tn, interpret=interpret)[:, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fold(x2d, q, scale, form, block_n, interpret):
+  return _run_kernel(x2d, q, scale, form, block_n, interpret)
+
+
+def _fold_fwd(x2d, q, scale, form, block_n, interpret):
+  return _run_kernel(x2d, q, scale, form, block_n, interpret), (x2d, q, scale)
+
+
+def _fold_bwd(form, block_n, interpret, res, dy):
+  """dx = dy @ W^T; dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n]; no dq.
+
+  Plain XLA in float32 at HIGHEST precision (it dequantises the whole weight:
+  the backward pass of a decode-shaped product is rare).
+  """
+  del form, block_n, interpret
+  x2d, q, scale = res
+  m, k = x2d.shape
+  n = q.shape[1]
+  hi = jax.lax.Precision.HIGHEST
+  qb = q.astype(jnp.float32).reshape(k // BLOCK, BLOCK, n)
+  w = (qb * scale.astype(jnp.float32)[:, None, :]).reshape(k, n)
+  dx = jnp.dot(dy, w.T, precision=hi).astype(x2d.dtype)
+  xb = x2d.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+  block_dots = jnp.einsum("rbi,bin->rbn", xb, qb, precision=hi)
+  dscale = jnp.einsum("rbn,rn->bn", block_dots, dy, precision=hi).astype(scale.dtype)
+  dq = np.zeros(q.shape, dtype=jax.dtypes.float0)
+  return dx, dq, dscale
+
+
+_fold.defvjp(_fold_fwd, _fold_bwd)
+_fold_jit = jax.jit(_fold, static_argnums=(3, 4, 5))
+
+
+def check_fold_operands(x2d: jax.Array, q: jax.Array, scale: jax.Array) -> None:
+  """Raise TypeError/ValueError unless x2d (m, K), q (K, N) int8, scale (K/32, N) fit."""
+  if np.dtype(x2d.dtype) not in _X_DTYPES:
+    raise TypeError(f"q8_fold: activations must be float32, bfloat16 or float16, got {x2d.dtype}")
+  if np.dtype(q.dtype) != np.dtype(np.int8):
+    raise TypeError(f"q8_fold: Q8_0 values must be int8, got {q.dtype}")
+  if np.dtype(scale.dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+    raise TypeError(f"q8_fold: Q8_0 scales must be float32 or float16, got {scale.dtype}")
+  if x2d.ndim != 2 or q.ndim != 2:
+    raise ValueError(f"q8_fold: x must be (m, K) and q (K, N), got {x2d.shape} and {q.shape}")
+  k, n = q.shape
+  if x2d.shape[1] != k:
+    raise ValueError(f"q8_fold: x of shape {tuple(x2d.shape)} does not contract with K={k} rows")
+  if k % BLOCK:
+    raise ValueError(f"q8_fold: K={k} not a multiple of {BLOCK}")
+  if tuple(scale.shape) != (k // BLOCK, n):
+    raise ValueError(
+      f"q8_fold: scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)}"
+      f" (expected {(k // BLOCK, n)})"
+    )
+
+
+def q8_fold(
+  x2d: jax.Array,
+  q: jax.Array,
+  scale: jax.Array,
+  *,
+  backend: str | None = None,
+  interpret: bool | None = None,
+  block_n: int | None = None,
+) -> jax.Array:
+  """`x2d @ (q * scale)` with the fold kernel: (m, N) float32.
+
+  Args:
+    x2d: (m, K) float32, bfloat16 or float16; m up to the form's tile rows.
+    q: (K, N) int8, K a multiple of 32.
+    scale: (K/32, N) float32 or float16.
+    backend: which kernel: 'tpu' (Mosaic), 'gpu' (Triton), 'cpu' (the TPU
+      form) or None for `jax.default_backend()`.
+    interpret: Pallas interpret mode; None: when the kernel's platform is not
+      the default backend (so always on CPU).
+    block_n: the column tile (default: the form's `column_tile(N)`).
+
+  Differentiable (`jax.custom_vjp`) in x and in scale, by plain XLA in the
+  backward pass; q is integer and gets no gradient. Raises ValueError when the
+  kernel cannot take the shape (m over the tile rows, K not whole blocks) but
+  not on the bytes rule of `q8_gemv_applies`, which is advice on speed.
+  """
+  form = kernel_form(backend)
+  check_fold_operands(x2d, q, scale)
+  reason = _shape_reason(x2d.shape[0], q.shape[0], q.shape[1], form)
+  if reason:
+    raise ValueError(f"q8_fold ({form} form): {reason}")
+  if interpret is None:
+    interpret = kernel_form(jax.default_backend()) != form or jax.default_backend() == "cpu"
+  return _fold_jit(x2d, q, scale, form, block_n, bool(interpret))
+
+
+__all__ = [
+  "TILE_ROWS",
+  "check_fold_operands",
+  "kernel_form",
+  "q8_fold",
+  "q8_gemv_applies",
+  "q8_gemv_reason",
+]

@@ -1,0 +1,150 @@
+"""The fold on GPU: a Pallas Triton kernel for decode-shaped Q8_0 products.
+
+`y = x @ W` for x (m, K), m <= 16, and a Q8_0 weight W = q * d (q int8 (K, N),
+d float32 (K/32, N)). The TPU form (`fold_tpu`) does not lower for CUDA (its
+carry lives in VMEM: "Unsupported memory space: vmem"); this one keeps the
+carry in registers.
+
+Grid (column tiles j,): program j owns columns [j*tn, (j+1)*tn) and walks all
+of K itself, `group` Q8_0 blocks per `fori_loop` step (Triton software-pipelines
+the loop's loads over `num_stages`):
+
+  acc[r, n] += d[b, n] * sum_i x[r, 32b + i] * q[32b + i, n]
+
+one (16, 32) x (32, tn) `tl.dot` per Q8_0 block (Triton's dot needs M, N, K >=
+16, hence rows padded to 16), scaled down its columns, into an fp32 (16, tn)
+register accumulator. All 16 rows use each loaded int8 and scale page: the
+weight moves once for the batch.
+
+Numerics: bf16/f16 activations are dotted with q cast to their dtype (exact)
+with fp32 accumulation; float32 activations use `Precision.HIGHEST` (IEEE, not
+TF32). Scales are float32 (float16 scales are upcast).
+
+Blocks: x (16, K) whole, q (K, tn), d (K/32, tn), y (16, tn); every value the
+kernel loads is a power-of-two shape ((16, 32), (32, tn), (1, tn)), as Triton
+needs, so K is any multiple of 32. N must be a multiple of tn:
+`q8rules.kernels.fold.q8_fold` pads the columns with zero values and scales.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from q8rules.kernels._pallas_compat import pl, triton_compiler_params
+from q8rules.q8_0 import BLOCK
+
+TILE_ROWS = 16
+"""Activation rows one call folds (Triton's smallest dot M); m <= 16, padded to 16."""
+
+BLOCK_N = 64
+"""Default column tile: 64 columns a program (N=4096 -> 64 programs)."""
+
+MAX_GROUP = 8
+"""Q8_0 blocks unrolled in one K-loop step (256 rows)."""
+
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def blocks_per_step(k: int) -> int:
+  """Q8_0 blocks per K-loop step: the largest divisor of K/32 that is <= 8."""
+  if k <= 0 or k % BLOCK:
+    raise ValueError(f"K={k} is not a positive multiple of {BLOCK}")
+  g = min(k // BLOCK, MAX_GROUP)
+  while (k // BLOCK) % g:
+    g -= 1
+  return g
+
+
+def column_tile(n: int) -> int:
+  """The column tile for N columns (`BLOCK_N`, whatever N)."""
+  del n
+  return BLOCK_N
+
+
+def padded_columns(n: int, block_n: int | None = None) -> int:
+  """N rounded up to a whole number of column tiles."""
+  tn = block_n or column_tile(n)
+  return -(-n // tn) * tn
+
+
+def _fold_kernel(x_ref, q_ref, s_ref, o_ref, *, group, precision):
+  """One column tile: the whole K loop.
+
+  x_ref (16, K) f32|bf16|f16; q_ref (K, tn) int8; s_ref (K/32, tn) f32;
+  o_ref (16, tn) f32.
+  """
+  rows, tn = o_ref.shape
+  steps = s_ref.shape[0] // group
+
+  def step(i, acc):
+    for g in range(group):  # unrolled: `group` Q8_0 blocks
+      b = i * group + g
+      block_rows = pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)
+      xb = x_ref[:, block_rows]  # (16, 32)
+      qb = q_ref[block_rows, :].astype(xb.dtype)  # (32, tn), exact
+      part = jnp.dot(xb, qb, precision=precision, preferred_element_type=jnp.float32)
+      acc = acc + part * s_ref[pl.ds(b, 1), :]  # fold the block down its columns
+    return acc
+
+  o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((rows, tn), jnp.float32))
+
+
+def fold_gpu(
+  x2d: jax.Array,
+  q: jax.Array,
+  scale: jax.Array,
+  *,
+  block_n: int | None = None,
+  interpret: bool = False,
+  num_warps: int = NUM_WARPS,
+  num_stages: int = NUM_STAGES,
+) -> jax.Array:
+  """`x2d @ (q * scale)` with the Triton fold kernel.
+
+  Args:
+    x2d: (m, K) float32, bfloat16 or float16 activations, 1 <= m <= 16.
+    q: (K, N) int8, K a multiple of 32, N a multiple of `block_n`.
+    scale: (K/32, N) float32 or float16.
+    block_n: the column tile, a power of two >= 16 (default `BLOCK_N`).
+    interpret: run the kernel in Pallas interpret mode (any backend).
+    num_warps, num_stages: Triton's launch parameters.
+
+  Returns:
+    (m, N) float32.
+  """
+  m, k = x2d.shape
+  n = q.shape[1]
+  if not 1 <= m <= TILE_ROWS:
+    raise ValueError(f"fold_gpu: m={m} rows; the GPU fold takes 1 to {TILE_ROWS}")
+  group = blocks_per_step(k)
+  tn = block_n or column_tile(n)
+  if tn < 16 or tn & (tn - 1) or n % tn:
+    raise ValueError(
+      f"fold_gpu: N={n} must be a multiple of the column tile {tn}, a power of two >= 16"
+      " (pad the columns with zero values and scales; see fold.q8_fold)"
+    )
+  x16 = jnp.pad(x2d, ((0, TILE_ROWS - m), (0, 0)))
+  precision = jax.lax.Precision.HIGHEST if x16.dtype == jnp.float32 else None
+  out = pl.pallas_call(
+    functools.partial(_fold_kernel, group=group, precision=precision),
+    out_shape=jax.ShapeDtypeStruct((TILE_ROWS, n), jnp.float32),
+    grid=(n // tn,),
+    in_specs=[
+      pl.BlockSpec((TILE_ROWS, k), lambda j: (0, 0)),
+      pl.BlockSpec((k, tn), lambda j: (0, j)),
+      pl.BlockSpec((k // BLOCK, tn), lambda j: (0, j)),
+    ],
+    out_specs=pl.BlockSpec((TILE_ROWS, tn), lambda j: (0, j)),
+    compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+    interpret=interpret,
+    name="q8_fold_gpu",
+  )(x16, q, scale.astype(jnp.float32))
+  return out[:m]
+
+
+__all__ = ["BLOCK_N", "TILE_ROWS", "blocks_per_step", "column_tile", "fold_gpu", "padded_columns"]
