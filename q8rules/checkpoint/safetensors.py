@@ -1,0 +1,256 @@
+"""Q8 param trees as safetensors files, bit for bit.
+
+Naming. A param tree of nested dicts (str keys without '.') is flattened to
+one tensor per array, named by its dotted path:
+
+  * an array leaf at `('layers_0', 'mlp', 'bias')` -> tensor `layers_0.mlp.bias`,
+    its own dtype (bfloat16 included, through ml_dtypes);
+  * a `Q8Array` leaf at `('layers_0', 'mlp', 'kernel')` -> two tensors,
+    `layers_0.mlp.kernel.q8` (int8 `q`) and `layers_0.mlp.kernel.q8_scale`
+    (float16 or float32 `scale`); its static `axis` and `dtype` go into the
+    header metadata under the key `__q8rules__`, a JSON object:
+    `{"version": 1, "q8": {"layers_0.mlp.kernel": {"axis": 0, "dtype": "float32"}}}`.
+
+qwix `WithAux` and Flax boxed leaves are written without their wrapper (the
+param path convention of `q8rules.checkpoint._common` skips `.array` and
+`.value`); `load` gives plain dicts, which `assign(template,
+assign.flatten(tree), lambda n: n)` puts back into a template that has them.
+Lists, tuples and other containers are refused (their structure could not be
+rebuilt).
+
+`load` returns numpy (host) arrays; a Q8Array's `dtype` comes back as a
+numpy dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from q8rules.checkpoint._common import (
+  WRAPPER_ATTRS,
+  CheckpointError,
+  is_q8,
+  progress_iter,
+)
+from q8rules.q8_0 import BLOCK, Q8Array
+
+META_KEY = "__q8rules__"
+"""Header metadata key of the Q8Arrays' static fields (JSON)."""
+
+FORMAT_VERSION = 1
+Q_SUFFIX = ".q8"
+SCALE_SUFFIX = ".q8_scale"
+
+
+def _dotted(keypath: Any, path: Path) -> str:
+  """A jax key path as a dotted name; CheckpointError for what `load` could not rebuild."""
+  parts = []
+  for key in keypath:
+    if isinstance(key, jax.tree_util.GetAttrKey) and key.name in WRAPPER_ATTRS:
+      continue
+    if not isinstance(key, jax.tree_util.DictKey) or not isinstance(key.key, str):
+      where = jax.tree_util.keystr(tuple(keypath))
+      raise CheckpointError(
+        f"{path}: leaf {where}: only nested dicts with str keys (and WithAux / boxed"
+        f" leaves) can be saved; {key!r} is not a str dict key"
+      )
+    if not key.key or "." in key.key:
+      raise CheckpointError(
+        f"{path}: leaf {jax.tree_util.keystr(tuple(keypath))}: the key {key.key!r} is empty"
+        " or holds '.', which names use as the separator"
+      )
+    parts.append(key.key)
+  if not parts:
+    raise CheckpointError(f"{path}: the tree is a single leaf; save a dict of them")
+  return ".".join(parts)
+
+
+def save(
+  path: str | os.PathLike[str],
+  params: Any,
+  metadata: Mapping[str, str] | None = None,
+  *,
+  progress: bool | None = None,
+) -> None:
+  """Write a Q8 param tree as a safetensors file (exact: `load` gives the same bits).
+
+  Args:
+    path: the .safetensors file (written to a temporary file, then renamed).
+    params: nested dicts of `Q8Array` and array leaves (numpy or jax, any dtype
+      safetensors holds, bfloat16 included); see the module docstring for names.
+    metadata: str -> str, stored in the header (`read_metadata` gives it back);
+      the key `__q8rules__` is reserved.
+    progress: a tqdm bar over leaves (None: on when more than 16 and stderr is
+      a terminal).
+
+  Raises:
+    CheckpointError: a container other than dicts, a key holding '.', two
+      leaves with one name, a reserved or non-str metadata entry.
+  """
+  path = Path(path)
+  metadata = dict(metadata or {})
+  if META_KEY in metadata:
+    raise CheckpointError(f"{path}: metadata key {META_KEY!r} is reserved")
+  bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+  if bad:
+    raise CheckpointError(f"{path}: safetensors metadata is str -> str; not: {bad}")
+  pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q8)[0]
+  tensors: dict[str, np.ndarray] = {}
+  q8: dict[str, dict[str, Any]] = {}
+
+  def put(name: str, array: Any) -> None:
+    if name in tensors:
+      raise CheckpointError(f"{path}: two leaves are both saved as tensor {name!r}")
+    tensors[name] = np.asarray(array, order="C")  # (ascontiguousarray would make 0-d 1-d)
+
+  for keypath, leaf in progress_iter(
+    pairs, total=len(pairs), desc=f"saving {path.name}", progress=progress
+  ):
+    name = _dotted(keypath, path)
+    if isinstance(leaf, Q8Array):
+      put(name + Q_SUFFIX, leaf.q)
+      put(name + SCALE_SUFFIX, leaf.scale)
+      q8[name] = {"axis": int(leaf.axis), "dtype": jnp.dtype(leaf.dtype).name}
+    else:
+      put(name, leaf)
+  metadata[META_KEY] = json.dumps({"version": FORMAT_VERSION, "q8": q8}, sort_keys=True)
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  try:
+    safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
+def _open(path: Path) -> Any:
+  try:
+    return safetensors.safe_open(str(path), framework="np")
+  except FileNotFoundError:
+    raise
+  except Exception as e:  # SafetensorError: truncated file, bad header, ...
+    raise CheckpointError(
+      f"{path}: not a readable safetensors file: {type(e).__name__}: {e}"
+    ) from e
+
+
+def _q8_fields(path: Path, metadata: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+  raw = metadata.get(META_KEY)
+  if raw is None:
+    return {}
+  try:
+    info = json.loads(raw)
+    version, q8 = info["version"], info["q8"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{path}: header metadata {META_KEY!r} is not valid: {e}") from e
+  if version != FORMAT_VERSION:
+    raise CheckpointError(f"{path}: {META_KEY} version {version}, this reads {FORMAT_VERSION}")
+  return q8
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+  """The str -> str metadata given to `save` (without the `__q8rules__` entry)."""
+  path = Path(path)
+  with _open(path) as f:
+    meta = dict(f.metadata() or {})
+  meta.pop(META_KEY, None)
+  return meta
+
+
+def _insert(path: Path, tree: dict[str, Any], name: str, value: Any) -> None:
+  keys = name.split(".")
+  node = tree
+  for i, key in enumerate(keys[:-1]):
+    node = node.setdefault(key, {})
+    if not isinstance(node, dict):
+      raise CheckpointError(
+        f"{path}: tensor {name!r} lies under {'.'.join(keys[: i + 1])!r}, which is a leaf"
+      )
+  if keys[-1] in node:
+    raise CheckpointError(f"{path}: tensor {name!r} names a subtree of other tensors")
+  node[keys[-1]] = value
+
+
+def _tensor(f: Any, path: Path, name: str) -> np.ndarray:
+  try:
+    return np.asarray(f.get_tensor(name))
+  except Exception as e:
+    raise CheckpointError(f"{path}: tensor {name!r}: cannot read it: {e}") from e
+
+
+def load(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
+  """Read a file written by `save` (or any safetensors file) as a nested dict.
+
+  Args:
+    path: the .safetensors file.
+    progress: a tqdm bar over tensors (None: on when more than 16 and stderr is
+      a terminal).
+
+  Returns:
+    Nested dicts: `Q8Array`s (numpy `q` int8 and `scale`, `axis` and `dtype`
+    as saved) where the header says so, numpy arrays elsewhere. Names without
+    the Q8 header entry load as arrays at their dotted path.
+
+  Raises:
+    CheckpointError: not a safetensors file (truncated, bad header), a Q8
+      entry without its `.q8` or `.q8_scale` tensor or with inconsistent
+      shapes or dtypes, names that collide as a tree.
+  """
+  path = Path(path)
+  tree: dict[str, Any] = {}
+  with _open(path) as f:
+    q8 = _q8_fields(path, f.metadata() or {})
+    names = list(f.keys())
+    present = set(names)
+    q8_parts = set()
+    for base in q8:
+      for suffix in (Q_SUFFIX, SCALE_SUFFIX):
+        if base + suffix not in present:
+          raise CheckpointError(f"{path}: Q8 param {base!r} has no tensor {base + suffix!r}")
+        q8_parts.add(base + suffix)
+    for name in progress_iter(
+      names, total=len(names), desc=f"loading {path.name}", progress=progress
+    ):
+      if name in q8_parts:
+        continue
+      _insert(path, tree, name, _tensor(f, path, name))
+    for base, fields in q8.items():
+      q = _tensor(f, path, base + Q_SUFFIX)
+      scale = _tensor(f, path, base + SCALE_SUFFIX)
+      _insert(path, tree, base, _q8_array(path, base, q, scale, fields))
+  return tree
+
+
+def _q8_array(path: Path, name: str, q: np.ndarray, scale: np.ndarray, fields: Any) -> Q8Array:
+  try:
+    axis, dtype = int(fields["axis"]), jnp.dtype(fields["dtype"])
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{path}: Q8 param {name!r}: bad header entry {fields!r}") from e
+  problems = []
+  if q.dtype != np.int8:
+    problems.append(f"q dtype {q.dtype}, not int8")
+  if scale.dtype not in (np.float16, np.float32):
+    problems.append(f"scale dtype {scale.dtype}, not float16 or float32")
+  if not -q.ndim <= axis < q.ndim:
+    problems.append(f"axis {axis} for q of rank {q.ndim}")
+  else:
+    want = list(q.shape)
+    want[axis] //= BLOCK
+    if q.shape[axis] % BLOCK or tuple(scale.shape) != tuple(want):
+      problems.append(f"q shape {q.shape} and scale shape {scale.shape} do not fit axis {axis}")
+  if problems:
+    raise CheckpointError(f"{path}: Q8 param {name!r}: " + "; ".join(problems))
+  return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
+
+
+__all__ = ["META_KEY", "load", "read_metadata", "save"]
