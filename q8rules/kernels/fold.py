@@ -207,8 +207,8 @@ def q8_fold(
   reason = _shape_reason(x2d.shape[0], q.shape[0], q.shape[1], form)
   if reason:
     raise ValueError(f"q8_fold ({form} form): {reason}")
-  if interpret is None:
-    interpret = kernel_form(jax.default_backend()) != form or jax.default_backend() == "cpu"
+  if interpret is None:  # interpret unless the kernel's own platform runs this program
+    interpret = jax.default_backend() != form
   return _fold_jit(x2d, q, scale, form, block_n, bool(interpret))
 
 
