@@ -19,6 +19,7 @@ blocks and meet zero activations); the report says so.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from flax import nnx
 from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
-from q8rules import kernels
+from q8rules import kernels, sharding
 from q8rules.layout import (
   ProductLayout,
   UnsupportedProduct,
@@ -239,7 +240,7 @@ class Q8Provider(ptq.PtqProvider):
       layout.check_lhs(tuple(lhs.shape))
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from e
-    x2d = layout.lhs_matrix(lhs)
+    m = math.prod(lhs.shape[a] for a in layout.lhs_free)
     k_pad, n = layout.weight.k_padded, layout.weight.n
     if tuple(weight.q.shape) != (k_pad, n):
       raise ValueError(
@@ -247,14 +248,18 @@ class Q8Provider(ptq.PtqProvider):
         f" layout ({k_pad}, {n})"
       )
     implementation = rule.implementation if rule is not None else None
-    path = implementation or kernels.pick_implementation(x2d.shape[0], k_pad, n)
-    try:
-      y2d = kernels.q8_matmul(
-        x2d,
-        weight,
-        implementation=path,
-        interpret=rule.interpret if rule is not None else None,
+    path = implementation or kernels.pick_implementation(
+      m, k_pad, n, itemsize=np.dtype(lhs.dtype).itemsize
+    )
+    interpret = rule.interpret if rule is not None else None
+    try:  # split over a mesh (`q8rules.sharding.use_mesh`, or explicit sharding): per shard
+      y = sharding.provider_product(
+        lhs, weight, layout, operand=rhs, implementation=implementation, interpret=interpret
       )
+      if y is None:
+        x2d = layout.lhs_matrix(lhs)
+        y2d = kernels.q8_matmul(x2d, weight, implementation=path, interpret=interpret)
+        y = layout.output(y2d, tuple(lhs.shape))
     except (TypeError, ValueError, NotImplementedError) as e:
       raise type(e)(f"{where}: {e}") from e
     out_dtype = preferred_element_type or lhs.dtype
@@ -264,14 +269,14 @@ class Q8Provider(ptq.PtqProvider):
       op_id,
       path,
       weight_shape=layout.weight.shape,
-      m=int(x2d.shape[0]),
+      m=int(m),
       k=k,
       n=n,
       float_bytes=k * n * np.dtype(how.dtype).itemsize,
       q8_bytes=weight.nbytes,
       note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
     )
-    return layout.output(y2d, tuple(lhs.shape)).astype(out_dtype)
+    return y.astype(out_dtype)
 
   # ---- the report ------------------------------------------------------------
 
@@ -284,6 +289,21 @@ class Q8Provider(ptq.PtqProvider):
     """Every op intercepted so far (the latest trace of each) and the rules that matched nothing."""
     unused = list(self.get_unused_rules()) if self._initial_run_complete else []
     return Report(ops=list(self._records.values()), unused_rules=unused)
+
+
+def _quantize_stacked(w: jax.Array, how: Q8How, name: str) -> Q8Array:
+  """`quantize_weight`, vmapped over leading axes that a lifted transform (`nn.scan`,
+  `nn.vmap`) stacked the per-layer weight along: (*L, *how.layout.shape) -> Q8Array
+  of q (*L, K_padded, N), as the Q8 model's own init makes it."""
+
+  def f(a: jax.Array) -> Q8Array:
+    return quantize_weight(a, how, name=name)
+
+  extra = w.ndim - len(how.layout.shape)
+  if extra > 0 and tuple(w.shape[extra:]) == how.layout.shape:
+    for _ in range(extra):
+      f = jax.vmap(f)
+  return f(w)
 
 
 def quantize_params(
@@ -317,7 +337,7 @@ def quantize_params(
     abs_param = flax_util.unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
-      param = abs_param.replace(array=quantize_weight(jnp.asarray(param), abs_param.how, name=name))
+      param = abs_param.replace(array=_quantize_stacked(jnp.asarray(param), abs_param.how, name))
     quantized[path] = param
   if isinstance(abstract_quantized_params, nnx.Module):
     quantized = nnx.to_pure_dict(nnx.state(quantized))
