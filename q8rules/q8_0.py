@@ -93,9 +93,13 @@ def _div127(x: jax.Array) -> jax.Array:
 
   XLA rewrites a division by a broadcast constant into a multiplication by its
   (rounded) reciprocal, which is off by an ulp for about 4.5 % of inputs; an
-  opaque divisor keeps the true division.
+  opaque divisor keeps the true division. The quotient is opaque too: otherwise
+  XLA folds a later `1 / d` into `127 / x`, which rounds differently (q off by
+  one at near-ties under jit).
   """
-  return x / jax.lax.optimization_barrier(jnp.full(x.shape, 127, jnp.float32))
+  return jax.lax.optimization_barrier(
+    x / jax.lax.optimization_barrier(jnp.full(x.shape, 127, jnp.float32))
+  )
 
 
 def _scale_up_exact(bits: jax.Array) -> jax.Array:
