@@ -1,7 +1,7 @@
 """q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights."""
 
 from q8rules.kernels import q8_gemv_applies, q8_matmul
-from q8rules.providers import Q8How, Q8Provider, quantize_params
+from q8rules.providers import Q8How, Q8Provider, Q8QatProvider, quantize_params
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
@@ -12,6 +12,7 @@ __all__ = [
   "Q8Array",
   "Q8How",
   "Q8Provider",
+  "Q8QatProvider",
   "Q8Rule",
   "Report",
   "dequantize",

@@ -1,5 +1,6 @@
 """Providers: how matched ops run (serving as Q8_0; QAT with Q8_0 fake quant)."""
 
+from q8rules.providers.qat import Q8QatProvider
 from q8rules.providers.serving import Q8How, Q8Provider, quantize_params
 
-__all__ = ["Q8How", "Q8Provider", "quantize_params"]
+__all__ = ["Q8How", "Q8Provider", "Q8QatProvider", "quantize_params"]

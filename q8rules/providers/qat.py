@@ -1,0 +1,331 @@
+"""`Q8QatProvider`: quantization-aware training with Q8_0 fake quant.
+
+Use the same `Q8Rule`s as serving:
+
+    qat_model = qwix.quantize_model(model, Q8QatProvider(rules))        # linen
+    qat_model = qwix.quantize_model(model, Q8QatProvider(rules), *xs)   # nnx
+
+The model keeps float params (the optimizer updates them). A matched product
+(`jax.lax.dot_general`, `jax.numpy.einsum`, `jax.numpy.dot`) whose second
+operand is a weight of the current module runs as the float product on the
+weight's *fake-quantised* value, which is exactly what serving computes with:
+
+    fq(w) = layout.from_matrix(dequantize(quantize(layout.to_matrix(w), axis=0,
+                                                   scale_dtype=rule.scale_dtype)))
+
+with the serving provider's own layout code (`q8rules.layout`, same padding of K
+to a multiple of 32) and the one Q8_0 quantizer (`q8rules.q8_0`), computed in
+float32 and cast to the weight's dtype. After training,
+`q8rules.quantize_params(qat_params, serving_params)` gives Q8 params whose
+serving output equals the QAT forward pass up to fp32 summation order.
+
+Gradient: the straight-through estimator. The fake-quantised weight is a
+`jax.custom_jvp` function whose forward value is `fq(w)` (bit for bit) and whose
+tangent is the weight's tangent, i.e. the same derivative as
+`w + stop_gradient(fq(w) - w)`: dL/dw is the gradient of the float product
+evaluated at `fq(w)`. Q8_0's absmax scale (`d = max|w| / 127` per block) clips
+nothing -- every weight lies inside its block's range -- so there is no clipping
+mask: the gradient passes to every element.
+
+Activations stay float (weight-only, as serving). Unmatched ops, ops without a
+weight operand, and products with no Q8_0 form (`UnsupportedProduct`: a weight
+with batch axes, an einsum summing an index of one operand) run untouched.
+As in `Q8Provider` (and qwix's `PtqProvider`), `jnp.dot` is matched under the op
+name 'dot_general', so one rule list matches the same ops in QAT and serving.
+
+Rule options: everything `validate_rule` rejects is rejected here too (a clear
+`ValueError`/`TypeError` naming this provider). `implementation` and
+`interpret` choose the kernel that *serves* the product; they do not change its
+value, and QAT runs a float product, so they are accepted and ignored (the
+report notes it). This keeps one rule list valid for both providers, which is
+what conversion needs.
+
+Mixed precision: the fake quant sees the weight as the op does (a Dense with
+`dtype=bfloat16` casts its float32 kernel to bfloat16 first), as the serving
+provider's own init does, while `quantize_params` quantizes the stored param.
+For float32 compute the two are the same; with a bfloat16 cast the converted Q8
+values (from the float32 param) differ slightly from the fake quant of its cast,
+and parity holds to bfloat16 precision only.
+
+Cost: per matched weight and step, XLA runs one reduction (the block amax) and
+one elementwise fusion writing the fake-quantised copy; the backward pass does
+not run the quantizer (see benchmarks/RESULTS.md, "QAT on digits").
+
+Non-finite weights: fake quant runs with `check_finite=False` (the check is a
+host callback, too costly in a training step). A nan or inf in a weight turns
+its whole 32-block nan (the scale is nan/inf), so the loss becomes nan, as float
+training with a nan weight would; nothing is silently replaced. Converting such
+params with `quantize_params` raises a `ValueError` naming the param, so a nan
+model never reaches serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from qwix._src import qconfig
+from qwix._src.providers import ptq
+from qwix._src.utils import flax_util
+
+from q8rules.layout import (
+  ProductLayout,
+  UnsupportedProduct,
+  WeightLayout,
+  from_dot_general,
+  from_einsum,
+)
+from q8rules.q8_0 import BLOCK, dequantize, quantize
+from q8rules.report import OpRecord, Report
+from q8rules.rules import Q8Rule, describe, validate_rule
+
+FAKE_QUANT = "fake_quant"
+"""The `OpRecord.path` of a fake-quantised product."""
+
+
+def fake_quant(
+  w: jax.Array,
+  layout: WeightLayout,
+  scale_dtype: Any = jnp.float32,
+  *,
+  name: str = "weight",
+  check_finite: bool = False,
+) -> jax.Array:
+  """The value serving computes with for the float weight `w`: its Q8_0 round trip.
+
+  Args:
+    w: float weight of `layout.shape` (float32, bfloat16 or float16).
+    layout: how the weight is laid out as the (K, N) Q8_0 matrix (blocks of 32
+      along K, K zero-padded to a multiple of 32).
+    scale_dtype: float32 or float16, the rule's `scale_dtype`.
+    name: how error messages name `w`.
+    check_finite: raise on nan/inf (a host callback when traced).
+
+  Returns:
+    `dequantize(quantize(...))` back in `w`'s shape, computed in float32 and cast
+    to `w`'s dtype. No gradient (see `fake_quant_ste`).
+  """
+  q = quantize(
+    layout.to_matrix(w), axis=0, scale_dtype=scale_dtype, name=name, check_finite=check_finite
+  )
+  return layout.from_matrix(dequantize(q))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def fake_quant_ste(w: jax.Array, layout: WeightLayout, scale_dtype: str) -> jax.Array:
+  """`fake_quant(w, layout, scale_dtype)` with the straight-through gradient.
+
+  Forward: exactly `fake_quant` (same shape and dtype as `w`). Derivative: the
+  identity, the derivative of `w + stop_gradient(fake_quant(w) - w)`.
+  """
+  return _fake_quant_jit(w, layout, scale_dtype)
+
+
+# One compiled round trip per (shape, dtype, layout): op-by-op dispatch of the
+# quantizer's ~60 primitives is slow outside jit (e.g. in an eager linen `init`).
+_fake_quant_jit = jax.jit(fake_quant, static_argnums=(1, 2))
+
+
+@fake_quant_ste.defjvp
+def _fake_quant_ste_jvp(
+  layout: WeightLayout, scale_dtype: str, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  (w,), (dw,) = primals, tangents
+  return _fake_quant_jit(w, layout, scale_dtype), dw
+
+
+def _current_module_path() -> str:
+  return "/".join(map(str, flax_util.get_current_module_path()))
+
+
+def _is_q8_weight(x: Any) -> bool:
+  return isinstance(flax_util.unbox(x), ptq.WithAux)
+
+
+class Q8QatProvider(qconfig.QuantizationProvider):
+  """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params.
+
+  Use as `qwix.quantize_model(model, Q8QatProvider(rules))` for linen (then
+  `init`/`apply`, `jax.grad` and optimizers as usual; params stay float) and
+  `qwix.quantize_model(model, Q8QatProvider(rules), *inputs)` for nnx. Works
+  under `jax.jit`, `jax.checkpoint`/`nn.remat` and `nn.scan` (inside a scan the
+  weight is the per-layer slice, quantized on its own). After the first run,
+  `report()` lists every intercepted op (path 'fake_quant' or 'float').
+  """
+
+  def __init__(self, rules: Sequence[Q8Rule], *, disable_jit: bool = False):
+    rules = [validate_rule(r, provider=type(self).__name__) for r in rules]
+    super().__init__(rules, disable_jit=disable_jit)
+    self._records: dict[tuple[str, str], OpRecord] = {}
+    self._warned_unused = False
+
+  def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+    return super().get_intercept_map() | {
+      "jax.lax.dot_general": self.dot_general,
+      "jax.numpy.einsum": self.einsum,
+      "jax.numpy.dot": self.dot,
+    }
+
+  # ---- the intercepted ops -------------------------------------------------
+
+  def dot_general(
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    *,
+    out_sharding: Any = None,
+  ) -> jax.Array:
+    """`lax.dot_general` with a matched weight `rhs` fake-quantised."""
+    rule, op_id = self._get_current_rule_and_op_id("dot_general")
+    rhs = self._maybe_fake_quant(
+      rule, op_id, lhs, rhs, lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers)
+    )
+    return jax.lax.dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    )
+
+  def einsum(
+    self,
+    einsum_str: str,
+    *operands: jax.Array,
+    precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
+    out_sharding: Any = None,
+  ) -> jax.Array:
+    """`jnp.einsum` with a matched weight (the second of two operands) fake-quantised."""
+    rule, op_id = self._get_current_rule_and_op_id("einsum")
+    if len(operands) == 2:
+      lhs, rhs = operands
+      rhs = self._maybe_fake_quant(
+        rule, op_id, lhs, rhs, lambda shape: from_einsum(einsum_str, lhs.ndim, shape)
+      )
+      operands = (lhs, rhs)
+    else:
+      self._record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
+    return jnp.einsum(
+      einsum_str,
+      *operands,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      _dot_general=_dot_general,
+      out_sharding=out_sharding,
+    )
+
+  def dot(
+    self,
+    a: jax.Array,
+    b: jax.Array,
+    precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    out_sharding: Any = None,
+  ) -> jax.Array:
+    """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
+    rule, op_id = self._get_current_rule_and_op_id("dot_general")
+    if a.ndim == 0 or b.ndim == 0:
+      contract = ((), ())
+    elif b.ndim == 1:
+      contract = ((a.ndim - 1,), (0,))
+    else:
+      contract = ((a.ndim - 1,), (b.ndim - 2,))
+    b = self._maybe_fake_quant(
+      rule, op_id, a, b, lambda shape: from_dot_general(a.ndim, shape, (contract, ((), ())))
+    )
+    return jnp.dot(
+      a,
+      b,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    )
+
+  def process_model_output(self, method_name: str, model_output: Any) -> Any:
+    out = super().process_model_output(method_name, model_output)
+    if not self._warned_unused:
+      self._warned_unused = True
+      for rule in self.get_unused_rules():
+        warnings.warn(f"Q8 rule matched nothing: {describe(rule)}", stacklevel=2)
+    return out
+
+  # ---- the fake quant ------------------------------------------------------
+
+  def _maybe_fake_quant(
+    self,
+    rule: Q8Rule | None,
+    op_id: str,
+    lhs: jax.Array,
+    rhs: Any,
+    make_layout: Callable[[tuple[int, ...]], ProductLayout],
+  ) -> Any:
+    """`rhs` fake-quantised when the rule matched and it is a float weight, else `rhs`."""
+    where = f"{_current_module_path() or '(top module)'}/{op_id}"
+    if _is_q8_weight(rhs):
+      raise TypeError(
+        f"{where}: got a Q8 (serving) weight; Q8QatProvider trains float params. Run"
+        " Q8 params with the Q8Provider model, and QAT with the float params."
+      )
+    if rule is None:
+      self._record(rule, op_id, "float", note="no rule matched")
+      return rhs
+    name = flax_util.find_param(rhs)
+    if not name:
+      self._record(rule, op_id, "float", note="operand is not a weight")
+      return rhs
+    try:
+      layout = make_layout(tuple(rhs.shape))
+    except UnsupportedProduct as e:
+      warnings.warn(f"{where}: left float: {e}", stacklevel=4)
+      self._record(rule, op_id, "float", note=f"left float: {e}")
+      return rhs
+    if not jnp.issubdtype(rhs.dtype, jnp.floating):
+      raise TypeError(
+        f"{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights"
+      )
+    scale_dtype = np.dtype(rule.scale_dtype)
+    weight = layout.weight
+    k, k_pad, n = weight.k, weight.k_padded, weight.n
+    notes = [f"K padded {k} -> {k_pad}"] if k_pad != k else []
+    if rule.implementation is not None or rule.interpret is not None:
+      notes.append("implementation/interpret apply when serving")
+    self._record(
+      rule,
+      op_id,
+      FAKE_QUANT,
+      weight_shape=weight.shape,
+      m=math.prod(lhs.shape[a] for a in layout.lhs_free),
+      k=k,
+      n=n,
+      float_bytes=k * n * np.dtype(rhs.dtype).itemsize,
+      q8_bytes=k_pad * n + (k_pad // BLOCK) * n * scale_dtype.itemsize,
+      note="; ".join(notes),
+    )
+    return fake_quant_ste(rhs, weight, scale_dtype.name)
+
+  # ---- the report ------------------------------------------------------------
+
+  def _record(self, rule: Q8Rule | None, op_id: str, path: str, **fields: Any) -> None:
+    module = _current_module_path()
+    index = None if rule is None else self._rules.index(rule)
+    self._records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
+
+  def report(self) -> Report:
+    """Every op intercepted so far (the latest trace of each) and the rules that matched nothing.
+
+    `q8_bytes` is what each fake-quantised weight will take when served as Q8_0.
+    """
+    unused = list(self.get_unused_rules()) if self._initial_run_complete else []
+    return Report(ops=list(self._records.values()), unused_rules=unused)
