@@ -1,5 +1,6 @@
 """q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights."""
 
+from q8rules import checkpoint, sharding
 from q8rules.kernels import q8_gemv_applies, q8_matmul
 from q8rules.providers import Q8How, Q8Provider, Q8QatProvider, quantize_params
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
@@ -15,9 +16,11 @@ __all__ = [
   "Q8QatProvider",
   "Q8Rule",
   "Report",
+  "checkpoint",
   "dequantize",
   "q8_gemv_applies",
   "q8_matmul",
   "quantize",
   "quantize_params",
+  "sharding",
 ]
