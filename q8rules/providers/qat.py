@@ -63,8 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -76,14 +75,13 @@ from qwix._src.utils import flax_util
 
 from q8rules.layout import (
   ProductLayout,
-  UnsupportedProduct,
   WeightLayout,
   from_dot_general,
   from_einsum,
 )
+from q8rules.providers._common import RecordingProvider, jnp_dot_dimension_numbers, op_where
 from q8rules.q8_0 import BLOCK, dequantize, quantize
-from q8rules.report import OpRecord, Report
-from q8rules.rules import Q8Rule, describe, validate_rule
+from q8rules.rules import Q8Rule
 
 FAKE_QUANT = "fake_quant"
 """The `OpRecord.path` of a fake-quantised product."""
@@ -140,15 +138,11 @@ def _fake_quant_ste_jvp(
   return _fake_quant_jit(w, layout, scale_dtype), dw
 
 
-def _current_module_path() -> str:
-  return "/".join(map(str, flax_util.get_current_module_path()))
-
-
 def _is_q8_weight(x: Any) -> bool:
   return isinstance(flax_util.unbox(x), ptq.WithAux)
 
 
-class Q8QatProvider(qconfig.QuantizationProvider):
+class Q8QatProvider(RecordingProvider, qconfig.QuantizationProvider):
   """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params.
 
   Use as `qwix.quantize_model(model, Q8QatProvider(rules))` for linen (then
@@ -158,12 +152,6 @@ class Q8QatProvider(qconfig.QuantizationProvider):
   weight is the per-layer slice, quantized on its own). After the first run,
   `report()` lists every intercepted op (path 'fake_quant' or 'float').
   """
-
-  def __init__(self, rules: Sequence[Q8Rule], *, disable_jit: bool = False):
-    rules = [validate_rule(r, provider=type(self).__name__) for r in rules]
-    super().__init__(rules, disable_jit=disable_jit)
-    self._records: dict[tuple[str, str], OpRecord] = {}
-    self._warned_unused = False
 
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
     return super().get_intercept_map() | {
@@ -236,14 +224,9 @@ class Q8QatProvider(qconfig.QuantizationProvider):
   ) -> jax.Array:
     """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
     rule, op_id = self._get_current_rule_and_op_id("dot_general")
-    if a.ndim == 0 or b.ndim == 0:
-      contract = ((), ())
-    elif b.ndim == 1:
-      contract = ((a.ndim - 1,), (0,))
-    else:
-      contract = ((a.ndim - 1,), (b.ndim - 2,))
+    dims = jnp_dot_dimension_numbers(a.ndim, b.ndim)
     b = self._maybe_fake_quant(
-      rule, op_id, a, b, lambda shape: from_dot_general(a.ndim, shape, (contract, ((), ())))
+      rule, op_id, a, b, lambda shape: from_dot_general(a.ndim, shape, dims)
     )
     return jnp.dot(
       a,
@@ -252,14 +235,6 @@ class Q8QatProvider(qconfig.QuantizationProvider):
       preferred_element_type=preferred_element_type,
       out_sharding=out_sharding,
     )
-
-  def process_model_output(self, method_name: str, model_output: Any) -> Any:
-    out = super().process_model_output(method_name, model_output)
-    if not self._warned_unused:
-      self._warned_unused = True
-      for rule in self.get_unused_rules():
-        warnings.warn(f"Q8 rule matched nothing: {describe(rule)}", stacklevel=2)
-    return out
 
   # ---- the fake quant ------------------------------------------------------
 
@@ -272,29 +247,16 @@ class Q8QatProvider(qconfig.QuantizationProvider):
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
   ) -> Any:
     """`rhs` fake-quantised when the rule matched and it is a float weight, else `rhs`."""
-    where = f"{_current_module_path() or '(top module)'}/{op_id}"
+    where = op_where(op_id)
     if _is_q8_weight(rhs):
       raise TypeError(
         f"{where}: got a Q8 (serving) weight; Q8QatProvider trains float params. Run"
         " Q8 params with the Q8Provider model, and QAT with the float params."
       )
-    if rule is None:
-      self._record(rule, op_id, "float", note="no rule matched")
+    matched = self._match_float_weight(rule, op_id, rhs, make_layout)
+    if matched is None:
       return rhs
-    name = flax_util.find_param(rhs)
-    if not name:
-      self._record(rule, op_id, "float", note="operand is not a weight")
-      return rhs
-    try:
-      layout = make_layout(tuple(rhs.shape))
-    except UnsupportedProduct as e:
-      warnings.warn(f"{where}: left float: {e}", stacklevel=4)
-      self._record(rule, op_id, "float", note=f"left float: {e}")
-      return rhs
-    if not jnp.issubdtype(rhs.dtype, jnp.floating):
-      raise TypeError(
-        f"{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights"
-      )
+    _, layout = matched
     scale_dtype = np.dtype(rule.scale_dtype)
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
@@ -314,18 +276,3 @@ class Q8QatProvider(qconfig.QuantizationProvider):
       note="; ".join(notes),
     )
     return fake_quant_ste(rhs, weight, scale_dtype.name)
-
-  # ---- the report ------------------------------------------------------------
-
-  def _record(self, rule: Q8Rule | None, op_id: str, path: str, **fields: Any) -> None:
-    module = _current_module_path()
-    index = None if rule is None else self._rules.index(rule)
-    self._records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
-
-  def report(self) -> Report:
-    """Every op intercepted so far (the latest trace of each) and the rules that matched nothing.
-
-    `q8_bytes` is what each fake-quantised weight will take when served as Q8_0.
-    """
-    unused = list(self.get_unused_rules()) if self._initial_run_complete else []
-    return Report(ops=list(self._records.values()), unused_rules=unused)

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -40,9 +39,9 @@ from q8rules.layout import (
   from_dot_general,
   from_einsum,
 )
+from q8rules.providers._common import RecordingProvider, current_module_path, op_where
 from q8rules.q8_0 import Q8Array, quantize
-from q8rules.report import OpRecord, Report
-from q8rules.rules import Q8Rule, describe, validate_rule
+from q8rules.rules import Q8Rule
 
 WithAux = ptq.WithAux
 
@@ -82,18 +81,10 @@ class _Q8Quantizer:
 
   @staticmethod
   def quantize(value: jax.Array, how: Q8How) -> Q8Array:
-    return quantize_weight(value, how, name=_current_op_name())
+    return quantize_weight(value, how, name=current_module_path() or "(top module)")
 
 
-def _current_module_path() -> str:
-  return "/".join(map(str, flax_util.get_current_module_path()))
-
-
-def _current_op_name() -> str:
-  return _current_module_path() or "(top module)"
-
-
-class Q8Provider(ptq.PtqProvider):
+class Q8Provider(RecordingProvider, ptq.PtqProvider):
   """Serve weights of ops matched by `Q8Rule`s as Q8_0.
 
   Use as `qwix.quantize_model(model, Q8Provider(rules))` for linen (then
@@ -101,12 +92,6 @@ class Q8Provider(ptq.PtqProvider):
   `qwix.quantize_model(model, Q8Provider(rules), *inputs)` for nnx.
   After the first run, `report()` lists every intercepted op.
   """
-
-  def __init__(self, rules: Sequence[Q8Rule], *, disable_jit: bool = False):
-    rules = [validate_rule(r, provider=type(self).__name__) for r in rules]
-    super().__init__(rules, disable_jit=disable_jit)
-    self._records: dict[tuple[str, str], OpRecord] = {}
-    self._warned_unused = False
 
   # ---- the intercepted ops -------------------------------------------------
 
@@ -186,14 +171,6 @@ class Q8Provider(ptq.PtqProvider):
       return unboxed
     return super().asarray(a, dtype=dtype, order=order, **kwargs)
 
-  def process_model_output(self, method_name: str, model_output: Any) -> Any:
-    out = super().process_model_output(method_name, model_output)
-    if not self._warned_unused:
-      self._warned_unused = True
-      for rule in self.get_unused_rules():
-        warnings.warn(f"Q8 rule matched nothing: {describe(rule)}", stacklevel=2)
-    return out
-
   # ---- the product ---------------------------------------------------------
 
   def _product(
@@ -206,7 +183,7 @@ class Q8Provider(ptq.PtqProvider):
     as_float: Callable[[], jax.Array],
     preferred_element_type: Any,
   ) -> jax.Array:
-    where = f"{_current_op_name()}/{op_id}"
+    where = op_where(op_id)
     if isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How):  # a Q8 weight
       how, weight = rhs.how, rhs.array
       try:
@@ -218,22 +195,11 @@ class Q8Provider(ptq.PtqProvider):
           f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
           f" {layout.weight}"
         )
-    elif rule is not None and (name := flax_util.find_param(rhs)):  # a float weight
-      try:
-        layout = make_layout(tuple(rhs.shape))
-      except UnsupportedProduct as e:
-        warnings.warn(f"{where}: left float: {e}", stacklevel=3)
-        self._record(rule, op_id, "float", note=f"left float: {e}")
-        return as_float()
-      if not jnp.issubdtype(rhs.dtype, jnp.floating):
-        raise TypeError(
-          f"{where}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights"
-        )
+    elif matched := self._match_float_weight(rule, op_id, rhs, make_layout):  # a float weight
+      name, layout = matched
       how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
       weight = ptq.create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
     else:
-      note = "no rule matched" if rule is None else "operand is not a weight"
-      self._record(rule, op_id, "float", note=note)
       return as_float()
 
     try:
@@ -277,18 +243,6 @@ class Q8Provider(ptq.PtqProvider):
       note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
     )
     return y.astype(out_dtype)
-
-  # ---- the report ------------------------------------------------------------
-
-  def _record(self, rule: Q8Rule | None, op_id: str, path: str, **fields: Any) -> None:
-    module = _current_module_path()
-    index = None if rule is None else self._rules.index(rule)
-    self._records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
-
-  def report(self) -> Report:
-    """Every op intercepted so far (the latest trace of each) and the rules that matched nothing."""
-    unused = list(self.get_unused_rules()) if self._initial_run_complete else []
-    return Report(ops=list(self._records.values()), unused_rules=unused)
 
 
 def _quantize_stacked(w: jax.Array, how: Q8How, name: str) -> Q8Array:
