@@ -63,14 +63,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from q8rules import kernels
-from q8rules.kernels.fold import q8_fold
-from q8rules.kernels.reference import q8_matmul_reference
-from q8rules.kernels.xla import q8_matmul_xla
 from q8rules.layout import ProductLayout, WeightLayout
 from q8rules.q8_0 import BLOCK, Q8Array
 
@@ -286,24 +284,19 @@ def _local_product(
   implementation: str | None,
   interpret: bool | None,
 ) -> jax.Array:
-  """One device's product on its shards: x2d (m, K_local) @ (q, scale) -> (m, N_local) float32."""
-  m, k = x2d.shape
-  n = q.shape[1]
-  itemsize = np.dtype(x2d.dtype).itemsize
-  impl = implementation or kernels.pick_implementation(m, k, n, itemsize=itemsize)
-  if impl == "xla":
-    return q8_matmul_xla(x2d, q, scale)
-  if impl == "reference":
-    return q8_matmul_reference(x2d, q, scale)
-  reason = kernels.q8_gemv_reason(m, k, n, itemsize=itemsize)
-  if reason:
-    raise ValueError(
-      f"implementation='pallas': the fold does not apply to a shard's {m}x{k}x{n}"
-      f" product: {reason}; use 'xla'"
-    )
-  # The fold pads this shard's N to its column tile (zero values and scales) and
-  # slices the pad off: per shard, never a global pad.
-  return q8_fold(x2d, q, scale, interpret=interpret)
+  """One device's product on its shards: x2d (m, K_local) @ (q, scale) -> (m, N_local) float32.
+
+  The implementation is picked from the shard's own shape; the fold pads this
+  shard's N to its column tile (zero values and scales) and slices the pad off:
+  per shard, never a global pad.
+  """
+  return kernels.q8_matmul(
+    x2d,
+    Q8Array(q, scale),
+    implementation=implementation,
+    interpret=interpret,
+    preferred_element_type=jnp.float32,
+  )
 
 
 def _type_spec(a: Any) -> P | None:

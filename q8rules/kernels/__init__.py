@@ -12,7 +12,7 @@ accumulation. Implementations (tokamax's convention, `implementation=`):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +78,14 @@ def q8_matmul(
   *,
   implementation: Implementation = None,
   interpret: bool | None = None,
+  preferred_element_type: Any = None,
 ) -> jax.Array:
   """`y = x @ W` for x (..., K) float32/bfloat16/float16 and W a (K, N) Q8Array.
 
-  Accumulates in float32 and returns (..., N) in x's dtype.
+  Accumulates in float32 and returns (..., N) in `preferred_element_type`
+  (default: x's dtype). The fold runs only where the product is decode-shaped
+  (`q8_gemv_reason` says why not); `interpret` runs it in Pallas interpret mode
+  (None: on CPU).
   """
   check_operands(x, w)
   if implementation not in (None, *IMPLEMENTATIONS):
@@ -101,7 +105,7 @@ def q8_matmul(
     if reason:
       raise ValueError(f"implementation='pallas': the fold does not apply: {reason}; use 'xla'")
     y = q8_fold(x2d, w.q, w.scale, interpret=interpret)
-  return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype)
 
 
 __all__ = [

@@ -224,7 +224,13 @@ class Q8Provider(RecordingProvider, ptq.PtqProvider):
       )
       if y is None:
         x2d = layout.lhs_matrix(lhs)
-        y2d = kernels.q8_matmul(x2d, weight, implementation=path, interpret=interpret)
+        y2d = kernels.q8_matmul(
+          x2d,
+          weight,
+          implementation=path,
+          interpret=interpret,
+          preferred_element_type=preferred_element_type,
+        )
         y = layout.output(y2d, tuple(lhs.shape))
     except (TypeError, ValueError, NotImplementedError) as e:
       raise type(e)(f"{where}: {e}") from e
