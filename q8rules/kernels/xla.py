@@ -29,11 +29,13 @@ dot emitter and YNNPACK's dot fusions take only float operands), and its
 reductions of a broadcast product run 2-800x slower than a dot (YNNPACK's
 reduce fusions are pathological when x is broadcast along N: 1.9 s for one
 4096 x 4096 product), so "dequantise a cache-sized chunk, then dot" is the
-fastest pure-XLA form on CPU. The carry/copy variants lose to XLA's copy
-insertion; a while body of fewer than 9 thunks runs them sequentially, so
-prefetching cannot overlap the dot. The cost is the float32 round trip of each
-chunk through the L3 (4 bytes written and read per weight) plus the DRAM read
-of the int8: about 40% of the machine's read bandwidth on the Q8 bytes.
+fastest pure-XLA form on CPU. The pipelined variant loses to XLA's copy
+insertion (the carried chunk is copied every step), and prefetching never
+overlaps the dot: XLA:CPU runs a while body of at most 8 thunks in order, and
+in a bigger body buffer reuse made the dot wait for the prefetch. The cost is
+the float32 round trip of each chunk through the L3 (4 bytes written and 4
+read per weight) on top of the DRAM read of the int8: about 12 GB/s on the Q8
+bytes at m = 1, a third of the machine's read bandwidth.
 
 Chunk size (`default_chunk`): about 8 MiB of float32 per step, independent of
 M; see there.
