@@ -355,3 +355,37 @@ def test_unsupported_product_stays_float_with_warning(rng):
   assert any("left float" in str(w.message) for w in caught)
   assert isinstance(variables["params"]["w"], jax.Array)
   assert provider.report().ops[0].path == "float"
+
+
+# ---- dispatch to the Pallas fold ------------------------------------------------
+
+
+def test_provider_dispatches_decode_products_to_the_fold(rng):
+  """A rule asking for the fold runs it (interpret mode on CPU) and the report says so."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(128, use_bias=False, name="up")(x)  # K = 1024
+      return nn.DenseGeneral((2, 20), use_bias=False, name="heads")(h)  # N = 40: padded tile
+
+  x = jnp.asarray(rng.standard_normal((1, 3, 1024)), jnp.float32)  # M = 3 rows
+  provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation="pallas")])
+  q8_model = qwix.quantize_model(Block(), provider)
+  variables = q8_model.init(jax.random.key(0), x)
+  y = jax.jit(q8_model.apply)(variables, x)
+  p = variables["params"]
+  ref = np.einsum(
+    "btk,knh->btnh",
+    np.asarray(x, np.float64) @ dequantized_f64(p["up"]["kernel"]),
+    dequantized_f64(p["heads"]["kernel"]),
+  )
+  assert rel_err(y, ref) <= 1e-6
+  assert provider.report().paths() == {"up/dot_general0": "pallas", "heads/dot_general0": "pallas"}
+  # a prefill-sized product is refused by the fold, naming the op and why
+  with pytest.raises(ValueError, match=r"up/dot_general0.*m=64 > 8 tile rows"):
+    q8_model.apply(variables, jnp.ones((1, 64, 1024)))
+  # implementation=None on CPU takes the XLA path
+  default = q8rules.Q8Provider([q8rules.Q8Rule()])
+  qwix.quantize_model(Block(), default).apply(variables, x)
+  assert set(default.report().paths().values()) == {"xla"}
