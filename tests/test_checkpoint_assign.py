@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import flax.linen as nn
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,24 +20,12 @@ from q8rules.checkpoint import safetensors as ckpt_st
 from q8rules.checkpoint.assign import assign, flatten
 from q8rules.q8_0 import Q8Array
 from tests.conftest import rel_err
+from tests.test_checkpoint_gguf import write_gguf
 
 
 def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
   w = rng.standard_normal(shape).astype(np.float32)
   return (w * 10.0 ** rng.uniform(-2, 1, (*shape[:-1], 1))).astype(np.float32)
-
-
-def write_gguf(path, tensors: dict) -> None:
-  writer = gguf.GGUFWriter(path, "llama")
-  for name, value in tensors.items():
-    if isinstance(value, tuple):
-      writer.add_tensor(name, value[0], raw_dtype=value[1])
-    else:
-      writer.add_tensor(name, value)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
 
 
 def blank_q8(k: int, n: int, scale_dtype=jnp.float32, dtype=jnp.float32) -> Q8Array:
