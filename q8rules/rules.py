@@ -12,7 +12,7 @@ import qwix
 Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
 
-IMPLEMENTATIONS = (None, "xla", "pallas")
+IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,8 +23,9 @@ class Q8Rule(qwix.QuantizationRule):
 
   Attributes:
     scale_dtype: float32 (default, as on the chip) or float16 (GGUF's).
-    implementation: None picks the best for the backend and shape; 'xla' or
-      'pallas' force one (see `q8rules.q8_matmul`).
+    implementation: None picks the best for the backend and shape; 'xla',
+      'pallas' or 'cpu' (the native CPU kernel) force one (see
+      `q8rules.q8_matmul`).
     interpret: run the Pallas kernel in interpret mode (None: on CPU only).
   """
 

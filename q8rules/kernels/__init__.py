@@ -6,8 +6,13 @@ accumulation. Implementations (tokamax's convention, `implementation=`):
   'pallas'     the fold kernel (TPU Mosaic / GPU Triton; `interpret=True` on CPU),
                for decode-shaped products (`q8_gemv_applies`)
   'xla'        K-chunked dequantise-and-dot, every shape, every backend
+  'cpu'        the native C++ kernel (XLA FFI, built on first use; x86-64, CPU
+               backend): one read of the int8 weight, converted in registers,
+               for up to 16 rows at a time (`q8rules.kernels.cpu`)
   'reference'  dequantise the whole weight, then dot (the yardstick; slow)
   None         the best for the backend and shape, always falling back to 'xla'
+               (on CPU: 'cpu' for m <= CPU_MAX_ROWS when it is available and
+               CPU_BY_DEFAULT is set)
 """
 
 from __future__ import annotations
@@ -18,13 +23,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.kernels import cpu as _cpu
 from q8rules.kernels.fold import q8_fold, q8_gemv_applies, q8_gemv_reason
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
 
-Implementation = Literal["xla", "pallas", "reference"] | None
-IMPLEMENTATIONS = ("xla", "pallas", "reference")
+Implementation = Literal["xla", "pallas", "cpu", "reference"] | None
+IMPLEMENTATIONS = ("xla", "pallas", "cpu", "reference")
+
+CPU_BY_DEFAULT = False
+"""Whether `implementation=None` picks the native CPU kernel on CPU (for m <= CPU_MAX_ROWS).
+
+False for now: tests of other parts (test_fold, test_provider, test_demo) pin the CPU path to
+'xla'. Setting it True makes the kernel the CPU default once those expectations are updated;
+until then ask for it with `implementation='cpu'` or `Q8Rule(implementation='cpu')`."""
+
+CPU_MAX_ROWS = 6
+"""The most activation rows (m) for which `implementation=None` would run the native CPU kernel.
+Measured on the 2-core EPYC (weights from DRAM, ms, kernel / XLA path): K = N = 4096:
+m = 1 0.78 / 1.44, 2 0.88 / 1.87, 3 1.16 / 1.67, 4 1.41 / 1.69, 6 1.65 / 2.21, 8 2.77 / 2.50,
+16 4.34 / 3.63, 64 32.6 / 25.0; K = N = 8192: m = 1 2.64 / 6.23, 4 5.70 / 7.79, 8 10.6 / 10.0.
+From m = 8 the product is FMA-bound and XLA's GEMM on dequantised chunks wins."""
 ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -55,16 +75,27 @@ def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None
     )
 
 
+def cpu_kernel_applies(m: int, *, by_default: bool | None = None) -> bool:
+  """Whether `pick_implementation` sends an (m, K) x (K, N) product on CPU to the native kernel:
+  `by_default` (None: `CPU_BY_DEFAULT`), 0 < m <= `CPU_MAX_ROWS`, and the kernel is available."""
+  by_default = CPU_BY_DEFAULT if by_default is None else by_default
+  return by_default and 0 < m <= CPU_MAX_ROWS and _cpu.available()
+
+
 def pick_implementation(
   m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
 ) -> str:
   """The implementation `implementation=None` runs for an (m, K) x (K, N) product.
 
   'pallas' (the fold) on TPU and GPU when `q8_gemv_applies(m, k, n)` (itemsize:
-  bytes of an activation value), 'xla' otherwise. Always 'xla' on CPU: the
-  fold only runs there in interpret mode, ~30x slower.
+  bytes of an activation value). On CPU, when `CPU_BY_DEFAULT`, 'cpu' (the
+  native kernel) for m <= `CPU_MAX_ROWS` where `q8rules.kernels.cpu.available()`
+  (which builds it on the first call); never the fold (interpret mode, ~30x
+  slower). 'xla' otherwise.
   """
   backend = (backend or jax.default_backend()).lower()
+  if backend == "cpu":
+    return "cpu" if cpu_kernel_applies(m) else "xla"
   if backend in ("tpu", "gpu", "cuda", "rocm") and q8_gemv_applies(
     m, k, n, backend=backend, itemsize=itemsize
   ):
@@ -98,6 +129,13 @@ def q8_matmul(
   impl = implementation or pick_implementation(x2d.shape[0], k, n, itemsize=itemsize)
   if impl == "xla":
     y = q8_matmul_xla(x2d, w.q, w.scale)
+  elif impl == "cpu":
+    if not _cpu.available():
+      raise RuntimeError(
+        f"implementation='cpu': the native CPU kernel is unavailable here:"
+        f" {_cpu.unavailable_reason()}; use 'xla'"
+      )
+    y = _cpu.q8_matmul_cpu(x2d, w.q, w.scale)
   elif impl == "reference":
     y = q8_matmul_reference(x2d, w.q, w.scale)
   else:
@@ -109,8 +147,11 @@ def q8_matmul(
 
 
 __all__ = [
+  "CPU_BY_DEFAULT",
+  "CPU_MAX_ROWS",
   "IMPLEMENTATIONS",
   "check_operands",
+  "cpu_kernel_applies",
   "pick_implementation",
   "q8_fold",
   "q8_gemv_applies",

@@ -1,0 +1,249 @@
+"""The native CPU Q8_0 product: a C++ XLA FFI kernel (`cpu/q8_gemv.cc`), built on first use.
+
+`q8_matmul_cpu(x, q, scale)` computes `x @ (q * d)` for x (M, K) and a Q8_0
+weight (int8 q (K, N), float32 or float16 scales (K/32, N)) with one read of
+q: each int8 row is converted to float32 in registers and FMA'd into
+per-block partial sums for every x row at once (the fold's numerics: per
+32-row block, `s = sum_i x_i q_i` in float32, then `y += d * s`). On the
+2-core EPYC this reads q at close to the machine's DRAM bandwidth at M = 1,
+where XLA's dequantise-then-dot path (`q8rules.kernels.xla`) writes and
+reads every weight back as float32; see `benchmarks/RESULTS.md`.
+
+Building. The first call (per process) compiles `cpu/q8_gemv.cc` with the
+system C++ compiler (`$CXX`, default `c++`) against the jaxlib FFI headers
+into a cache directory (`$Q8RULES_CACHE`, default `~/.cache/q8rules`), the
+file named by a hash of the source, the jaxlib version, the compiler and its
+flags; later processes load that file without compiling. The AVX2/FMA/F16C
+code is selected at run time, with a scalar path for CPUs without them.
+`available()` is False (and `unavailable_reason()` says why) when the host is
+not x86-64, JAX's default backend is not the CPU, or there is no compiler or
+the build fails; `q8rules.q8_matmul` then picks the XLA path, and asking for
+`implementation='cpu'` raises with that reason.
+
+Transformations. `jax.jit` as usual. `jax.vmap`: a batch of x (weight
+unbatched) folds into the kernel's M rows (one read of the weight for the
+whole batch); a batched weight runs one kernel call per batch element
+(`lax.map`). Differentiation is a `custom_jvp` whose tangent is linear XLA
+(`q8_matmul_xla`): `jax.jvp`, `jax.grad` and `jax.vjp` work, the backward
+product w.r.t. x is `dy @ W^T` computed chunk by chunk by XLA, and the
+gradient w.r.t. the scales is what the XLA path gives (`x^T dy` summed per
+block, times q). q is integer: no gradient.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from q8rules.q8_0 import BLOCK
+
+TARGET = "q8rules_q8_gemv"
+"""The FFI target name the kernel is registered under (CPU platform)."""
+
+SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
+"""The kernel's C++ source, shipped as package data."""
+
+CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-w")
+"""Compiler flags. No `-mavx2`: the AVX2 functions carry target attributes, so the scalar
+fallback stays runnable on any x86-64 CPU."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib" (ctypes.CDLL) or "reason" (str), once decided
+
+
+def cache_dir() -> Path:
+  """Where compiled kernels are kept: `$Q8RULES_CACHE`, else `~/.cache/q8rules`."""
+  env = os.environ.get("Q8RULES_CACHE")
+  if env:
+    return Path(env).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return Path(base) / "q8rules"
+
+
+def _compiler() -> list[str]:
+  """The C++ compiler command: `$CXX` (may carry arguments), default `c++`."""
+  return (os.environ.get("CXX") or "c++").split()
+
+
+def library_path() -> Path:
+  """The cached shared library for this source, jaxlib, compiler and flags (may not exist yet)."""
+  key = hashlib.sha256()
+  key.update(SOURCE.read_bytes())
+  key.update(jaxlib.__version__.encode())
+  key.update(" ".join(_compiler() + list(CXXFLAGS)).encode())
+  key.update(platform.machine().encode())
+  return cache_dir() / f"q8_gemv-{key.hexdigest()[:16]}.so"
+
+
+def _build(out: Path) -> None:
+  """Compile SOURCE into `out` (atomically: a temporary file renamed into place)."""
+  cxx = _compiler()
+  if shutil.which(cxx[0]) is None:
+    raise RuntimeError(f"no C++ compiler: {cxx[0]!r} not found (set $CXX)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+  os.close(fd)
+  cmd = [*cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, str(SOURCE)]
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+      raise RuntimeError(
+        f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
+      )
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+  """Build (or find) and load the library and register the FFI target, once per process."""
+  with _lock:
+    if "lib" in _state or "reason" in _state:
+      return _state.get("lib")  # type: ignore[return-value]
+    try:
+      machine = platform.machine().lower()
+      if machine not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the kernel is x86-64 only (this host: {machine})")
+      backend = jax.default_backend()
+      if backend != "cpu":
+        raise RuntimeError(f"JAX's default backend is {backend!r}, not 'cpu'")
+      path = library_path()
+      if not path.exists():
+        _build(path)
+      lib = ctypes.CDLL(str(path))
+      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Q8Gemv), platform="cpu")
+      _state["lib"] = lib
+      _state["path"] = path
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+      _state["reason"] = str(e)
+    return _state.get("lib")  # type: ignore[return-value]
+
+
+def loaded_path() -> Path | None:
+  """The shared library this process loaded, or None."""
+  _load()
+  return _state.get("path")  # type: ignore[return-value]
+
+
+def available() -> bool:
+  """Whether the native kernel runs here (builds it on the first call; see `unavailable_reason`)."""
+  return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+  """Why `available()` is False, or None when it is True."""
+  _load()
+  return _state.get("reason")  # type: ignore[return-value]
+
+
+def has_avx2() -> bool:
+  """Whether the loaded kernel runs its AVX2/FMA/F16C path on this CPU (False if unavailable)."""
+  lib = _load()
+  return bool(lib is not None and lib.Q8GemvHasAvx2())
+
+
+def force_scalar(force: bool) -> None:
+  """Run the scalar fallback even on an AVX2 CPU (True) or stop forcing it (False); for tests."""
+  lib = _load()
+  if lib is None:
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  lib.Q8GemvForceScalar(int(force))
+
+
+def _ffi_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  """One kernel call: x (M, K) float32, q (K, N) int8, scale (K/32, N) -> (M, N) float32."""
+  m = x.shape[0]
+  n = q.shape[1]
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, q, scale)
+
+
+@jax.custom_batching.custom_vmap
+def _product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  return _ffi_product(x, q, scale)
+
+
+@_product.def_vmap
+def _product_vmap(
+  axis_size: int, in_batched: list[bool], x: jax.Array, q: jax.Array, scale: jax.Array
+) -> tuple[jax.Array, bool]:
+  """Batched x with one weight: fold the batch into M. A batched weight: one call per element."""
+  x_batched, q_batched, scale_batched = in_batched
+  if not (q_batched or scale_batched):
+    if not x_batched:
+      return _product(x, q, scale), False
+    b, m, k = x.shape
+    y = _product(x.reshape(b * m, k), q, scale)
+    return y.reshape(b, m, q.shape[1]), True
+
+  def batched(a: jax.Array, is_batched: bool) -> jax.Array:
+    return a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+  args = (batched(x, x_batched), batched(q, q_batched), batched(scale, scale_batched))
+  return jax.lax.map(lambda a: _product(*a), args), True
+
+
+@jax.custom_jvp
+def _product_diff(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  return _product(x, q, scale)
+
+
+def _product_jvp(primals, tangents):
+  """The product is bilinear in (x, scale): tangents through the (transposable) XLA path."""
+  from q8rules.kernels.xla import q8_matmul_xla
+
+  x, q, scale = primals
+  dx, _, dscale = tangents
+  y = _product_diff(x, q, scale)
+  dy = jnp.zeros_like(y)
+  if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+    dy = dy + q8_matmul_xla(dx, q, scale)
+  if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
+    dy = dy + q8_matmul_xla(x, q, dscale)
+  return y, dy
+
+
+_product_diff.defjvp(_product_jvp, symbolic_zeros=True)
+
+
+def q8_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  """`x @ (q * scale)` with the native CPU kernel.
+
+  Args:
+    x: (M, K) float32, bfloat16 or float16 activations (converted to float32,
+      exactly).
+    q: (K, N) int8 Q8_0 values, K a multiple of 32.
+    scale: (K/32, N) float32 or float16 Q8_0 scales (float16 widened in the
+      kernel).
+
+  Returns:
+    (M, N) float32, accumulated in float32 per 32-row block.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here (`unavailable_reason()`).
+    ValueError: the shapes do not fit.
+  """
+  m, k = x.shape
+  n = q.shape[1]
+  if q.shape[0] != k or tuple(scale.shape) != (k // BLOCK, n) or k % BLOCK:
+    raise ValueError(
+      f"q8_matmul_cpu: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
+      f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
+    )
+  if not available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  x = x.astype(jnp.float32)
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  return _product_diff(x, q, scale)

@@ -1,0 +1,240 @@
+"""The native CPU Q8_0 kernel (XLA FFI, `q8rules.kernels.cpu`) against float64 references."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import q8rules
+from q8rules.kernels import (
+  CPU_BY_DEFAULT,
+  CPU_MAX_ROWS,
+  cpu,
+  cpu_kernel_applies,
+  pick_implementation,
+  q8_matmul,
+)
+from q8rules.q8_0 import BLOCK, Q8Array
+from tests.conftest import rel_err
+
+TOL = 1e-6
+
+pytestmark = pytest.mark.skipif(
+  not cpu.available(), reason=f"native CPU kernel unavailable: {cpu.unavailable_reason()}"
+)
+
+
+def random_q8(rng: np.random.Generator, k: int, n: int, scale_dtype=np.float32):
+  """Random Q8_0 parts: q (K, N) int8 in [-127, 127], scale (K/32, N) > 0 of `scale_dtype`."""
+  q = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+  scale = (rng.uniform(0.5, 2.0, size=(k // BLOCK, n)) * 10.0 ** rng.uniform(-3, 0)).astype(
+    scale_dtype
+  )
+  return jnp.asarray(q), jnp.asarray(scale)
+
+
+def weight64(q, scale) -> np.ndarray:
+  """The dequantised weight in float64: (K, N)."""
+  return np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=0)
+
+
+def close(out, x, w64: np.ndarray, tol: float = TOL) -> bool:
+  """`rel_err(out, x @ W) <= tol * max(1, cond)` against float64, cond = ||abs(x) @ abs(W)|| /
+  ||x @ W||: float32 sums carry an error relative to the magnitudes they add, so a product
+  whose terms cancel (one output of K = 32, say) is held to that, not to its small result."""
+  x64 = np.asarray(x, np.float64)
+  ref = x64 @ w64
+  cond = np.linalg.norm(np.abs(x64) @ np.abs(w64)) / np.linalg.norm(ref)
+  return rel_err(out, ref) <= tol * max(1.0, cond)
+
+
+def random_x(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+SHAPES = [
+  # (m, K, N): N = 1, N not a multiple of 8 or 64, m across the 6-row tiles and 16-row groups
+  (1, 32, 1),
+  (3, 32, 7),
+  (1, 96, 40),
+  (8, 96, 1),
+  (16, 64, 130),
+  (17, 128, 72),
+  (1, 256, 200),
+  (64, 96, 33),
+  (5, 1024, 1100),  # big enough to split the columns across threads
+  (1, 2048, 2051),
+]
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def path(request):
+  """Run a test on the AVX2 path (where the CPU has it) and on the forced scalar path."""
+  if request.param == "avx2" and not cpu.has_avx2():
+    pytest.skip("this CPU has no AVX2/FMA/F16C")
+  cpu.force_scalar(request.param == "scalar")
+  yield request.param
+  cpu.force_scalar(False)
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_matches_float64_reference(rng, path, m, k, n, scale_dtype):
+  q, scale = random_q8(rng, k, n, scale_dtype)
+  x = random_x(rng, (m, k))
+  out = jax.jit(cpu.q8_matmul_cpu)(x, q, scale)
+  assert out.shape == (m, n) and out.dtype == jnp.float32
+  assert close(out, x, weight64(q, scale))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_x_matches_reference_of_rounded_x(rng, dtype):
+  q, scale = random_q8(rng, 160, 72)
+  x = random_x(rng, (3, 160), dtype)
+  out = q8_matmul(x, Q8Array(q, scale, axis=0), implementation="cpu")
+  assert out.dtype == dtype
+  out32 = q8_matmul(
+    x, Q8Array(q, scale, axis=0), implementation="cpu", preferred_element_type=jnp.float32
+  )
+  assert close(out32, x.astype(jnp.float32), weight64(q, scale))
+
+
+def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):
+  w = q8rules.quantize(
+    jnp.asarray(rng.standard_normal((256, 96)), jnp.float32), scale_dtype=jnp.float16
+  )
+  x = random_x(rng, (2, 5, 256))
+  y_cpu = q8_matmul(x, w, implementation="cpu")
+  y_xla = q8_matmul(x, w, implementation="xla")
+  assert y_cpu.shape == (2, 5, 96)
+  assert rel_err(y_cpu, y_xla) <= TOL
+
+
+def test_vmap_over_x(rng):
+  q, scale = random_q8(rng, 96, 40)
+  x = random_x(rng, (4, 3, 96))
+  out = jax.jit(jax.vmap(cpu.q8_matmul_cpu, in_axes=(0, None, None)))(x, q, scale)
+  ref = np.einsum("bmk,kn->bmn", np.asarray(x, np.float64), weight64(q, scale))
+  assert out.shape == (4, 3, 40)
+  assert rel_err(out, ref) <= TOL
+  # x batched along a later axis, nested vmap
+  xt = jnp.transpose(x, (1, 0, 2))  # (3, 4, 96): vmap over axis 1, then over the rows
+  inner = jax.vmap(lambda r: cpu.q8_matmul_cpu(r[None], q, scale)[0])
+  out2 = jax.vmap(inner, in_axes=1)(xt)
+  assert rel_err(out2, ref) <= TOL
+
+
+def test_vmap_over_the_weight(rng):
+  parts = [random_q8(rng, 64, 24) for _ in range(3)]
+  q = jnp.stack([p[0] for p in parts])
+  scale = jnp.stack([p[1] for p in parts])
+  x = random_x(rng, (2, 64))
+  out = jax.vmap(cpu.q8_matmul_cpu, in_axes=(None, 0, 0))(x, q, scale)
+  ref = np.stack([np.asarray(x, np.float64) @ weight64(*p) for p in parts])
+  assert rel_err(out, ref) <= TOL
+
+
+def test_grad_wrt_x_is_dy_times_w_transposed(rng):
+  q, scale = random_q8(rng, 128, 40)
+  x = random_x(rng, (3, 128))
+  dy = random_x(rng, (3, 40))
+
+  def loss(x):
+    return jnp.sum(cpu.q8_matmul_cpu(x, q, scale) * dy)
+
+  dx = jax.jit(jax.grad(loss))(x)
+  ref = np.asarray(dy, np.float64) @ weight64(q, scale).T
+  assert dx.shape == x.shape
+  assert rel_err(dx, ref) <= TOL
+  # the primal of value_and_grad comes from the kernel
+  value, _ = jax.value_and_grad(loss)(x)
+  ref_value = np.sum((np.asarray(x, np.float64) @ weight64(q, scale)) * np.asarray(dy, np.float64))
+  assert abs(float(value) - ref_value) <= 1e-5 * abs(ref_value) + 1e-5
+
+
+def test_jvp_and_scale_gradient_match_xla_path(rng):
+  from q8rules.kernels.xla import q8_matmul_xla
+
+  q, scale = random_q8(rng, 96, 24)
+  x = random_x(rng, (2, 96))
+  dx = random_x(rng, (2, 96))
+  y, t = jax.jvp(lambda x: cpu.q8_matmul_cpu(x, q, scale), (x,), (dx,))
+  ref_t = np.asarray(dx, np.float64) @ weight64(q, scale)
+  assert rel_err(t, ref_t) <= TOL
+  g_cpu = jax.grad(lambda s: jnp.sum(cpu.q8_matmul_cpu(x, q, s) ** 2))(scale)
+  g_xla = jax.grad(lambda s: jnp.sum(q8_matmul_xla(x, q, s) ** 2))(scale)
+  assert rel_err(g_cpu, g_xla) <= 1e-5
+
+
+def test_pick_implementation_on_cpu():
+  assert cpu_kernel_applies(1, by_default=True)
+  assert cpu_kernel_applies(CPU_MAX_ROWS, by_default=True)
+  assert not cpu_kernel_applies(CPU_MAX_ROWS + 1, by_default=True)
+  assert not cpu_kernel_applies(64, by_default=True)
+  assert not cpu_kernel_applies(0, by_default=True)
+  assert not cpu_kernel_applies(1, by_default=False)
+  default = "cpu" if CPU_BY_DEFAULT else "xla"
+  assert pick_implementation(1, 4096, 4096, backend="cpu") == default
+  assert pick_implementation(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == default
+  assert pick_implementation(64, 4096, 4096, backend="cpu") == "xla"
+  if jax.default_backend() == "cpu":
+    assert pick_implementation(2, 4096, 4096) == default
+
+
+def test_rule_accepts_cpu(rng):
+  provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation="cpu")])
+  assert provider is not None
+
+
+def test_compile_cache_is_reused():
+  """The library the kernel was loaded from exists, and a fresh process loads it without
+  compiling (CXX points at no compiler there, so compiling would make it unavailable)."""
+  path = cpu.loaded_path()
+  assert path is not None and path.exists() and path == cpu.library_path()
+  code = "from q8rules.kernels import cpu; print(cpu.available(), cpu.unavailable_reason())"
+  # The same $CXX (part of the cache key) but no PATH to find it on: a rebuild would fail.
+  env = dict(os.environ, CXX=os.environ.get("CXX") or "c++", PATH="/nonexistent")
+  done = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split()[0] == "True", done.stdout
+
+
+def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
+  code = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    import q8rules
+    from q8rules.kernels import cpu, cpu_kernel_applies, pick_implementation, q8_matmul
+    assert not cpu.available()
+    print("REASON", cpu.unavailable_reason())
+    assert pick_implementation(1, 64, 8, backend="cpu") == "xla"
+    assert not cpu_kernel_applies(1, by_default=True)
+    rng = np.random.default_rng(0)
+    w = q8rules.quantize(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
+    y = q8_matmul(x, w)
+    ref = np.asarray(x, np.float64) @ np.asarray(q8rules.dequantize(w), np.float64)
+    assert np.linalg.norm(np.asarray(y) - ref) <= 1e-6 * np.linalg.norm(ref)
+    try:
+      q8_matmul(x, w, implementation="cpu")
+    except RuntimeError as e:
+      print("ERROR", e)
+    """
+  )
+  env = dict(os.environ, CXX="/nonexistent/c++", Q8RULES_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert "REASON no C++ compiler" in done.stdout
+  assert "ERROR implementation='cpu'" in done.stdout
+  assert not list(tmp_path.glob("*.so"))
