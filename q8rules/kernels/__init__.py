@@ -32,7 +32,7 @@ from q8rules.q8_0 import BLOCK, Q8Array
 Implementation = Literal["xla", "pallas", "cpu", "reference"] | None
 IMPLEMENTATIONS = ("xla", "pallas", "cpu", "reference")
 
-CPU_BY_DEFAULT = False
+CPU_BY_DEFAULT = True
 """Whether `implementation=None` picks the native CPU kernel on CPU (for m <= CPU_MAX_ROWS).
 
 False for now: tests of other parts (test_fold, test_provider, test_demo) pin the CPU path to
