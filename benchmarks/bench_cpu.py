@@ -59,9 +59,10 @@ sys.path.insert(0, str(ROOT))
 import qwix  # noqa: E402
 
 import q8rules  # noqa: E402
+from benchmarks.results_md import markers, write_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- cpu:start -->", "<!-- cpu:end -->"
+START, END = markers("cpu")
 HEADING = "## CPU (native kernel and XLA path)"
 L3_BYTES = 32 << 20
 ROTATE_BYTES = 8 * L3_BYTES  # weights cycled through per timing: far past the L3
@@ -284,18 +285,6 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
   )
 
 
-def write_results(text: str) -> None:
-  """Put `text` between the CPU markers of RESULTS.md, leaving other sections alone."""
-  old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-  if START in old and END in old:
-    head, rest = old.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    new = head + text + tail
-  else:
-    new = old.rstrip("\n") + "\n\n" + text + "\n"
-  RESULTS.write_text(new)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="K = N = 4096 only, fewer calls")
@@ -324,7 +313,7 @@ def main() -> None:
   print(body)
   if not args.no_write:
     command = " ".join(["python", "benchmarks/bench_cpu.py", *sys.argv[1:]])
-    write_results(section(body, header, command, rounds, calls))
+    write_section("cpu", section(body, header, command, rounds, calls))
     print(f"\nwrote {RESULTS.relative_to(ROOT)}")
 
 

@@ -30,7 +30,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = "<!-- tp:start -->", "<!-- tp:end -->"
+sys.path.insert(0, str(ROOT))
+from benchmarks.results_md import markers, write_section  # noqa: E402
+
+START, END = markers("tp")
 HEADING = "## Tensor parallel (CPU)"
 DEVICES = (1, 2, 4, 8)
 K = N = 4096
@@ -157,18 +160,6 @@ def section(rows: list[dict[str, Any]], header: str, command: str) -> str:
   )
 
 
-def write_results(text: str) -> None:
-  """Put `text` between the tp markers of RESULTS.md, leaving other sections alone."""
-  old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-  if START in old and END in old:
-    head, rest = old.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    new = head + text + tail
-  else:
-    new = old.rstrip("\n") + "\n\n" + text + "\n"
-  RESULTS.write_text(new)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--calls", type=int, default=50, help="timed calls per device count")
@@ -199,7 +190,7 @@ def main() -> None:
     command = "python benchmarks/bench_sharding.py" + (
       f" --calls {args.calls}" if args.calls != 50 else ""
     )
-    write_results(section(rows, header, command))
+    write_section("tp", section(rows, header, command))
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import platform
 import re
@@ -45,8 +46,13 @@ import q8rules
 from q8rules.layout import WeightLayout
 from q8rules.providers.qat import fake_quant
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import markers  # noqa: E402
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- qat:start -->", "<!-- qat:end -->"
+START, END = markers("qat")
+write_section = functools.partial(results_md.write_section, "qat")
 RULES = (q8rules.Q8Rule(module_path="fc[0-9]"),)
 
 
@@ -387,18 +393,6 @@ def section(r: dict[str, Any], *, date: str, command: str, seconds: float) -> st
     END,
   ]
   return "\n".join(lines)
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-  """Replace the text between the qat markers (or append it); other sections stay as they are."""
-  old = path.read_text() if path.exists() else "# Benchmark results\n"
-  if START in old and END in old:
-    head, rest = old.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = head + text + tail
-  else:
-    new = old.rstrip("\n") + "\n\n" + text + "\n"
-  path.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> None:
