@@ -39,10 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -59,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 import qwix  # noqa: E402
 
 import q8rules  # noqa: E402
-from benchmarks.results_md import markers, write_section  # noqa: E402
+from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 START, END = markers("cpu")
@@ -67,25 +63,6 @@ HEADING = "## CPU (native kernel and XLA path)"
 L3_BYTES = 32 << 20
 ROTATE_BYTES = 8 * L3_BYTES  # weights cycled through per timing: far past the L3
 PATHS = ("dense f32", "dense bf16", "Qwix int8", "q8 xla", "q8 cpu")
-
-
-def machine() -> str:
-  """`lscpu`'s model name, the core count and the OS."""
-  model = platform.processor() or "unknown CPU"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"^Model name:\s*(.+)$", out, re.M)
-    model = found.group(1).strip() if found else model
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
-
-
-def load_average() -> str:
-  try:
-    return " ".join(f"{v:.2f}" for v in os.getloadavg())
-  except OSError:
-    return "n/a"
 
 
 def median_ms(fn: Callable, x: jax.Array, weights: list, calls: int) -> float:

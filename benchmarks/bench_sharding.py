@@ -19,8 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 sys.path.insert(0, str(ROOT))
-from benchmarks.results_md import markers, write_section  # noqa: E402
+from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
 
 START, END = markers("tp")
 HEADING = "## Tensor parallel (CPU)"
@@ -109,18 +107,6 @@ def run_child(devices: int, calls: int) -> dict[str, Any]:
   return json.loads(out.strip().splitlines()[-1])
 
 
-def machine() -> str:
-  """`lscpu`'s model name, the core count and the OS."""
-  model = platform.processor() or "unknown CPU"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"^Model name:\s*(.+)$", out, re.M)
-    model = found.group(1).strip() if found else model
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
   lines = [
     "| devices | q per device | scale per device | bytes per device | median ms | rel err vs float64 |",
@@ -173,7 +159,7 @@ def main() -> None:
 
   now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
   try:
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    load = load_average()
   except OSError:
     load = "n/a"
   header = (

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -294,18 +292,11 @@ def run(
 
 
 def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    text = Path("/proc/cpuinfo").read_text()
-    if m := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
-      cpu = m.group(1).strip()
-  except OSError:
-    pass
   devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
-  load = " ".join(f"{v:.2f}" for v in os.getloadavg())
   return (
-    f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {jax.default_backend()}"
-    f" ({devices}); python {platform.python_version()}; load average at the end: {load}"
+    f"{results_md.machine()}; jax {jax.__version__} on {jax.default_backend()}"
+    f" ({devices}); python {platform.python_version()};"
+    f" load average at the end: {results_md.load_average()}"
   )
 
 

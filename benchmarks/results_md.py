@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import re
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -24,3 +28,23 @@ def write_section(name: str, text: str, path: Path = RESULTS) -> None:
   else:
     new = old.rstrip("\n") + "\n\n" + text + "\n"
   path.write_text(new)
+
+
+def machine() -> str:
+  """`lscpu`'s model name, the core count and the OS."""
+  model = platform.processor() or "unknown CPU"
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"^Model name:\s*(.+)$", out, re.M)
+    model = found.group(1).strip() if found else model
+  except (OSError, subprocess.CalledProcessError):
+    pass
+  return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def load_average() -> str:
+  """The 1, 5 and 15 minute load averages, e.g. '0.91 1.08 1.33'."""
+  try:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+  except OSError:
+    return "n/a"
