@@ -183,6 +183,20 @@ Q8_AVX2 inline __m256 LoadScale8(const Problem& p, int64_t b, int64_t col) {
   return _mm256_loadu_ps(static_cast<const float*>(p.scale) + i);
 }
 
+// y[m0 + r, col + 8v ...] += d[b, col + 8v ...] * acc[r][v]: a tile's block
+// sums, folded down their columns with the block's scales.
+template <int MR, int NV>
+Q8_AVX2 inline void FoldIntoY(const Problem& p, int64_t b, int64_t col, int64_t m0,
+                              const __m256 (&acc)[MR][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const __m256 d = LoadScale8(p, b, col + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      float* yr = p.y + (m0 + r) * p.n + col + 8 * v;
+      _mm256_storeu_ps(yr, _mm256_fmadd_ps(d, acc[r][v], _mm256_loadu_ps(yr)));
+    }
+  }
+}
+
 // One register tile of one 32-row block: MR x rows [m0, m0 + MR) against
 // NV * 8 columns from col. The block's partial sums stay in MR * NV registers
 // for all 32 rows (no partial-sum traffic through memory); each q vector is
@@ -207,13 +221,7 @@ Q8_AVX2 inline void Tile(const Problem& p, int64_t b, int64_t col, int64_t m0) {
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, qv[v], acc[r][v]);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const __m256 d = LoadScale8(p, b, col + 8 * v);
-    for (int r = 0; r < MR; ++r) {
-      float* yr = p.y + (m0 + r) * p.n + col + 8 * v;
-      _mm256_storeu_ps(yr, _mm256_fmadd_ps(d, acc[r][v], _mm256_loadu_ps(yr)));
-    }
-  }
+  FoldIntoY<MR, NV>(p, b, col, m0, acc);
 }
 
 // Tile<MR, NV> reading q already converted to float32: f holds the block's
@@ -234,13 +242,7 @@ Q8_AVX2 inline void TileF(const Problem& p, int64_t b, const float* f, int64_t c
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, qv[v], acc[r][v]);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const __m256 d = LoadScale8(p, b, col + 8 * v);
-    for (int r = 0; r < MR; ++r) {
-      float* yr = p.y + (m0 + r) * p.n + col + 8 * v;
-      _mm256_storeu_ps(yr, _mm256_fmadd_ps(d, acc[r][v], _mm256_loadu_ps(yr)));
-    }
-  }
+  FoldIntoY<MR, NV>(p, b, col, m0, acc);
 }
 
 template <int NV>
