@@ -223,6 +223,17 @@ def test_fake_quant_is_the_serving_round_trip(rng, shape, contract, scale_dtype,
 # ---- the straight-through gradient ---------------------------------------------
 
 
+def assert_ste_identity(grads, float_grad, fq, x, y) -> None:
+  """QAT `grads` equal `float_grad` (the float model's, jitted) at the fake-quantised
+  params `fq`: within 1e-6 of its float32 value, and as close to float64 as float32 is."""
+  ref32 = float_grad(jax.tree.map(jnp.asarray, fq), x, y)
+  errs = tree_rel_errs(grads, ref32)
+  assert max(errs.values()) <= 1e-6, errs
+  with jax.enable_x64(True):
+    ref64 = jax.tree.map(np.asarray, float_grad(f64(fq), f64(x), f64(y)))
+  assert_as_accurate_as_float(grads, ref32, ref64)
+
+
 def test_ste_gradient_linen(rng):
   x, y = data(rng)
   model = LinenNet()
@@ -241,13 +252,7 @@ def test_ste_gradient_linen(rng):
 
   float_grad = jax.jit(jax.grad(lambda p, xx, yy: mse(model.apply({"params": p}, xx), yy)))
   # STE identity: the float model's gradient at the (numpy) fake-quantised weights.
-  fq = linen_fq_params(params)
-  ref32 = float_grad(jax.tree.map(jnp.asarray, fq), x, y)
-  errs = tree_rel_errs(grads, ref32)
-  assert max(errs.values()) <= 1e-6, errs
-  with jax.enable_x64(True):
-    ref64 = jax.tree.map(np.asarray, float_grad(f64(fq), f64(x), f64(y)))
-  assert_as_accurate_as_float(grads, ref32, ref64)
+  assert_ste_identity(grads, float_grad, linen_fq_params(params), x, y)
   for name in LINEN_CONTRACT:
     assert np.count_nonzero(np.asarray(grads[name]["kernel"])) > 0.9 * grads[name]["kernel"].size
   # and it is not the float gradient at the unquantised weights (the test can tell them apart)
@@ -268,13 +273,7 @@ def test_ste_gradient_nnx(rng):
   grads = nnx.to_pure_dict(qat_grads(qat))
   fn = nnx_float_fn(net)
   float_grad = jax.jit(jax.grad(lambda p, xx, yy: mse(fn(p, xx), yy)))
-  fq = nnx_fq_params(pure)
-  ref32 = float_grad(jax.tree.map(jnp.asarray, fq), x, y)
-  errs = tree_rel_errs(grads, ref32)
-  assert max(errs.values()) <= 1e-6, errs
-  with jax.enable_x64(True):
-    ref64 = jax.tree.map(np.asarray, float_grad(f64(fq), f64(x), f64(y)))
-  assert_as_accurate_as_float(grads, ref32, ref64)
+  assert_ste_identity(grads, float_grad, nnx_fq_params(pure), x, y)
   for leaf in (grads["up"]["kernel"], grads["ein"]["kernel"], grads["w"]):
     assert np.count_nonzero(np.asarray(leaf)) > 0.9 * leaf.size
 
