@@ -58,7 +58,7 @@ def import_kernels() -> types.SimpleNamespace:
     package.__path__ = [str(ROOT / "q8rules")]
     sys.modules["q8rules"] = package
   fold = importlib.import_module("q8rules.kernels.fold")
-  xla = importlib.import_module("q8rules.kernels.xla")
+  xla = importlib.import_module("q8rules.kernels.xla_chunked")
   return types.SimpleNamespace(q8_fold=fold.q8_fold, q8_matmul_xla=xla.q8_matmul_xla)
 
 

@@ -1,8 +1,9 @@
 """q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights."""
 
-from q8rules import checkpoint, sharding
-from q8rules.kernels import q8_gemv_applies, q8_matmul
-from q8rules.providers import Q8How, Q8Provider, Q8QatProvider, quantize_params
+from q8rules import checkpoint, kernels, sharding
+from q8rules.kernels import fold_applies, q8_matmul
+from q8rules.layout import Q8How
+from q8rules.providers import Q8Provider, Q8QatProvider, quantize_params, shard_products
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
@@ -18,9 +19,11 @@ __all__ = [
   "Report",
   "checkpoint",
   "dequantize",
-  "q8_gemv_applies",
+  "fold_applies",
+  "kernels",
   "q8_matmul",
   "quantize",
   "quantize_params",
+  "shard_products",
   "sharding",
 ]

@@ -111,6 +111,21 @@ class ProductLayout:
     return y
 
 
+@dataclasses.dataclass(frozen=True)
+class Q8How:
+  """How a weight is stored as Q8_0; kept beside it in the param tree (Qwix's `WithAux.how`).
+
+  Attributes:
+    layout: where the float weight's axes go in the (K, N) matrix.
+    scale_dtype: 'float32' or 'float16'.
+    dtype: the float weight's dtype name (what dequantising gives back).
+  """
+
+  layout: WeightLayout
+  scale_dtype: str
+  dtype: str
+
+
 class UnsupportedProduct(ValueError):
   """The op's shape of product has no Q8_0 weight-only form (it stays float)."""
 

@@ -15,7 +15,9 @@ class OpRecord:
     module: the Flax module path ('' for the top module).
     op: the op and its index within the module, e.g. 'dot_general0'.
     rule: index of the matched rule, or None.
-    path: 'pallas', 'xla', 'fake_quant' (QAT), or 'float' (left untouched).
+    path: the implementation that ran (`q8rules.kernels.resolve`: 'fold', 'cpu',
+      'xla', 'reference'; per shard under a mesh), 'fake_quant' (QAT), or 'float'
+      (left untouched).
     weight_shape: the float weight's shape (None when the op has no weight).
     m, k, n: the product as (M, K) @ (K, N) (K before padding).
     float_bytes: bytes the weight takes as float (its own dtype).

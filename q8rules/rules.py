@@ -7,35 +7,36 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import qwix
+
+from q8rules._qwix import QuantizationRule
+from q8rules.kernels import ImplementationArg, check_implementation
 
 Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
 
-IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Q8Rule(qwix.QuantizationRule):
+class Q8Rule(QuantizationRule):
   """Match ops by `module_path` (a regex on the Flax module path) and `op_names`
-  (e.g. `('dot_general', 'einsum', 'dot')`), as `qwix.QuantizationRule` does, and
-  quantize their weight to Q8_0 (weight-only: activations stay float).
+  (`'dot_general'`, which also covers `jnp.dot` and `jnp.matmul`, and `'einsum'`), as
+  `qwix.QuantizationRule` does, and quantize their weight to Q8_0 (weight-only:
+  activations stay float).
 
   Attributes:
     scale_dtype: float32 (default, as on the chip) or float16 (GGUF's).
-    implementation: None picks the best for the backend and shape; 'xla',
-      'pallas' or 'cpu' (the native CPU kernel) force one (see
-      `q8rules.q8_matmul`).
-    interpret: run the Pallas kernel in interpret mode (None: on CPU only).
+    implementation: None picks the best for the backend and shape; a name of
+      `q8rules.kernels.IMPLEMENTATIONS` ('fold', 'cpu', 'xla', 'reference') or a
+      sequence of them tried in order (see `q8rules.kernels.resolve`).
+    interpret: run the fold in Pallas interpret mode (None: on CPU only).
   """
 
   weight_qtype: Any = Q8_0
   scale_dtype: Any = jnp.float32
-  implementation: str | None = None
+  implementation: ImplementationArg = None
   interpret: bool | None = None
 
 
-def describe(rule: qwix.QuantizationRule) -> str:
+def describe(rule: QuantizationRule) -> str:
   """The rule with only its non-default fields, e.g. `Q8Rule(module_path='mlp/.*')`."""
   default = type(rule)()
   fields = [
@@ -47,7 +48,7 @@ def describe(rule: qwix.QuantizationRule) -> str:
   return f"{type(rule).__name__}({', '.join(fields)})"
 
 
-def validate_rule(rule: qwix.QuantizationRule, *, provider: str) -> Q8Rule:
+def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:
   """Raise a clear error on a rule the Q8_0 providers cannot honour."""
   if not isinstance(rule, Q8Rule):
     raise TypeError(f"{provider} takes q8rules.Q8Rule, got {type(rule).__name__}: {rule}")
@@ -66,8 +67,10 @@ def validate_rule(rule: qwix.QuantizationRule, *, provider: str) -> Q8Rule:
     )
   if np.dtype(rule.scale_dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
     problems.append(f"scale_dtype={rule.scale_dtype!r} (float32 or float16)")
-  if rule.implementation not in IMPLEMENTATIONS:
-    problems.append(f"implementation={rule.implementation!r} (one of {IMPLEMENTATIONS})")
+  try:
+    check_implementation(rule.implementation)
+  except ValueError as e:
+    problems.append(str(e))
   if problems:
     raise ValueError(f"{provider} cannot honour rule {rule}: " + "; ".join(problems))
   return rule

@@ -1,4 +1,4 @@
-"""Shared test helpers: float64 references and fresh random data."""
+"""The `rng` fixture: fresh random data per test, seeded from its id (helpers: tests/_utils.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,6 @@ import zlib
 
 import numpy as np
 import pytest
-
-
-def rel_err(out, ref) -> float:
-  """||out - ref|| / ||ref|| in float64."""
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 @pytest.fixture

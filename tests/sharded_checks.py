@@ -16,7 +16,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import inspect  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -33,8 +32,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import q8rules  # noqa: E402
 from q8rules import sharding  # noqa: E402
-from q8rules.providers import serving  # noqa: E402
 from q8rules.q8_0 import BLOCK, Q8Array, quantize  # noqa: E402
+from q8rules.sharding.product import shard_map_unchecked  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._utils import rel_err  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message="Q8 rule matched nothing")
@@ -42,18 +44,9 @@ warnings.filterwarnings("ignore", message="Q8 rule matched nothing")
 RTOL = 1e-6
 """Relative error (2-norm) allowed against the float64 reference, float32 activations."""
 
-HOOK = "provider_product" in inspect.getsource(serving)
-"""Whether Q8Provider calls `q8rules.sharding.provider_product` (the mesh hook)."""
-
 
 class Skip(Exception):
   """A check that cannot run in this tree (said why)."""
-
-
-def rel_err(out, ref) -> float:
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def dequant64(a: Q8Array) -> np.ndarray:
@@ -194,7 +187,7 @@ def check_data_and_tensor_parallel(rng: np.random.Generator) -> str:
   return f"rel err {err:.1e}; output P('dp', 'tp')"
 
 
-def check_pallas_width_40(rng: np.random.Generator) -> str:
+def check_fold_width_40(rng: np.random.Generator) -> str:
   """N=80 over 2 devices: 40 columns per shard, padded per shard to the fold's 128-wide tile."""
   k, n, d = 1024, 80, 2
   mesh = mesh_of(d)
@@ -203,7 +196,7 @@ def check_pallas_width_40(rng: np.random.Generator) -> str:
   x = rng.standard_normal((1, k)).astype(np.float32)
 
   def f(x, w):
-    return sharding.q8_matmul_sharded(x, w, mesh, w_spec=P(None, "tp"), implementation="pallas")
+    return sharding.q8_matmul_sharded(x, w, mesh, w_spec=P(None, "tp"), implementation="fold")
 
   y = jax.jit(f)(x, w)
   err = rel_err(y, x.astype(np.float64) @ dequant64(a))
@@ -300,16 +293,14 @@ def check_rules_linen_xla_partitioned(rng: np.random.Generator) -> str:
   return f"rel err to one device {err:.1e}"
 
 
-def check_rules_linen_use_mesh(rng: np.random.Generator) -> str:
-  """shard_params + jit inside `use_mesh`: each matched product runs per shard in shard_map."""
-  if not HOOK:
-    raise Skip("Q8Provider does not call q8rules.sharding.provider_product yet")
+def check_rules_linen_shard_products(rng: np.random.Generator) -> str:
+  """shard_params + jit inside `shard_products`: each matched product runs per shard."""
   qmodel, x, _, _, q8_params, single = _linen_setup(rng)
   details = []
   for axis_type in (AxisType.Auto, AxisType.Explicit):
     mesh = mesh_of(4, axis_type=axis_type)
     placed = sharding.shard_params(q8_params, mesh, LINEN_SPECS)
-    with sharding.use_mesh(mesh, LINEN_SPECS):
+    with q8rules.shard_products(mesh, LINEN_SPECS):
       fn = jax.jit(qmodel.apply)
       y = fn({"params": placed}, x)
       hlo = fn.lower({"params": placed}, x).compile().as_text()
@@ -330,7 +321,7 @@ def check_rules_linen_use_mesh(rng: np.random.Generator) -> str:
 
   fn = jax.jit(apply)
   fn({"params": placed}, x)
-  with sharding.use_mesh(mesh, LINEN_SPECS):
+  with q8rules.shard_products(mesh, LINEN_SPECS):
     err = rel_err(fn({"params": placed}, x), single)
   assert len(traces) == 2, f"{len(traces)} traces: the context did not re-trace"
   assert err <= RTOL, err
@@ -370,15 +361,14 @@ def check_rules_nnx(rng: np.random.Generator) -> str:
   err = rel_err(fn(qnet, x), single)
   assert err <= RTOL, f"relative error to one device (XLA partitioned) {err:.2e}"
   detail = f"XLA-partitioned rel err {err:.1e}"
-  if HOOK:
-    with sharding.use_mesh(mesh, specs):
-      y = nnx.jit(lambda m, x: m(x))(qnet, x)
-      hlo = jax.jit(lambda s, x: nnx.merge(nnx.graphdef(qnet), s)(x)).lower(nnx.state(qnet), x)
-      hlo = hlo.compile().as_text()
-    err = rel_err(y, single)
-    assert err <= RTOL, f"relative error to one device (use_mesh) {err:.2e}"
-    assert _reduces(hlo) == 1 and "all-gather" not in hlo, _reduces(hlo)
-    detail += f"; use_mesh rel err {err:.1e}, 1 all-reduce"
+  with q8rules.shard_products(mesh, specs):
+    y = nnx.jit(lambda m, x: m(x))(qnet, x)
+    hlo = jax.jit(lambda s, x: nnx.merge(nnx.graphdef(qnet), s)(x)).lower(nnx.state(qnet), x)
+    hlo = hlo.compile().as_text()
+  err = rel_err(y, single)
+  assert err <= RTOL, f"relative error to one device (shard_products) {err:.2e}"
+  assert _reduces(hlo) == 1 and "all-gather" not in hlo, _reduces(hlo)
+  detail += f"; shard_products rel err {err:.1e}, 1 all-reduce"
   return detail
 
 
@@ -393,7 +383,7 @@ def check_qwix_user_shard_map(rng: np.random.Generator) -> str:
     @nn.compact
     def __call__(self, x):
       kernel = self.param("kernel", nn.initializers.lecun_normal(), (64, 128))
-      body = sharding.shard_map(
+      body = shard_map_unchecked(
         lambda x, k: jnp.dot(x, k), mesh, in_specs=(P(), P(None, "tp")), out_specs=P(None, "tp")
       )
       return body(x, kernel)
@@ -414,9 +404,9 @@ CHECKS: dict[str, Callable[[np.random.Generator], str]] = {
   "row_parallel": check_row_parallel,
   "megatron_mlp": check_megatron_mlp,
   "data_and_tensor_parallel": check_data_and_tensor_parallel,
-  "pallas_width_40": check_pallas_width_40,
+  "fold_width_40": check_fold_width_40,
   "rules_linen_xla_partitioned": check_rules_linen_xla_partitioned,
-  "rules_linen_use_mesh": check_rules_linen_use_mesh,
+  "rules_linen_shard_products": check_rules_linen_shard_products,
   "rules_nnx": check_rules_nnx,
   "qwix_user_shard_map": check_qwix_user_shard_map,
 }

@@ -19,8 +19,7 @@ from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.checkpoint import safetensors as ckpt_st
 from q8rules.checkpoint.assign import assign, flatten
 from q8rules.q8_0 import Q8Array
-from tests.conftest import rel_err
-from tests.test_checkpoint_gguf import write_gguf
+from tests._utils import rel_err, write_gguf
 
 
 def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:

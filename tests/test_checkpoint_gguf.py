@@ -18,6 +18,7 @@ import q8rules
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.q8_0 import BLOCK, Q8Array
+from tests._utils import write_gguf
 
 
 def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -31,22 +32,6 @@ def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
 def q8_bytes(w: np.ndarray) -> np.ndarray:
   """gguf's Q8_0 of `w` (numpy order, blocked along the last axis): uint8 blocks."""
   return gguf_quantize(w, T.Q8_0)
-
-
-def write_gguf(path, tensors: dict, kv: dict | None = None, arch: str = "llama") -> None:
-  """A GGUF file by gguf.GGUFWriter: name -> float array, or (raw uint8 bytes, type)."""
-  writer = gguf.GGUFWriter(path, arch)
-  for key, (value, vtype) in (kv or {}).items():
-    writer.add_key_value(key, value, vtype, gguf.GGUFValueType.STRING if key == "strs" else None)
-  for name, value in tensors.items():
-    if isinstance(value, tuple):
-      writer.add_tensor(name, value[0], raw_dtype=value[1])
-    else:
-      writer.add_tensor(name, value)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
 
 
 def reference(w_gguf: np.ndarray) -> Q8Array:

@@ -1,4 +1,4 @@
-"""The native CPU Q8_0 kernel (XLA FFI, `q8rules.kernels.cpu`) against float64 references."""
+"""The native CPU Q8_0 kernel (XLA FFI, `q8rules.kernels.cpu_native`) against float64 references."""
 
 from __future__ import annotations
 
@@ -13,50 +13,16 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import (
-  CPU_BY_DEFAULT,
-  CPU_MAX_ROWS,
-  cpu,
-  cpu_kernel_applies,
-  pick_implementation,
-  q8_matmul,
-)
-from q8rules.q8_0 import BLOCK, Q8Array
-from tests.conftest import rel_err
+from q8rules.kernels import CPU_MAX_ROWS, cpu_native, q8_matmul, resolve
+from q8rules.q8_0 import Q8Array
+from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
 TOL = 1e-6
 
 pytestmark = pytest.mark.skipif(
-  not cpu.available(), reason=f"native CPU kernel unavailable: {cpu.unavailable_reason()}"
+  not cpu_native.available(),
+  reason=f"native CPU kernel unavailable: {cpu_native.unavailable_reason()}",
 )
-
-
-def random_q8(rng: np.random.Generator, k: int, n: int, scale_dtype=np.float32):
-  """Random Q8_0 parts: q (K, N) int8 in [-127, 127], scale (K/32, N) > 0 of `scale_dtype`."""
-  q = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
-  scale = (rng.uniform(0.5, 2.0, size=(k // BLOCK, n)) * 10.0 ** rng.uniform(-3, 0)).astype(
-    scale_dtype
-  )
-  return jnp.asarray(q), jnp.asarray(scale)
-
-
-def weight64(q, scale) -> np.ndarray:
-  """The dequantised weight in float64: (K, N)."""
-  return np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=0)
-
-
-def close(out, x, w64: np.ndarray, tol: float = TOL) -> bool:
-  """`rel_err(out, x @ W) <= tol * max(1, cond)` against float64, cond = ||abs(x) @ abs(W)|| /
-  ||x @ W||: float32 sums carry an error relative to the magnitudes they add, so a product
-  whose terms cancel (one output of K = 32, say) is held to that, not to its small result."""
-  x64 = np.asarray(x, np.float64)
-  ref = x64 @ w64
-  cond = np.linalg.norm(np.abs(x64) @ np.abs(w64)) / np.linalg.norm(ref)
-  return rel_err(out, ref) <= tol * max(1.0, cond)
-
-
-def random_x(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
-  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
 SHAPES = [
@@ -77,11 +43,11 @@ SHAPES = [
 @pytest.fixture(params=["avx2", "scalar"])
 def path(request):
   """Run a test on the AVX2 path (where the CPU has it) and on the forced scalar path."""
-  if request.param == "avx2" and not cpu.has_avx2():
+  if request.param == "avx2" and not cpu_native.has_avx2():
     pytest.skip("this CPU has no AVX2/FMA/F16C")
-  cpu.force_scalar(request.param == "scalar")
+  cpu_native.force_scalar(request.param == "scalar")
   yield request.param
-  cpu.force_scalar(False)
+  cpu_native.force_scalar(False)
 
 
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
@@ -89,9 +55,9 @@ def path(request):
 def test_matches_float64_reference(rng, path, m, k, n, scale_dtype):
   q, scale = random_q8(rng, k, n, scale_dtype)
   x = random_x(rng, (m, k))
-  out = jax.jit(cpu.q8_matmul_cpu)(x, q, scale)
+  out = jax.jit(cpu_native.q8_matmul_cpu)(x, q, scale)
   assert out.shape == (m, n) and out.dtype == jnp.float32
-  assert close(out, x, weight64(q, scale))
+  assert close_to_float64(out, x, weight64(q, scale), TOL)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -103,7 +69,7 @@ def test_low_precision_x_matches_reference_of_rounded_x(rng, dtype):
   out32 = q8_matmul(
     x, Q8Array(q, scale, axis=0), implementation="cpu", preferred_element_type=jnp.float32
   )
-  assert close(out32, x.astype(jnp.float32), weight64(q, scale))
+  assert close_to_float64(out32, x.astype(jnp.float32), weight64(q, scale), TOL)
 
 
 def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):
@@ -120,13 +86,13 @@ def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):
 def test_vmap_over_x(rng):
   q, scale = random_q8(rng, 96, 40)
   x = random_x(rng, (4, 3, 96))
-  out = jax.jit(jax.vmap(cpu.q8_matmul_cpu, in_axes=(0, None, None)))(x, q, scale)
+  out = jax.jit(jax.vmap(cpu_native.q8_matmul_cpu, in_axes=(0, None, None)))(x, q, scale)
   ref = np.einsum("bmk,kn->bmn", np.asarray(x, np.float64), weight64(q, scale))
   assert out.shape == (4, 3, 40)
   assert rel_err(out, ref) <= TOL
   # x batched along a later axis, nested vmap
   xt = jnp.transpose(x, (1, 0, 2))  # (3, 4, 96): vmap over axis 1, then over the rows
-  inner = jax.vmap(lambda r: cpu.q8_matmul_cpu(r[None], q, scale)[0])
+  inner = jax.vmap(lambda r: cpu_native.q8_matmul_cpu(r[None], q, scale)[0])
   out2 = jax.vmap(inner, in_axes=1)(xt)
   assert rel_err(out2, ref) <= TOL
 
@@ -136,7 +102,7 @@ def test_vmap_over_the_weight(rng):
   q = jnp.stack([p[0] for p in parts])
   scale = jnp.stack([p[1] for p in parts])
   x = random_x(rng, (2, 64))
-  out = jax.vmap(cpu.q8_matmul_cpu, in_axes=(None, 0, 0))(x, q, scale)
+  out = jax.vmap(cpu_native.q8_matmul_cpu, in_axes=(None, 0, 0))(x, q, scale)
   ref = np.stack([np.asarray(x, np.float64) @ weight64(*p) for p in parts])
   assert rel_err(out, ref) <= TOL
 
@@ -147,7 +113,7 @@ def test_grad_wrt_x_is_dy_times_w_transposed(rng):
   dy = random_x(rng, (3, 40))
 
   def loss(x):
-    return jnp.sum(cpu.q8_matmul_cpu(x, q, scale) * dy)
+    return jnp.sum(cpu_native.q8_matmul_cpu(x, q, scale) * dy)
 
   dx = jax.jit(jax.grad(loss))(x)
   ref = np.asarray(dy, np.float64) @ weight64(q, scale).T
@@ -160,32 +126,28 @@ def test_grad_wrt_x_is_dy_times_w_transposed(rng):
 
 
 def test_jvp_and_scale_gradient_match_xla_path(rng):
-  from q8rules.kernels.xla import q8_matmul_xla
+  from q8rules.kernels.xla_chunked import q8_matmul_xla
 
   q, scale = random_q8(rng, 96, 24)
   x = random_x(rng, (2, 96))
   dx = random_x(rng, (2, 96))
-  y, t = jax.jvp(lambda x: cpu.q8_matmul_cpu(x, q, scale), (x,), (dx,))
+  y, t = jax.jvp(lambda x: cpu_native.q8_matmul_cpu(x, q, scale), (x,), (dx,))
   ref_t = np.asarray(dx, np.float64) @ weight64(q, scale)
   assert rel_err(t, ref_t) <= TOL
-  g_cpu = jax.grad(lambda s: jnp.sum(cpu.q8_matmul_cpu(x, q, s) ** 2))(scale)
+  g_cpu = jax.grad(lambda s: jnp.sum(cpu_native.q8_matmul_cpu(x, q, s) ** 2))(scale)
   g_xla = jax.grad(lambda s: jnp.sum(q8_matmul_xla(x, q, s) ** 2))(scale)
   assert rel_err(g_cpu, g_xla) <= 1e-5
 
 
-def test_pick_implementation_on_cpu():
-  assert cpu_kernel_applies(1, by_default=True)
-  assert cpu_kernel_applies(CPU_MAX_ROWS, by_default=True)
-  assert not cpu_kernel_applies(CPU_MAX_ROWS + 1, by_default=True)
-  assert not cpu_kernel_applies(64, by_default=True)
-  assert not cpu_kernel_applies(0, by_default=True)
-  assert not cpu_kernel_applies(1, by_default=False)
-  default = "cpu" if CPU_BY_DEFAULT else "xla"
-  assert pick_implementation(1, 4096, 4096, backend="cpu") == default
-  assert pick_implementation(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == default
-  assert pick_implementation(64, 4096, 4096, backend="cpu") == "xla"
+def test_resolve_on_cpu():
+
+  assert resolve(1, 4096, 4096, backend="cpu") == "cpu"
+  assert resolve(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == "cpu"
+  assert resolve(CPU_MAX_ROWS + 1, 4096, 4096, backend="cpu") == "xla"
+  assert resolve(64, 4096, 4096, backend="cpu") == "xla"
+  assert resolve(64, 4096, 4096, backend="cpu", implementation="cpu") == "cpu"  # forced: any m
   if jax.default_backend() == "cpu":
-    assert pick_implementation(2, 4096, 4096) == default
+    assert resolve(2, 4096, 4096) == "cpu"
 
 
 def test_rule_accepts_cpu(rng):
@@ -196,9 +158,9 @@ def test_rule_accepts_cpu(rng):
 def test_compile_cache_is_reused():
   """The library the kernel was loaded from exists, and a fresh process loads it without
   compiling (CXX points at no compiler there, so compiling would make it unavailable)."""
-  path = cpu.loaded_path()
-  assert path is not None and path.exists() and path == cpu.library_path()
-  code = "from q8rules.kernels import cpu; print(cpu.available(), cpu.unavailable_reason())"
+  path = cpu_native.loaded_path()
+  assert path is not None and path.exists() and path == cpu_native.library_path()
+  code = "from q8rules.kernels import cpu_native as c; print(c.available(), c.unavailable_reason())"
   # The same $CXX (part of the cache key) but no PATH to find it on: a rebuild would fail.
   env = dict(os.environ, CXX=os.environ.get("CXX") or "c++", PATH="/nonexistent")
   done = subprocess.run(
@@ -213,11 +175,10 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
     """
     import jax, jax.numpy as jnp, numpy as np
     import q8rules
-    from q8rules.kernels import cpu, cpu_kernel_applies, pick_implementation, q8_matmul
-    assert not cpu.available()
-    print("REASON", cpu.unavailable_reason())
-    assert pick_implementation(1, 64, 8, backend="cpu") == "xla"
-    assert not cpu_kernel_applies(1, by_default=True)
+    from q8rules.kernels import cpu_native, q8_matmul, resolve
+    assert not cpu_native.available()
+    print("REASON", cpu_native.unavailable_reason())
+    assert resolve(1, 64, 8, backend="cpu") == "xla"
     rng = np.random.default_rng(0)
     w = q8rules.quantize(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
@@ -226,7 +187,7 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
     assert np.linalg.norm(np.asarray(y) - ref) <= 1e-6 * np.linalg.norm(ref)
     try:
       q8_matmul(x, w, implementation="cpu")
-    except RuntimeError as e:
+    except ValueError as e:
       print("ERROR", e)
     """
   )

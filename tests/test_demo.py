@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from q8rules.demo import main
-from q8rules.kernels import pick_implementation
+from q8rules.kernels import resolve
 
 
 def test_demo_runs_and_reports(capsys):
@@ -27,8 +29,8 @@ def test_demo_runs_and_reports(capsys):
   assert "What matched and which path each op took" in text
   assert "layers_0/attn/o" in text and "lm_head" in text
   paths = out["report"].paths()
-  # one decode token on this CPU: the native kernel where it builds, else the XLA path
-  assert paths["layers_0/mlp/down/dot_general0"] == pick_implementation(1, 256, 128)
+  # one decode token: what the dispatcher picks for this backend and shape
+  assert paths["layers_0/mlp/down/dot_general0"] == resolve(1, 256, 128, jnp.float32)
   assert paths["layers_0/attn/einsum0"] == "float"  # scores: two activations, no weight
   assert out["q8_bytes"] < 0.5 * out["float_bytes"]
   assert 0 < out["prefill_err"] < 0.05  # Q8_0 error against float: real but small

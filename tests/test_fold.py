@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import pick_implementation, q8_matmul
-from q8rules.kernels.fold import q8_fold, q8_gemv_applies, q8_gemv_reason
-from q8rules.kernels.fold_gpu import fold_gpu
-from q8rules.kernels.fold_tpu import block_k, column_tile, fold_tpu
+from q8rules.kernels import cpu_native, q8_matmul, resolve
+from q8rules.kernels.fold import TILE_ROWS, fold_applies, fold_reason, kernel_form, q8_fold
+from q8rules.kernels.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
+from q8rules.kernels.pallas_triton import fold_gpu
 from q8rules.kernels.reference import q8_matmul_reference
-from q8rules.kernels.xla import q8_matmul_xla
+from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
+from tests._utils import rel_err
 
 # m, K and N each take all three of their values (a Latin square): 9 compiles, not 27.
 TPU_CASES = [
@@ -31,13 +32,6 @@ TPU_CASES = [
   (1, 3072, 40),
 ]
 GPU_CASES = [(1, 1024, 40), (16, 2048, 128), (7, 3072, 200)]
-
-
-def rel_err(out, ref) -> float:
-  """||out - ref|| / ||ref|| in float64."""
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def operands(rng: np.random.Generator, m: int, k: int, n: int, scale_dtype=np.float32):
@@ -127,25 +121,28 @@ def test_padding_columns_stay_in_the_pad(rng):
   np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide)[:, :40])
 
 
-def test_q8_matmul_pallas_end_to_end(rng):
+def test_q8_matmul_fold_end_to_end(rng):
   """Through `q8_matmul` with a quantized Q8Array and batch dims: (2, 3, K) -> 6 rows."""
   w = rng.standard_normal((2048, 40)).astype(np.float32)
   wq = q8rules.quantize(w)
   x = rng.standard_normal((2, 3, 2048)).astype(np.float32)
-  y = q8_matmul(x, wq, implementation="pallas")
+  y = q8_matmul(x, wq, implementation="fold")
   assert y.shape == (2, 3, 40) and y.dtype == jnp.float32
   ref = reference64(x.reshape(6, 2048), np.asarray(wq.q), np.asarray(wq.scale))
   assert rel_err(np.asarray(y).reshape(6, 40), ref) <= 1e-6
-  jaxpr = str(jax.make_jaxpr(lambda x: q8_matmul(x, wq, implementation="pallas"))(x))
-  assert "pallas_call" in jaxpr
-  # On CPU the default is XLA, never the interpreted kernel.
-  assert "pallas_call" not in str(jax.make_jaxpr(lambda x: q8_matmul(x, wq))(x))
+  # What ran is the fold itself: the same bits as calling it directly.
+  direct = q8_fold(jnp.asarray(x.reshape(6, 2048)), wq.q, wq.scale)
+  np.testing.assert_array_equal(np.asarray(y).reshape(6, 40), np.asarray(direct))
+  # By default the fold runs on TPU and GPU, never on CPU (interpret mode only there).
+  default = resolve(6, 2048, 40, jnp.float32)
+  if jax.default_backend() == "cpu":
+    assert default == ("cpu" if cpu_native.available() else "xla")
 
 
 def test_q8_matmul_pallas_under_jit(rng):
   x, q, scale = operands(rng, 1, 1024, 128)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
-  y = jax.jit(lambda x, w: q8_matmul(x, w, implementation="pallas"))(x, w)
+  y = jax.jit(lambda x, w: q8_matmul(x, w, implementation="fold"))(x, w)
   assert rel_err(y, reference64(x, q, scale)) <= 1e-6
 
 
@@ -182,7 +179,7 @@ def test_grad_through_q8_matmul_bf16(rng):
   def loss(x, impl):
     return jnp.sum(q8_matmul(x, w, implementation=impl).astype(jnp.float32) ** 2)
 
-  dx = jax.grad(loss)(xb, "pallas")
+  dx = jax.grad(loss)(xb, "fold")
   dx_xla = jax.grad(loss)(xb, "xla")
   assert dx.dtype == jnp.bfloat16
   assert rel_err(dx, dx_xla) <= 1e-2
@@ -192,53 +189,59 @@ def test_grad_through_q8_matmul_bf16(rng):
 
 
 def test_applies_and_reasons():
-  assert q8_gemv_applies(1, 4096, 4096, backend="tpu")
-  assert q8_gemv_applies(8, 4096, 4096, backend="tpu")
-  assert q8_gemv_applies(1, 4096, 40, backend="tpu")  # a chip's 24 of 48 heads, one padded tile
-  assert q8_gemv_applies(16, 8192, 28672, backend="gpu")
-  assert q8_gemv_applies(8, 1024, 128, backend="cpu")  # the TPU form, interpreted
-  assert q8_gemv_reason(9, 4096, 4096, backend="tpu") == "m=9 > 8 tile rows"
-  assert q8_gemv_reason(64, 4096, 4096, backend="cpu") == "m=64 > 8 tile rows"
-  assert q8_gemv_reason(17, 4096, 4096, backend="gpu") == "m=17 > 16 tile rows"
-  assert q8_gemv_reason(16, 4096, 4096, backend="cuda") is None
-  assert q8_gemv_reason(1, 1000, 4096, backend="tpu") == "K=1000 not a multiple of 32"
-  assert q8_gemv_reason(0, 1024, 128, backend="tpu") is not None
+  assert fold_applies(1, 4096, 4096, backend="tpu")
+  assert fold_applies(8, 4096, 4096, backend="tpu")
+  assert fold_applies(1, 4096, 40, backend="tpu")  # a chip's 24 of 48 heads, one padded tile
+  assert fold_applies(16, 8192, 28672, backend="gpu")
+  assert fold_applies(8, 1024, 128, backend="cpu")  # the TPU form, interpreted
+  assert fold_reason(9, 4096, 4096, backend="tpu") == "m=9 > 8 tile rows"
+  assert fold_reason(64, 4096, 4096, backend="cpu") == "m=64 > 8 tile rows"
+  assert fold_reason(17, 4096, 4096, backend="gpu") == "m=17 > 16 tile rows"
+  assert fold_reason(16, 4096, 4096, backend="cuda") is None
+  assert fold_reason(1, 1000, 4096, backend="tpu") == "K=1000 not a multiple of 32"
+  assert fold_reason(0, 1024, 128, backend="tpu") is not None
   # Too few columns: x re-read for 8 outputs costs more than a dense bf16 weight.
-  assert not q8_gemv_applies(8, 1024, 8, backend="tpu")
-  assert "column tiles" in q8_gemv_reason(8, 1024, 8, backend="tpu")
+  assert not fold_applies(8, 1024, 8, backend="tpu")
+  assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
   # float32 rows on GPU: 16 rows x 4 bytes over 64-column tiles re-read x too often.
-  assert q8_gemv_applies(16, 4096, 4096, backend="gpu", itemsize=2)
-  assert not q8_gemv_applies(16, 4096, 4096, backend="gpu", itemsize=4)
+  assert fold_applies(16, 4096, 4096, backend="gpu", itemsize=2)
+  assert not fold_applies(16, 4096, 4096, backend="gpu", itemsize=4)
   with pytest.raises(ValueError, match="unknown backend"):
-    q8_gemv_applies(1, 1024, 128, backend="metal")
+    fold_applies(1, 1024, 128, backend="metal")
 
 
-def test_pick_implementation():
-  on_cpu = "cpu" if q8rules.kernels.cpu.available() else "xla"  # never the fold on CPU
-  assert pick_implementation(1, 4096, 4096, backend="cpu") == on_cpu
-  assert pick_implementation(1, 4096, 4096) == on_cpu  # this host is a CPU
-  assert pick_implementation(64, 4096, 4096, backend="cpu") == "xla"
-  assert pick_implementation(1, 4096, 4096, backend="tpu") == "pallas"
-  assert pick_implementation(8, 4096, 4096, backend="tpu") == "pallas"
-  assert pick_implementation(64, 4096, 4096, backend="tpu") == "xla"
-  assert pick_implementation(16, 4096, 4096, backend="gpu") == "pallas"
-  assert pick_implementation(16, 4096, 4096, backend="gpu", itemsize=4) == "xla"
-  assert pick_implementation(1, 1000, 4096, backend="gpu") == "xla"
+def test_resolve():
+  on_cpu = "cpu" if cpu_native.available() else "xla"  # never the fold on CPU
+  assert resolve(1, 4096, 4096, backend="cpu") == on_cpu
+  assert resolve(64, 4096, 4096, backend="cpu") == "xla"
+  assert resolve(1, 4096, 4096, backend="tpu") == "fold"
+  assert resolve(8, 4096, 4096, backend="tpu") == "fold"
+  assert resolve(64, 4096, 4096, backend="tpu") == "xla"
+  assert resolve(16, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
+  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla"
+  assert resolve(1, 1000, 4096, backend="gpu") == "xla"
+  # A sequence is tried in order; a forced name must be able to run the product.
+  assert resolve(64, 4096, 4096, backend="tpu", implementation=("fold", "xla")) == "xla"
+  with pytest.raises(ValueError, match="'fold': m=64 > 8 tile rows"):
+    resolve(64, 4096, 4096, backend="tpu", implementation="fold")
+  with pytest.raises(ValueError, match="expected None, one of"):
+    resolve(1, 4096, 4096, implementation="bogus")
 
 
 def test_exported():
-  assert q8rules.q8_gemv_applies is q8_gemv_applies
-  assert q8rules.kernels.q8_gemv_applies is q8_gemv_applies
+  assert q8rules.fold_applies is fold_applies
+  assert q8rules.kernels.fold_applies is fold_applies
 
 
 # ---- bad inputs --------------------------------------------------------------------------
 
 
-def test_pallas_rejects_too_many_rows(rng):
+def test_fold_rejects_too_many_rows(rng):
   x, q, scale = operands(rng, 64, 1024, 128)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
-  with pytest.raises(ValueError, match="m=64 > 8 tile rows"):
-    q8_matmul(x, w, implementation="pallas")
+  rows = TILE_ROWS[kernel_form()]  # this backend's form: TPU (and CPU, interpreted) 8, GPU 16
+  with pytest.raises(ValueError, match=f"m=64 > {rows} tile rows"):
+    q8_matmul(x, w, implementation="fold")
   with pytest.raises(ValueError, match="m=64 > 16 tile rows"):
     q8_fold(x, q, scale, backend="gpu")
   with pytest.raises(ValueError, match="m=9"):
@@ -247,11 +250,15 @@ def test_pallas_rejects_too_many_rows(rng):
     fold_gpu(x[:17], q, scale, interpret=True)
 
 
-def test_pallas_rejects_bytes_rule(rng):
+def test_forced_fold_runs_past_the_bytes_rule(rng):
+  """The bytes rule is advice on speed: `implementation=None` passes the fold over, a forced
+  'fold' still runs it, correctly."""
   x, q, scale = operands(rng, 8, 1024, 8)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
-  with pytest.raises(ValueError, match="the fold does not apply.*column tiles"):
-    q8_matmul(x, w, implementation="pallas")
+  assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
+  assert resolve(8, 1024, 8, backend="tpu") == "xla"
+  y = q8_matmul(x, w, implementation="fold")
+  assert rel_err(y, reference64(x, q, scale)) <= 1e-6
 
 
 def test_rejects_k_not_whole_blocks(rng):
@@ -261,7 +268,7 @@ def test_rejects_k_not_whole_blocks(rng):
   with pytest.raises(ValueError, match="K=1000 not a multiple of 32"):
     q8_fold(x, q, scale, backend="tpu")
   with pytest.raises(ValueError):
-    q8_matmul(x, Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale)), implementation="pallas")
+    q8_matmul(x, Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale)), implementation="fold")
 
 
 def test_rejects_bad_dtypes_and_shapes(rng):

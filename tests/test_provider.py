@@ -16,7 +16,7 @@ from qwix._src.providers.ptq import WithAux
 
 import q8rules
 from q8rules.q8_0 import BLOCK
-from tests.conftest import rel_err
+from tests._utils import rel_err
 
 
 def dequantized_f64(w: WithAux) -> np.ndarray:
@@ -30,10 +30,21 @@ def dequantized_f64(w: WithAux) -> np.ndarray:
   return np.transpose(moved, np.argsort(order))
 
 
-def cpu_path(m: int) -> str:
-  """What `implementation=None` runs on this CPU host for m rows: the native kernel
-  when it built here and takes m, else the XLA path (never the fold)."""
-  return q8rules.kernels.pick_implementation(m, 64, 64, backend="cpu")
+def default_path(m: int, k: int, n: int, dtype=jnp.float32) -> str:
+  """What `implementation=None` runs on this backend for an (m, K) x (K, N) product (K padded
+  to whole blocks). On CPU that is the native kernel where it builds (else XLA), never the fold."""
+  k_pad = -(-k // BLOCK) * BLOCK
+  path = q8rules.kernels.resolve(m, k_pad, n, dtype)
+  if jax.default_backend() == "cpu":
+    assert path == ("cpu" if q8rules.kernels.cpu_native.available() and m <= 16 else "xla")
+  return path
+
+
+def assert_default_paths(report: q8rules.Report, dtype=jnp.float32) -> None:
+  """Every quantized op of `report` took the path `implementation=None` picks for its shape."""
+  for r in report.ops:
+    if r.q8_bytes:
+      assert r.path == default_path(r.m, r.k, r.n, dtype), (r.module, r.op, r.path)
 
 
 def as_f64(leaf) -> np.ndarray:
@@ -90,11 +101,11 @@ def test_linen_matches_float64_reference(linen_setup, rng):
   assert rel_err(y, linen_reference(q8_vars["params"], x)) <= 1e-6
   paths = provider.report().paths()
   assert paths == {
-    "up/dot_general0": cpu_path(6),
-    "heads/dot_general0": cpu_path(6),
-    "out/einsum0": cpu_path(6),
-    "odd/dot_general0": cpu_path(6),
-    "custom/dot_general0": cpu_path(6),
+    "up/dot_general0": default_path(6, 64, 96),
+    "heads/dot_general0": default_path(6, 96, 32),
+    "out/einsum0": default_path(6, 32, 40),
+    "odd/dot_general0": default_path(6, 40, 40),
+    "custom/dot_general0": default_path(6, 40, 24),
   }
 
 
@@ -149,7 +160,9 @@ def test_rule_module_path_excludes_a_layer(rng):
   assert isinstance(params["heads"]["kernel"], jax.Array)  # left float
   assert isinstance(params["custom"]["w"], jax.Array)
   paths = provider.report().paths()
-  assert paths["heads/dot_general0"] == "float" and paths["up/dot_general0"] == cpu_path(6)
+  assert paths["heads/dot_general0"] == "float" and paths["up/dot_general0"] == default_path(
+    6, 64, 96
+  )
   y = q8_model.apply(q8_vars, x)
   assert rel_err(y, linen_reference(params, x)) <= 1e-6
 
@@ -262,7 +275,7 @@ def test_nnx_matches_float64_reference(rng):
   x2 = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
   assert rel_err(q8_model(x2), nnx_reference(state, x2)) <= 1e-6
   assert rel_err(nnx.jit(lambda m, v: m(v))(q8_model, x2), nnx_reference(state, x2)) <= 1e-6
-  assert set(provider.report().paths().values()) == {cpu_path(6)}
+  assert_default_paths(provider.report())
   # quantize_params from the float checkpoint equals what quantize_model made
   converted = q8rules.quantize_params(float_params, q8_model)
   fresh = qwix.quantize_model(NnxNet(nnx.Rngs(1)), q8rules.Q8Provider([q8rules.Q8Rule()]), x)
@@ -376,7 +389,7 @@ def test_provider_dispatches_decode_products_to_the_fold(rng):
       return nn.DenseGeneral((2, 20), use_bias=False, name="heads")(h)  # N = 40: padded tile
 
   x = jnp.asarray(rng.standard_normal((1, 3, 1024)), jnp.float32)  # M = 3 rows
-  provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation="pallas")])
+  provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation="fold")])
   q8_model = qwix.quantize_model(Block(), provider)
   variables = q8_model.init(jax.random.key(0), x)
   y = jax.jit(q8_model.apply)(variables, x)
@@ -387,11 +400,12 @@ def test_provider_dispatches_decode_products_to_the_fold(rng):
     dequantized_f64(p["heads"]["kernel"]),
   )
   assert rel_err(y, ref) <= 1e-6
-  assert provider.report().paths() == {"up/dot_general0": "pallas", "heads/dot_general0": "pallas"}
+  assert provider.report().paths() == {"up/dot_general0": "fold", "heads/dot_general0": "fold"}
   # a prefill-sized product is refused by the fold, naming the op and why
-  with pytest.raises(ValueError, match=r"up/dot_general0.*m=64 > 8 tile rows"):
+  rows = q8rules.kernels.fold.TILE_ROWS[q8rules.kernels.fold.kernel_form()]
+  with pytest.raises(ValueError, match=rf"up/dot_general0.*m=64 > {rows} tile rows"):
     q8_model.apply(variables, jnp.ones((1, 64, 1024)))
-  # implementation=None on CPU never picks the fold (interpret mode is for tests)
+  # implementation=None picks per backend and shape (on CPU never the fold: interpret mode)
   default = q8rules.Q8Provider([q8rules.Q8Rule()])
   qwix.quantize_model(Block(), default).apply(variables, x)
-  assert set(default.report().paths().values()) == {cpu_path(3)}
+  assert_default_paths(default.report())

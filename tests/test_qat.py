@@ -25,9 +25,9 @@ from flax import nnx
 from gguf.quants import np_roundf
 
 import q8rules
-from q8rules.layout import WeightLayout
+from q8rules.layout import Q8How, WeightLayout
 from q8rules.providers.qat import fake_quant, fake_quant_ste
-from q8rules.providers.serving import Q8How, quantize_weight
+from q8rules.providers.serving import quantize_weight
 
 F32 = np.float32
 
@@ -467,7 +467,7 @@ def test_serving_only_options_are_ignored_and_reported(rng):
   outs, reports = [], []
   for rule in (
     q8rules.Q8Rule(module_path="up|heads|out"),
-    q8rules.Q8Rule(module_path="up|heads|out", implementation="pallas", interpret=True),
+    q8rules.Q8Rule(module_path="up|heads|out", implementation="fold", interpret=True),
   ):
     provider = q8rules.Q8QatProvider([rule])
     outs.append(

@@ -33,9 +33,9 @@ CHECKS = [
   "row_parallel",
   "megatron_mlp",
   "data_and_tensor_parallel",
-  "pallas_width_40",
+  "fold_width_40",
   "rules_linen_xla_partitioned",
-  "rules_linen_use_mesh",
+  "rules_linen_shard_products",
   "rules_nnx",
   "qwix_user_shard_map",
 ]

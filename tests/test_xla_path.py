@@ -8,31 +8,11 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels.xla import default_chunk, q8_matmul_xla
+from q8rules.kernels.xla_chunked import default_chunk, q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
-from tests.conftest import rel_err
+from tests._utils import random_q8, random_x, rel_err, weight64
 
 TOL = 1e-6
-
-
-def random_q8(
-  rng: np.random.Generator, k: int, n: int, scale_dtype=np.float32
-) -> tuple[jax.Array, jax.Array]:
-  """Random Q8_0 parts: q (K, N) int8 in [-127, 127], scale (K/32, N) of `scale_dtype`, > 0."""
-  q = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
-  scale = (rng.uniform(0.5, 2.0, size=(k // BLOCK, n)) * 10.0 ** rng.uniform(-3, 0)).astype(
-    scale_dtype
-  )
-  return jnp.asarray(q), jnp.asarray(scale)
-
-
-def weight64(q: jax.Array, scale: jax.Array) -> np.ndarray:
-  """The dequantised weight in float64: (K, N)."""
-  return np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=0)
-
-
-def random_x(rng: np.random.Generator, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
 SHAPES = [

@@ -1,8 +1,8 @@
 """When the fold applies, and the fold itself with its gradient: `q8_fold`.
 
-The fold (`fold_tpu`, `fold_gpu`) serves decode-shaped products: a few rows
+The fold (`pallas_mosaic_tpu`, `pallas_triton`) serves decode-shaped products: a few rows
 of activations against a Q8_0 weight, reading the int8 values and scales once
-for all the rows. It applies (`q8_gemv_applies`) when
+for all the rows. It applies (`fold_applies`) when
 
   * m is at most a tile's rows: 8 on TPU (an f32 sublane tile), 16 on GPU
     (Triton's smallest dot); on CPU the TPU form runs in interpret mode, 8;
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels import fold_gpu, fold_tpu
+from q8rules.kernels import pallas_mosaic_tpu, pallas_triton
 from q8rules.q8_0 import BLOCK
 
-TILE_ROWS = {"tpu": fold_tpu.TILE_ROWS, "gpu": fold_gpu.TILE_ROWS}
+TILE_ROWS = {"tpu": pallas_mosaic_tpu.TILE_ROWS, "gpu": pallas_triton.TILE_ROWS}
 """Rows one fold call takes, per kernel form: TPU 8, GPU 16."""
 
 _FORMS = {"tpu": "tpu", "cpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
@@ -51,7 +51,7 @@ def kernel_form(backend: str | None = None) -> str:
 
 
 def _column_tiles(n: int, form: str) -> int:
-  module = fold_tpu if form == "tpu" else fold_gpu
+  module = pallas_mosaic_tpu if form == "tpu" else pallas_triton
   return -(-n // module.column_tile(n))
 
 
@@ -69,7 +69,12 @@ def _shape_reason(m: int, k: int, n: int, form: str) -> str | None:
   return None
 
 
-def q8_gemv_reason(
+def fold_shape_reason(m: int, k: int, n: int, *, backend: str | None = None) -> str | None:
+  """Why the fold kernel cannot take an (m, K) x (K, N) product on `backend` at all, or None."""
+  return _shape_reason(m, k, n, kernel_form(backend))
+
+
+def fold_reason(
   m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
 ) -> str | None:
   """Why the fold does not apply to an (m, K) x (K, N) product; None when it does.
@@ -98,25 +103,23 @@ def q8_gemv_reason(
   return None
 
 
-def q8_gemv_applies(
-  m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
-) -> bool:
-  """Whether the fold runs an (m, K) x (K, N) product on `backend` (see `q8_gemv_reason`):
+def fold_applies(m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2) -> bool:
+  """Whether the fold runs an (m, K) x (K, N) product on `backend` (see `fold_reason`):
   m up to a tile's rows (TPU 8, GPU 16), whole Q8_0 blocks of K, and no more
   bytes moved than a dense bf16 weight."""
-  return q8_gemv_reason(m, k, n, backend=backend, itemsize=itemsize) is None
+  return fold_reason(m, k, n, backend=backend, itemsize=itemsize) is None
 
 
 def _run_kernel(x2d, q, scale, form: str, block_n: int | None, interpret: bool) -> jax.Array:
   """The kernel on N padded to whole column tiles: (m, N) float32."""
   n = q.shape[1]
-  module = fold_tpu if form == "tpu" else fold_gpu
+  module = pallas_mosaic_tpu if form == "tpu" else pallas_triton
   tn = block_n or module.column_tile(n)
   pad = module.padded_columns(n, tn) - n
   if pad:  # zero values and zero scales: the pad's sums stay in the pad
     q = jnp.pad(q, ((0, 0), (0, pad)))
     scale = jnp.pad(scale, ((0, 0), (0, pad)))
-  kernel = fold_tpu.fold_tpu if form == "tpu" else fold_gpu.fold_gpu
+  kernel = pallas_mosaic_tpu.fold_tpu if form == "tpu" else pallas_triton.fold_gpu
   return kernel(x2d, q, scale, block_n=tn, interpret=interpret)[:, :n]
 
 
@@ -200,7 +203,7 @@ def q8_fold(
   Differentiable (`jax.custom_vjp`) in x and in scale, by plain XLA in the
   backward pass; q is integer and gets no gradient. Raises ValueError when the
   kernel cannot take the shape (m over the tile rows, K not whole blocks) but
-  not on the bytes rule of `q8_gemv_applies`, which is advice on speed.
+  not on the bytes rule of `fold_applies`, which is advice on speed.
   """
   form = kernel_form(backend)
   check_fold_operands(x2d, q, scale)
@@ -215,8 +218,9 @@ def q8_fold(
 __all__ = [
   "TILE_ROWS",
   "check_fold_operands",
+  "fold_shape_reason",
   "kernel_form",
   "q8_fold",
-  "q8_gemv_applies",
-  "q8_gemv_reason",
+  "fold_applies",
+  "fold_reason",
 ]

@@ -8,16 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from qwix._src.utils import flax_util
 
+from q8rules._qwix import current_module_path, find_param
 from q8rules.layout import ProductLayout, UnsupportedProduct
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule, describe, validate_rule
-
-
-def current_module_path() -> str:
-  """The Flax module path of the op being intercepted ('' for the top module)."""
-  return "/".join(map(str, flax_util.get_current_module_path()))
 
 
 def op_where(op_id: str) -> str:
@@ -68,7 +63,7 @@ class RecordingProvider:
     if rule is None:
       self._record(rule, op_id, "float", note="no rule matched")
       return None
-    name = flax_util.find_param(rhs)
+    name = find_param(rhs)
     if not name:
       self._record(rule, op_id, "float", note="operand is not a weight")
       return None

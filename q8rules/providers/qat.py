@@ -1,62 +1,13 @@
 """`Q8QatProvider`: quantization-aware training with Q8_0 fake quant.
 
-Use the same `Q8Rule`s as serving:
-
-    qat_model = qwix.quantize_model(model, Q8QatProvider(rules))        # linen
-    qat_model = qwix.quantize_model(model, Q8QatProvider(rules), *xs)   # nnx
-
-The model keeps float params (the optimizer updates them). A matched product
-(`jax.lax.dot_general`, `jax.numpy.einsum`, `jax.numpy.dot`) whose second
-operand is a weight of the current module runs as the float product on the
-weight's *fake-quantised* value, which is exactly what serving computes with:
-
-    fq(w) = layout.from_matrix(dequantize(quantize(layout.to_matrix(w), axis=0,
-                                                   scale_dtype=rule.scale_dtype)))
-
-with the serving provider's own layout code (`q8rules.layout`, same padding of K
-to a multiple of 32) and the one Q8_0 quantizer (`q8rules.q8_0`), computed in
-float32 and cast to the weight's dtype. After training,
-`q8rules.quantize_params(qat_params, serving_params)` gives Q8 params whose
-serving output equals the QAT forward pass up to fp32 summation order.
-
-Gradient: the straight-through estimator. The fake-quantised weight is a
-`jax.custom_jvp` function whose forward value is `fq(w)` (bit for bit) and whose
-tangent is the weight's tangent, i.e. the same derivative as
-`w + stop_gradient(fq(w) - w)`: dL/dw is the gradient of the float product
-evaluated at `fq(w)`. Q8_0's absmax scale (`d = max|w| / 127` per block) clips
-nothing -- every weight lies inside its block's range -- so there is no clipping
-mask: the gradient passes to every element.
-
-Activations stay float (weight-only, as serving). Unmatched ops, ops without a
-weight operand, and products with no Q8_0 form (`UnsupportedProduct`: a weight
-with batch axes, an einsum summing an index of one operand) run untouched.
-As in `Q8Provider` (and qwix's `PtqProvider`), `jnp.dot` is matched under the op
-name 'dot_general', so one rule list matches the same ops in QAT and serving.
-
-Rule options: everything `validate_rule` rejects is rejected here too (a clear
-`ValueError`/`TypeError` naming this provider). `implementation` and
-`interpret` choose the kernel that *serves* the product; they do not change its
-value, and QAT runs a float product, so they are accepted and ignored (the
-report notes it). This keeps one rule list valid for both providers, which is
-what conversion needs.
-
-Mixed precision: the fake quant sees the weight as the op does (a Dense with
-`dtype=bfloat16` casts its float32 kernel to bfloat16 first), as the serving
-provider's own init does, while `quantize_params` quantizes the stored param.
-For float32 compute the two are the same; with a bfloat16 cast the converted Q8
-values (from the float32 param) differ slightly from the fake quant of its cast,
-and parity holds to bfloat16 precision only.
-
-Cost: per matched weight and step, XLA runs one reduction (the block amax) and
-one elementwise fusion writing the fake-quantised copy; the backward pass does
-not run the quantizer (see benchmarks/RESULTS.md, "QAT on digits").
-
-Non-finite weights: fake quant runs with `check_finite=False` (the check is a
-host callback, too costly in a training step). A nan or inf in a weight turns
-its whole 32-block nan (the scale is nan/inf), so the loss becomes nan, as float
-training with a nan weight would; nothing is silently replaced. Converting such
-params with `quantize_params` raises a `ValueError` naming the param, so a nan
-model never reaches serving.
+Params stay float. A matched product runs on the weight's Q8_0 round trip,
+`fake_quant(w)`, built from the serving path's own layout and quantizer, so the
+served model computes with exactly the values QAT trained against. The gradient
+is the straight-through estimator: the identity through the round trip (absmax
+scales clip nothing, so there is no mask). `implementation` and `interpret`
+choose the serving kernel and are ignored here, so one rule list serves both
+providers. A non-finite weight turns its 32-block NaN (the loss goes NaN, as in
+float training); `quantize_params` on such params raises, naming the param.
 """
 
 from __future__ import annotations
@@ -69,10 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from qwix._src import qconfig
-from qwix._src.providers import ptq
-from qwix._src.utils import flax_util
 
+from q8rules._qwix import QuantizationProvider, is_with_aux
 from q8rules.layout import (
   ProductLayout,
   WeightLayout,
@@ -138,11 +87,7 @@ def _fake_quant_ste_jvp(
   return _fake_quant_jit(w, layout, scale_dtype), dw
 
 
-def _is_q8_weight(x: Any) -> bool:
-  return isinstance(flax_util.unbox(x), ptq.WithAux)
-
-
-class Q8QatProvider(RecordingProvider, qconfig.QuantizationProvider):
+class Q8QatProvider(RecordingProvider, QuantizationProvider):
   """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params.
 
   Use as `qwix.quantize_model(model, Q8QatProvider(rules))` for linen (then
@@ -248,7 +193,7 @@ class Q8QatProvider(RecordingProvider, qconfig.QuantizationProvider):
   ) -> Any:
     """`rhs` fake-quantised when the rule matched and it is a float weight, else `rhs`."""
     where = op_where(op_id)
-    if _is_q8_weight(rhs):
+    if is_with_aux(rhs):
       raise TypeError(
         f"{where}: got a Q8 (serving) weight; Q8QatProvider trains float params. Run"
         " Q8 params with the Q8Provider model, and QAT with the float params."

@@ -1,19 +1,12 @@
 """`Q8Provider`: serve matched Dense/Einsum weights as Q8_0 through Qwix's interception.
 
-Built on `qwix.PtqProvider`, which already intercepts `jax.lax.dot_general`,
-`jax.numpy.einsum`, `jax.numpy.dot`, `flax.linen.Module.param` and Flax's
-`promote_dtype`, and replaces a weight param by a `WithAux(array, how)` when a
-quantized model is initialised. This provider keeps that machinery and changes
-what a matched product does:
-
-  * the weight becomes a 2-D `Q8Array` (K, N) blocked along its contraction
-    axes (`q8rules.layout`), with `WithAux.how` a `Q8How` saying how;
-  * the product runs through `q8rules.q8_matmul` (the Pallas fold or the
-    chunked XLA path), never through a float copy of the weight;
-  * every intercepted op is recorded for `report()`.
-
-K not a multiple of 32 is zero-padded (exact: zero rows quantize to zero
-blocks and meet zero activations); the report says so.
+Built on `qwix.PtqProvider`, which intercepts the products and Flax's param
+creation. A matched weight becomes a 2-D `Q8Array` (K, N) (`q8rules.layout`;
+K zero-padded to a multiple of 32, which is exact) held as `WithAux(Q8Array,
+Q8How)`, and its product runs through `q8rules.q8_matmul` (whichever
+implementation `kernels.resolve` picks: the Pallas fold, the native CPU kernel
+or the chunked XLA path), never through a float copy of the weight. Every
+intercepted op is recorded for `report()`.
 """
 
 from __future__ import annotations
@@ -28,37 +21,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from qwix._src.providers import ptq
-from qwix._src.utils import flax_util
 
-from q8rules import kernels, sharding
+from q8rules import kernels
+from q8rules._qwix import (
+  PtqProvider,
+  WithAux,
+  create_quantized_param,
+  current_module_path,
+  get_value_from_path,
+  unbox,
+)
 from q8rules.layout import (
   ProductLayout,
+  Q8How,
   UnsupportedProduct,
-  WeightLayout,
   from_dot_general,
   from_einsum,
 )
-from q8rules.providers._common import RecordingProvider, current_module_path, op_where
+from q8rules.providers._common import RecordingProvider, op_where
+from q8rules.providers.mesh import provider_product
 from q8rules.q8_0 import Q8Array, quantize
 from q8rules.rules import Q8Rule
-
-WithAux = ptq.WithAux
-
-
-@dataclasses.dataclass(frozen=True)
-class Q8How:
-  """How a weight is stored as Q8_0; kept beside it in the param tree (`WithAux.how`).
-
-  Attributes:
-    layout: where the float weight's axes go in the (K, N) matrix.
-    scale_dtype: 'float32' or 'float16'.
-    dtype: the float weight's dtype name (what dequantising gives back).
-  """
-
-  layout: WeightLayout
-  scale_dtype: str
-  dtype: str
 
 
 def quantize_weight(w: jax.Array, how: Q8How, *, name: str = "weight") -> Q8Array:
@@ -84,7 +67,7 @@ class _Q8Quantizer:
     return quantize_weight(value, how, name=current_module_path() or "(top module)")
 
 
-class Q8Provider(RecordingProvider, ptq.PtqProvider):
+class Q8Provider(RecordingProvider, PtqProvider):
   """Serve weights of ops matched by `Q8Rule`s as Q8_0.
 
   Use as `qwix.quantize_model(model, Q8Provider(rules))` for linen (then
@@ -164,7 +147,7 @@ class Q8Provider(RecordingProvider, ptq.PtqProvider):
 
   def asarray(self, a, dtype=None, order=None, **kwargs):
     """Intercepts jnp.asarray so a Q8 weight passes through unchanged."""
-    unboxed = flax_util.unbox(a)
+    unboxed = unbox(a)
     if isinstance(unboxed, WithAux) and isinstance(unboxed.how, Q8How):
       return unboxed
     if isinstance(unboxed, Q8Array):
@@ -198,7 +181,7 @@ class Q8Provider(RecordingProvider, ptq.PtqProvider):
     elif matched := self._match_float_weight(rule, op_id, rhs, make_layout):  # a float weight
       name, layout = matched
       how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
-      weight = ptq.create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
+      weight = create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
     else:
       return as_float()
 
@@ -214,20 +197,20 @@ class Q8Provider(RecordingProvider, ptq.PtqProvider):
         f" layout ({k_pad}, {n})"
       )
     implementation = rule.implementation if rule is not None else None
-    path = implementation or kernels.pick_implementation(
-      m, k_pad, n, itemsize=np.dtype(lhs.dtype).itemsize
-    )
     interpret = rule.interpret if rule is not None else None
-    try:  # split over a mesh (`q8rules.sharding.use_mesh`, or explicit sharding): per shard
-      y = sharding.provider_product(
+    try:  # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard
+      sharded = provider_product(
         lhs, weight, layout, operand=rhs, implementation=implementation, interpret=interpret
       )
-      if y is None:
+      if sharded is not None:
+        y, path = sharded
+      else:
+        path = kernels.resolve(m, k_pad, n, lhs.dtype, None, implementation)
         x2d = layout.lhs_matrix(lhs)
         y2d = kernels.q8_matmul(
           x2d,
           weight,
-          implementation=path,
+          implementation=implementation,
           interpret=interpret,
           preferred_element_type=preferred_element_type,
         )
@@ -289,12 +272,12 @@ def quantize_params(
   """
   quantized = {}
   for path, param in flax.traverse_util.flatten_dict(params).items():
-    abs_param = flax_util.get_value_from_path(abstract_quantized_params, path)
+    abs_param = get_value_from_path(abstract_quantized_params, path)
     if abs_param is None:
       if allow_extra_params:
         continue
       raise ValueError(f"{'/'.join(map(str, path))} is not in the quantized model's params")
-    abs_param = flax_util.unbox(abs_param)
+    abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
       param = abs_param.replace(array=_quantize_stacked(jnp.asarray(param), abs_param.how, name))

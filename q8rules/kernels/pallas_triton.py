@@ -1,7 +1,7 @@
 """The fold on GPU: a Pallas Triton kernel for decode-shaped Q8_0 products.
 
 `y = x @ W` for x (m, K), m <= 16, and a Q8_0 weight W = q * d (q int8 (K, N),
-d float32 (K/32, N)). The TPU form (`fold_tpu`) does not lower for CUDA (its
+d float32 (K/32, N)). The TPU form (`pallas_mosaic_tpu`) does not lower for CUDA (its
 carry lives in VMEM: "Unsupported memory space: vmem"); this one keeps the
 carry in registers.
 

@@ -1,33 +1,14 @@
 """The native CPU Q8_0 product: a C++ XLA FFI kernel (`cpu/q8_gemv.cc`), built on first use.
 
-`q8_matmul_cpu(x, q, scale)` computes `x @ (q * d)` for x (M, K) and a Q8_0
-weight (int8 q (K, N), float32 or float16 scales (K/32, N)) with one read of
-q: each int8 row is converted to float32 in registers and FMA'd into
-per-block partial sums for every x row at once (the fold's numerics: per
-32-row block, `s = sum_i x_i q_i` in float32, then `y += d * s`). On the
-2-core EPYC this reads q at close to the machine's DRAM bandwidth at M = 1,
-where XLA's dequantise-then-dot path (`q8rules.kernels.xla`) writes and
-reads every weight back as float32; see `benchmarks/RESULTS.md`.
-
-Building. The first call (per process) compiles `cpu/q8_gemv.cc` with the
-system C++ compiler (`$CXX`, default `c++`) against the jaxlib FFI headers
-into a cache directory (`$Q8RULES_CACHE`, default `~/.cache/q8rules`), the
-file named by a hash of the source, the jaxlib version, the compiler and its
-flags; later processes load that file without compiling. The AVX2/FMA/F16C
-code is selected at run time, with a scalar path for CPUs without them.
-`available()` is False (and `unavailable_reason()` says why) when the host is
-not x86-64, JAX's default backend is not the CPU, or there is no compiler or
-the build fails; `q8rules.q8_matmul` then picks the XLA path, and asking for
-`implementation='cpu'` raises with that reason.
-
-Transformations. `jax.jit` as usual. `jax.vmap`: a batch of x (weight
-unbatched) folds into the kernel's M rows (one read of the weight for the
-whole batch); a batched weight runs one kernel call per batch element
-(`lax.map`). Differentiation is a `custom_jvp` whose tangent is linear XLA
-(`q8_matmul_xla`): `jax.jvp`, `jax.grad` and `jax.vjp` work, the backward
-product w.r.t. x is `dy @ W^T` computed chunk by chunk by XLA, and the
-gradient w.r.t. the scales is what the XLA path gives (`x^T dy` summed per
-block, times q). q is integer: no gradient.
+`q8_matmul_cpu(x, q, scale)` reads each int8 row once, converts it in registers
+and folds it into per-block float32 sums for every x row (the fold's numerics:
+per 32-row block `s = sum_i x_i q_i`, then `y += d * s`). The first call per
+process compiles the source with `$CXX` (default `c++`) into `$Q8RULES_CACHE`
+(default `~/.cache/q8rules`), named by a hash of source, jaxlib, compiler and
+flags; `available()` is False, with `unavailable_reason()`, where that cannot
+happen (not x86-64, default backend not CPU, no compiler, a failed build).
+`vmap` folds a batch of x into the kernel's rows; derivatives are linear XLA
+(`xla_chunked`). Timings: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -46,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK
 
 TARGET = "q8rules_q8_gemv"
@@ -201,8 +183,6 @@ def _product_diff(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 def _product_jvp(primals, tangents):
   """The product is bilinear in (x, scale): tangents through the (transposable) XLA path."""
-  from q8rules.kernels.xla import q8_matmul_xla
-
   x, q, scale = primals
   dx, _, dscale = tangents
   y = _product_diff(x, q, scale)

@@ -1,0 +1,387 @@
+"""The one place that decides which Q8_0 product implementation runs, and `q8_matmul`.
+
+A registry of implementations (tokamax's model): each says where it cannot run
+(`cannot`) and where `implementation=None` passes it over for a faster one
+(`slower`). `resolve` is the only function that picks; `q8_matmul`, the per-shard
+product, `Q8Rule` validation and the report all call it. The choice is made
+again when the product is lowered, per platform (`q8_product_p`), so one
+`jax.export` artifact runs the right kernel on CPU, GPU and TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from q8rules.kernels import cpu_native, fold
+from q8rules.kernels.reference import q8_matmul_reference
+from q8rules.kernels.xla_chunked import q8_matmul_xla
+from q8rules.q8_0 import BLOCK, Q8Array
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+"""The platforms `resolve` knows ('cuda' and 'rocm' are 'gpu')."""
+
+_PLATFORM_OF = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+CPU_MAX_ROWS = 16
+"""The most activation rows for which `implementation=None` runs the native CPU kernel on CPU
+(past that XLA's GEMM is faster; benchmarks/RESULTS.md)."""
+
+ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+ImplementationArg = str | Sequence[str] | None
+"""`implementation=`: None (the best for the platform and shape), a name, or names tried in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One product `(m, K) @ (K, N)` on a platform; `itemsize`: bytes of an activation value."""
+
+  m: int
+  k: int
+  n: int
+  itemsize: int
+  platform: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One way to compute `x2d (m, K) @ (q (K, N) int8 * scale (K/32, N))` -> (m, N) float32.
+
+  Attributes:
+    name: what `implementation=` calls it.
+    summary: one line for docs and errors.
+    cannot: why it cannot run a problem (None: it can).
+    slower: why `implementation=None` passes it over for the next one (None: pick it).
+    run: `run(x2d, q, scale, platform, interpret)` -> (m, N) float32.
+  """
+
+  name: str
+  summary: str
+  cannot: Callable[[Problem], str | None]
+  slower: Callable[[Problem], str | None]
+  run: Callable[[jax.Array, jax.Array, jax.Array, str, bool | None], jax.Array]
+
+
+def _never(p: Problem) -> None:
+  del p
+
+
+def _cpu_cannot(p: Problem) -> str | None:
+  if p.platform != "cpu":
+    return f"the native CPU kernel runs on the CPU only, not {p.platform}"
+  if not cpu_native.available():
+    return f"the native CPU kernel is unavailable here: {cpu_native.unavailable_reason()}"
+  return None
+
+
+def _cpu_slower(p: Problem) -> str | None:
+  if p.m > CPU_MAX_ROWS:
+    return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
+  return None
+
+
+def _fold_cannot(p: Problem) -> str | None:
+  return fold.fold_shape_reason(p.m, p.k, p.n, backend=p.platform)
+
+
+def _fold_slower(p: Problem) -> str | None:
+  if p.platform == "cpu":
+    return "on CPU the fold runs only in Pallas interpret mode"
+  return fold.fold_reason(p.m, p.k, p.n, backend=p.platform, itemsize=p.itemsize)
+
+
+def _run_fold(x2d, q, scale, platform: str, interpret: bool | None) -> jax.Array:
+  interpret = platform == "cpu" if interpret is None else interpret
+  return fold.q8_fold(x2d, q, scale, backend=platform, interpret=interpret)
+
+
+REGISTRY: dict[str, Implementation] = {
+  impl.name: impl
+  for impl in (
+    Implementation(
+      "fold",
+      "the Pallas fold (Mosaic TPU, Triton GPU; interpret mode on CPU), decode-shaped products",
+      _fold_cannot,
+      _fold_slower,
+      _run_fold,
+    ),
+    Implementation(
+      "cpu",
+      "the native CPU kernel (C++ through XLA's FFI, built on first use)",
+      _cpu_cannot,
+      _cpu_slower,
+      lambda x2d, q, scale, platform, interpret: cpu_native.q8_matmul_cpu(x2d, q, scale),
+    ),
+    Implementation(
+      "xla",
+      "K-chunked dequantise-and-dot in plain XLA, every shape and backend",
+      _never,
+      _never,
+      lambda x2d, q, scale, platform, interpret: q8_matmul_xla(x2d, q, scale),
+    ),
+    Implementation(
+      "reference",
+      "dequantise the whole weight, then one dot (the yardstick; slow)",
+      _never,
+      lambda p: "the reference is for tests",
+      lambda x2d, q, scale, platform, interpret: q8_matmul_reference(x2d, q, scale),
+    ),
+  )
+}
+"""Every implementation, by name."""
+
+IMPLEMENTATIONS = tuple(REGISTRY)
+
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+  "cpu": ("cpu", "xla"),
+  "gpu": ("fold", "xla"),
+  "tpu": ("fold", "xla"),
+}
+"""What `implementation=None` tries, in order, per platform; the last always applies."""
+
+
+def platform_of(backend: str | None = None) -> str:
+  """'cpu', 'gpu' or 'tpu' for a backend or platform name (None: `jax.default_backend()`)."""
+  name = (backend or jax.default_backend()).lower()
+  if name not in _PLATFORM_OF:
+    raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_PLATFORM_OF)}")
+  return _PLATFORM_OF[name]
+
+
+def check_implementation(
+  implementation: ImplementationArg, *, what: str = "implementation"
+) -> None:
+  """Raise a clear error unless `implementation` is None, a registered name, or a sequence of them."""
+  if implementation is None:
+    return
+  names = (implementation,) if isinstance(implementation, str) else implementation
+  if isinstance(names, Sequence) and names and all(isinstance(n, str) for n in names):
+    unknown = [n for n in names if n not in REGISTRY]
+    if not unknown:
+      return
+  raise ValueError(
+    f"{what}={implementation!r}: expected None, one of {IMPLEMENTATIONS}, or a sequence of them"
+  )
+
+
+def why_not(
+  name: str, m: int, k: int, n: int, dtype: Any = jnp.bfloat16, backend: str | None = None
+) -> str | None:
+  """Why implementation `name` cannot run an (m, K) x (K, N) product on `backend` (None: it can)."""
+  check_implementation(name)
+  p = Problem(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+  return REGISTRY[name].cannot(p)
+
+
+def resolve(
+  m: int,
+  k: int,
+  n: int,
+  dtype: Any = jnp.bfloat16,
+  backend: str | None = None,
+  implementation: ImplementationArg = None,
+) -> str:
+  """The implementation that runs an (m, K) x (K, N) product with `dtype` activations.
+
+  Args:
+    m, k, n: rows of activations, contraction size, columns.
+    dtype: the activations' dtype (its size enters the fold's bytes rule).
+    backend: 'cpu', 'gpu' ('cuda', 'rocm'), 'tpu', or None for `jax.default_backend()`.
+    implementation: None (the first of `DEFAULT_ORDER[platform]` that can run
+      the product and is not slower than the next), a name (it must be able to
+      run the product), or a sequence of names (the first that can).
+
+  Raises:
+    ValueError: no named implementation can run the product; the message gives
+      each one's reason.
+  """
+  check_implementation(implementation)
+  p = Problem(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+  if implementation is None:
+    for name in DEFAULT_ORDER[p.platform]:
+      impl = REGISTRY[name]
+      if impl.cannot(p) is None and impl.slower(p) is None:
+        return name
+    return DEFAULT_ORDER[p.platform][-1]
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  reasons = []
+  for name in names:
+    reason = REGISTRY[name].cannot(p)
+    if reason is None:
+      return name
+    reasons.append(f"{name!r}: {reason}")
+  raise ValueError(
+    f"implementation={implementation!r} cannot run ({p.m}, {p.k}) x ({p.k}, {p.n}) on"
+    f" {p.platform}: {'; '.join(reasons)}; use 'xla', which runs every shape"
+  )
+
+
+def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None:
+  """Raise a clear error when x (..., K) and the Q8_0 weight (K, N) do not fit together."""
+  if not isinstance(w, Q8Array):
+    raise TypeError(f"{what}: the weight must be a Q8Array, got {type(w).__name__}")
+  if w.ndim != 2 or w.axis != 0:
+    raise ValueError(
+      f"{what}: the weight must be 2-D (K, N) blocked along axis 0, got shape"
+      f" {w.shape} blocked along axis {w.axis}"
+    )
+  if np.dtype(w.q.dtype) != np.dtype(np.int8):
+    raise TypeError(f"{what}: Q8_0 values must be int8, got {w.q.dtype}")
+  if np.dtype(w.scale.dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+    raise TypeError(f"{what}: Q8_0 scales must be float32 or float16, got {w.scale.dtype}")
+  k, n = w.shape
+  if k % BLOCK or tuple(w.scale.shape) != (k // BLOCK, n):
+    raise ValueError(
+      f"{what}: scale shape {tuple(w.scale.shape)} does not match values {w.shape}"
+      f" (expected ({k // BLOCK}, {n}) with K a multiple of {BLOCK})"
+    )
+  if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
+    raise TypeError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
+  if x.ndim < 1 or x.shape[-1] != k:
+    raise ValueError(
+      f"{what}: activations of shape {tuple(x.shape)} do not contract with a weight of K={k} rows"
+    )
+
+
+# ---- the product, dispatched when it is lowered ----------------------------------------
+
+
+def _run_on(platform: str, x2d, q, scale, *, implementation, interpret) -> jax.Array:
+  """The product as `platform` runs it: (m, K) @ (K, N) -> (m, N) float32."""
+  m, k = x2d.shape
+  name = resolve(m, k, q.shape[1], x2d.dtype, platform, implementation)
+  return REGISTRY[name].run(x2d, q, scale, platform, interpret)
+
+
+q8_product_p = Primitive("q8_product")
+"""x2d (m, K), q (K, N) int8, scale (K/32, N) -> (m, N) float32; lowered per platform by
+`resolve`, so the kernel is chosen for the platform the program is compiled for."""
+
+
+@q8_product_p.def_abstract_eval
+def _abstract_eval(x2d, q, scale, **params):
+  del scale, params
+  return jax.core.ShapedArray((x2d.shape[0], q.shape[1]), jnp.float32)
+
+
+@q8_product_p.def_impl
+def _impl(x2d, q, scale, **params):
+  return _run_on(platform_of(), x2d, q, scale, **params)
+
+
+for _lp in _LOWERING_PLATFORMS:
+  mlir.register_lowering(
+    q8_product_p,
+    mlir.lower_fun(functools.partial(_run_on, _PLATFORM_OF[_lp]), multiple_results=False),
+    platform=_lp,
+  )
+
+
+def _bind(x2d, q, scale, implementation, interpret):
+  return q8_product_p.bind(x2d, q, scale, implementation=implementation, interpret=interpret)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _product(x2d, q, scale, implementation, interpret) -> jax.Array:
+  return _batched(x2d, q, scale, implementation, interpret)
+
+
+def _product_jvp(implementation, interpret, primals, tangents):
+  """Bilinear in (x, scale): tangents through the (transposable) XLA path."""
+  x2d, q, scale = primals
+  dx, _, dscale = tangents
+  y = _product(x2d, q, scale, implementation, interpret)
+  dy = jnp.zeros_like(y)
+  if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+    dy = dy + q8_matmul_xla(dx, q, scale)
+  if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
+    dy = dy + q8_matmul_xla(x2d, q, dscale)
+  return y, dy
+
+
+_product.defjvp(_product_jvp, symbolic_zeros=True)
+
+
+def _batched(x2d, q, scale, implementation, interpret) -> jax.Array:
+  @jax.custom_batching.custom_vmap
+  def f(x2d, q, scale):
+    return _bind(x2d, q, scale, implementation, interpret)
+
+  @f.def_vmap
+  def f_vmap(axis_size, in_batched, x2d, q, scale):
+    """A batch of x with one weight folds into the rows (one read of the weight)."""
+    x_b, q_b, s_b = in_batched
+    if not (q_b or s_b):
+      if not x_b:
+        return f(x2d, q, scale), False
+      b, m, k = x2d.shape
+      return f(x2d.reshape(b * m, k), q, scale).reshape(b, m, q.shape[1]), True
+
+    def batched(a, is_batched):
+      return a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+    args = (batched(x2d, x_b), batched(q, q_b), batched(scale, s_b))
+    return jax.lax.map(lambda a: f(*a), args), True
+
+  return f(x2d, q, scale)
+
+
+def q8_matmul(
+  x: jax.Array,
+  w: Q8Array,
+  *,
+  implementation: ImplementationArg = None,
+  interpret: bool | None = None,
+  preferred_element_type: Any = None,
+) -> jax.Array:
+  """`y = x @ W` for x (..., K) float32/bfloat16/float16 and W a (K, N) Q8Array.
+
+  Accumulates in float32 and returns (..., N) in `preferred_element_type`
+  (default: x's dtype). `implementation` as `resolve`; it is checked now for the
+  default backend (a clear error at trace time) and resolved again per platform
+  when the program is lowered. `interpret` runs the fold in Pallas interpret
+  mode (None: on CPU only).
+  """
+  check_operands(x, w)
+  k, n = w.shape
+  x2d = x.reshape(-1, k)
+  resolve(x2d.shape[0], k, n, x.dtype, None, implementation)
+  impl = (
+    implementation
+    if implementation is None or isinstance(implementation, str)
+    else tuple(implementation)
+  )
+  if x2d.shape[0] == 0 or n == 0:
+    y = jnp.zeros((x2d.shape[0], n), jnp.float32)
+  else:
+    y = _product(x2d, w.q, w.scale, impl, interpret)
+  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype)
+
+
+__all__ = [
+  "ACTIVATION_DTYPES",
+  "CPU_MAX_ROWS",
+  "DEFAULT_ORDER",
+  "IMPLEMENTATIONS",
+  "REGISTRY",
+  "Implementation",
+  "ImplementationArg",
+  "Problem",
+  "check_implementation",
+  "check_operands",
+  "platform_of",
+  "q8_matmul",
+  "q8_product_p",
+  "resolve",
+  "why_not",
+]

@@ -1,0 +1,106 @@
+"""The XLA Q8_0 product for every shape and backend: a scan over K chunks.
+
+Each scan step dequantises one chunk of rows (int8 -> float32 times the scale,
+one fusion) and dots it into a float32 accumulator, so no float weight wider
+than a chunk ever exists. The scan body is rematerialised, so reverse mode
+dequantises each chunk again instead of keeping the whole float weight as a
+residual. Why this form, and the forms measured against it: docs/design.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from q8rules.q8_0 import BLOCK
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of the float32 chunk one scan step dequantises (see `default_chunk`)."""
+
+MAX_CHUNK = 1024
+"""The most weight rows one scan step takes."""
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def default_chunk(m: int, k: int, n: int) -> int:
+  """Rows of the weight dequantised per scan step for an (m, K) x (K, N) product.
+
+  About `CHUNK_BYTES` of float32 per step (512 rows at N = 4096), a multiple of
+  32 between 32 and `MAX_CHUNK`, and at most half of K so the scan has at least
+  two steps (measurements: docs/design.md).
+  """
+  del m
+  rows = CHUNK_BYTES // (4 * max(n, 1)) // BLOCK * BLOCK
+  half = k // 2 // BLOCK * BLOCK
+  return max(BLOCK, min(rows, MAX_CHUNK, half or k))
+
+
+def _chunk_rows(k: int, chunk: int) -> int:
+  """`chunk` rounded down to a multiple of 32, at least 32 and at most k."""
+  return max(BLOCK, min(chunk, k) // BLOCK * BLOCK)
+
+
+def _dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
+  """`q * d` for rows of a Q8_0 weight: q (r, N) int8, scale (r/32, N) -> (r, N) float32."""
+  r, n = q.shape
+  w = q.reshape(r // BLOCK, BLOCK, n).astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]
+  return w.reshape(r, n)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x (M, r) float32 @ w (r, N) float32 -> (M, N) float32, full float32 precision."""
+  return jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _rows_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+  """x (M, r) float32 @ dequantised rows q (r, N) int8 / scale (r/32, N) -> (M, N) float32."""
+  return _dot(x, _dequantize_rows(q, scale))
+
+
+def q8_matmul_xla(
+  x: jax.Array, q: jax.Array, scale: jax.Array, *, chunk: int | None = None
+) -> jax.Array:
+  """`x @ (q * scale)` in K chunks.
+
+  Args:
+    x: (M, K) float32, bfloat16 or float16 activations (converted to float32,
+      exactly).
+    q: (K, N) int8 Q8_0 values, K a multiple of 32.
+    scale: (K/32, N) float32 or float16 Q8_0 scales.
+    chunk: weight rows dequantised per scan step (rounded down to a multiple
+      of 32); None picks `default_chunk(M, K, N)`. A K that is not a multiple
+      of the chunk ends with one smaller chunk.
+
+  Returns:
+    (M, N) float32, accumulated in float32.
+  """
+  m, k = x.shape
+  n = q.shape[1]
+  if q.shape[0] != k or scale.shape != (k // BLOCK, n) or k % BLOCK:
+    raise ValueError(
+      f"q8_matmul_xla: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
+      f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
+    )
+  c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
+  steps, rem = divmod(k, c)
+  x = x.astype(jnp.float32)
+  main = steps * c
+  xs = x[:, :main].reshape(m, steps, c).transpose(1, 0, 2)  # (steps, M, c)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(acc: jax.Array, xi_i: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+    xi, i = xi_i
+    qi = jax.lax.dynamic_slice_in_dim(q, i * c, c, axis=0)
+    si = jax.lax.dynamic_slice_in_dim(scale, i * (c // BLOCK), c // BLOCK, axis=0)
+    return acc + _rows_product(xi, qi, si), None
+
+  acc = jnp.zeros((m, n), jnp.float32)
+  acc, _ = jax.lax.scan(step, acc, (xs, jnp.arange(steps, dtype=jnp.int32)))
+  if rem:
+    acc = acc + jax.checkpoint(_rows_product, prevent_cse=False)(
+      x[:, main:], q[main:], scale[main // BLOCK :]
+    )
+  return acc

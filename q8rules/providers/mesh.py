@@ -1,0 +1,209 @@
+"""The provider's mesh context: `shard_products(mesh, specs)` makes `Q8Provider` run each
+matched product per shard (`q8rules.sharding.product`), and `provider_product` is its hook.
+
+Without the context, a weight whose type carries an explicit mesh (sharding in
+types) is split the same way; otherwise XLA's own partitioning applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from q8rules import kernels
+from q8rules._qwix import WithAux, current_module_path, find_param
+from q8rules.layout import ProductLayout, WeightLayout
+from q8rules.q8_0 import Q8Array
+from q8rules.sharding.params import SpecTable
+from q8rules.sharding.product import local_product, place, shard_map_unchecked, type_spec
+from q8rules.sharding.specs import (
+  AnyMesh,
+  SpecKey,
+  check_q8_spec,
+  devices_along,
+  mesh_axes,
+  q8_spec_for_layout,
+  spec_entries,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+  """What `shard_products` sets: the mesh, the float-weight specs, the activation rows' split."""
+
+  mesh: Mesh
+  specs: Mapping[SpecKey, Any]
+  batch: Any = None
+
+
+_PLAN: contextvars.ContextVar[MeshPlan | None] = contextvars.ContextVar(
+  "q8_mesh_plan", default=None
+)
+
+
+@contextlib.contextmanager
+def shard_products(
+  mesh: Mesh, specs: Mapping[SpecKey, Any], *, batch: Any = None
+) -> Iterator[MeshPlan]:
+  """Inside this context, `Q8Provider` runs each Q8 product whose weight `specs` splits
+  per shard on `mesh` (in `shard_map`, see `provider_product`).
+
+  It also enters `jax.set_mesh(mesh)`, which makes the mesh part of jit's cache
+  key: a function jitted and called outside the context is traced again inside
+  it. The specs are read when the model is traced, so calling the same jitted
+  function under the same mesh with other specs reuses the first trace.
+
+  Args:
+    mesh: the device mesh the params were placed on (`shard_params`).
+    specs: the same float-weight specs given to `shard_params`.
+    batch: the mesh axes the activation rows (the product's leading, non-
+      contracted axes; the first of them) are split along (data parallel), or
+      None (replicated).
+  """
+  token = _PLAN.set(MeshPlan(mesh, specs, batch))
+  try:
+    with jax.set_mesh(mesh):
+      yield _PLAN.get()
+  finally:
+    _PLAN.reset(token)
+
+
+def current_plan() -> MeshPlan | None:
+  """The `shard_products` context in force, or None."""
+  return _PLAN.get()
+
+
+def current_param_path(operand: Any) -> str | None:
+  """The '/'-joined path ('block_0/mlp/up/kernel') of the param `operand` is, in the Flax
+  module Qwix is running now; None when it is not one of the module's params."""
+  try:
+    name = find_param(operand, WithAux)
+  except ValueError:  # several params fit the shape heuristics
+    return None
+  if not name:
+    return None
+  module = current_module_path()
+  return f"{module}/{name}" if module else name
+
+
+def _leading_axis(axes: tuple[int, ...], shape: tuple[int, ...]) -> int:
+  """The first of `axes` longer than 1 (the one a contiguous split of their flattening splits)."""
+  return next((a for a in axes if shape[a] > 1), axes[0])
+
+
+def provider_product(
+  lhs: jax.Array,
+  weight: Q8Array,
+  layout: ProductLayout,
+  *,
+  operand: Any = None,
+  implementation: kernels.ImplementationArg = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, str] | None:
+  """The provider's hook: a matched product run per shard, or None to run it unsharded.
+
+  The weight's split comes from the `shard_products` context (the float spec of the
+  param `operand` is, through `layout.weight`), else from the weight's type
+  when its mesh has explicit axes. Each device flattens its own slice of the
+  activation to (m, K_local) (the activation view is per chip: nothing is
+  gathered), runs its product, adds row-parallel partial sums in float32
+  (`psum`) and puts its (m, N_local) back into the op's output shape.
+
+  Args:
+    lhs: the activation as the op got it (any rank).
+    weight: the (K_padded, N) Q8Array.
+    layout: the product's layout (`q8rules.layout.ProductLayout`).
+    operand: the weight operand as the intercepted op got it (the param, or
+      `WithAux`): its param path is looked up in `shard_products`'s specs.
+    implementation, interpret: the rule's; None picks per shard.
+
+  Returns:
+    The op's output in lhs's dtype, split along the weight's N axes (on the
+    output axis of the weight's split free axis), and the implementation each
+    shard ran (`kernels.resolve` of the shard's shape); or None when nothing
+    splits the weight (XLA's own partitioning, if any, applies then).
+  """
+  wl = layout.weight
+  plan = current_plan()
+  mesh: AnyMesh | None = None
+  float_entries: tuple[Any, ...] | None = None
+  batch: tuple[Any, ...] = (None,) * len(layout.lhs_free)
+  param_path = current_param_path(operand) if plan is not None else None
+  if plan is not None and param_path is not None:
+    float_spec = SpecTable(plan.specs).lookup(param_path)
+    if float_spec is not None:
+      mesh = plan.mesh
+      float_entries = spec_entries(float_spec, len(wl.shape), param_path)
+      if layout.lhs_free:
+        batch = (plan.batch,) + batch[1:]
+  if float_entries is None:
+    typed = type_spec(weight.q)
+    if typed is None:
+      return None
+    mesh = jax.typeof(weight.q).sharding.mesh
+    k_entry, n_entry = spec_entries(typed, 2, "weight")
+    entries = [None] * len(wl.shape)
+    entries[_leading_axis(wl.contract, wl.shape)] = k_entry
+    entries[_leading_axis(wl.free, wl.shape)] = n_entry
+    float_entries = tuple(entries)
+    lhs_typed = type_spec(lhs)
+    if lhs_typed is not None:
+      lhs_entries = spec_entries(lhs_typed, lhs.ndim, "activation")
+      batch = tuple(lhs_entries[a] for a in layout.lhs_free)
+  assert mesh is not None
+  what = param_path or f"Q8 weight {wl.shape}"
+  kn = q8_spec_for_layout(wl, P(*float_entries), what=what)
+  if kn[0] is None and kn[1] is None:
+    return None
+  kn = check_q8_spec(tuple(weight.q.shape), kn, mesh, what=what)
+  used = set(mesh_axes(kn[0])) | set(mesh_axes(kn[1]))
+  batch = tuple(None if set(mesh_axes(e)) & used else e for e in batch)
+
+  local_shape = list(wl.shape)
+  for a, e in enumerate(float_entries):
+    d = devices_along(mesh, e, what)
+    if wl.shape[a] % d:
+      raise ValueError(
+        f"{what}: cannot split axis {a} of the float weight {wl.shape} over {d} devices ({e!r})"
+      )
+    local_shape[a] //= d
+  local = dataclasses.replace(layout, weight=WeightLayout(tuple(local_shape), wl.contract, wl.free))
+  lhs_entries = [None] * lhs.ndim
+  for a, e in zip(layout.lhs_free, batch, strict=True):
+    lhs_entries[a] = e
+  for wa, la in zip(wl.contract, layout.lhs_contract, strict=True):
+    lhs_entries[la] = float_entries[wa]
+  for size, e in zip(lhs.shape, lhs_entries, strict=True):
+    if size % devices_along(mesh, e, what):
+      batch = ()  # an activation axis does not split: keep it whole
+  if not batch:
+    lhs_entries = [None] * lhs.ndim
+    for wa, la in zip(wl.contract, layout.lhs_contract, strict=True):
+      lhs_entries[la] = float_entries[wa]
+  pre = [lhs_entries[a] for a in layout.lhs_free] + [float_entries[a] for a in wl.free]
+  out_spec = P(*(pre[i] for i in layout.out_perm))
+  lhs_spec = P(*lhs_entries)
+  k_axes = mesh_axes(kn[0])
+  ran: list[str] = []
+
+  def per_shard(lhs_local: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    x2d = local.lhs_matrix(lhs_local)
+    ran.append(kernels.resolve(*x2d.shape, q.shape[1], x2d.dtype, None, implementation))
+    y2d = local_product(x2d, q, scale, implementation, interpret)
+    if k_axes:  # row-parallel: float32 partial sums, added before the cast
+      y2d = jax.lax.psum(y2d, k_axes)
+    return local.output(y2d.astype(lhs_local.dtype), tuple(lhs_local.shape))
+
+  f = shard_map_unchecked(per_shard, mesh, in_specs=(lhs_spec, kn, kn), out_specs=out_spec)
+  y = f(place(lhs, mesh, lhs_spec), place(weight.q, mesh, kn), place(weight.scale, mesh, kn))
+  return y, ran[0]
+
+
+__all__ = ["MeshPlan", "current_param_path", "current_plan", "provider_product", "shard_products"]

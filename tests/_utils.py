@@ -1,0 +1,64 @@
+"""Helpers shared by the tests: float64 references, fresh random Q8_0 data, a GGUF writer."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from q8rules.q8_0 import BLOCK
+
+
+def rel_err(out, ref) -> float:
+  """||out - ref|| / ||ref|| in float64."""
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def random_q8(
+  rng: np.random.Generator, k: int, n: int, scale_dtype=np.float32
+) -> tuple[jax.Array, jax.Array]:
+  """Random Q8_0 parts: q (K, N) int8 in [-127, 127], scale (K/32, N) of `scale_dtype`, > 0."""
+  q = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+  scale = (rng.uniform(0.5, 2.0, size=(k // BLOCK, n)) * 10.0 ** rng.uniform(-3, 0)).astype(
+    scale_dtype
+  )
+  return jnp.asarray(q), jnp.asarray(scale)
+
+
+def weight64(q, scale) -> np.ndarray:
+  """The dequantised weight in float64: (K, N)."""
+  return np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=0)
+
+
+def random_x(rng: np.random.Generator, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+  """Standard normal activations of `shape`, as float32 then cast to `dtype`."""
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def close_to_float64(out, x, w64: np.ndarray, tol: float) -> bool:
+  """`rel_err(out, x @ W) <= tol * max(1, cond)` against float64, cond = ||abs(x) @ abs(W)|| /
+  ||x @ W||: float32 sums carry an error relative to the magnitudes they add, so a product
+  whose terms cancel (one output of K = 32, say) is held to that, not to its small result."""
+  x64 = np.asarray(x, np.float64)
+  ref = x64 @ w64
+  cond = np.linalg.norm(np.abs(x64) @ np.abs(w64)) / np.linalg.norm(ref)
+  return rel_err(out, ref) <= tol * max(1.0, cond)
+
+
+def write_gguf(path, tensors: dict, kv: dict | None = None, arch: str = "llama") -> None:
+  """A GGUF file by gguf.GGUFWriter: name -> float array, or (raw uint8 bytes, type)."""
+  writer = gguf.GGUFWriter(path, arch)
+  for key, (value, vtype) in (kv or {}).items():
+    writer.add_key_value(key, value, vtype, gguf.GGUFValueType.STRING if key == "strs" else None)
+  for name, value in tensors.items():
+    if isinstance(value, tuple):
+      writer.add_tensor(name, value[0], raw_dtype=value[1])
+    else:
+      writer.add_tensor(name, value)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
