@@ -14,10 +14,14 @@ A block of zeros gets `d = 0, q = 0`. Scales are stored float32 (the default)
 or float16 (what GGUF stores); `q` always comes from the float32 `d`, as in
 llama.cpp.
 
-Accelerators (and XLA on CPU) flush float32 subnormals to zero, while the
-reference computes with them. Blocks whose largest magnitude is below 2**-100
-are therefore computed on exactly rescaled values (a power-of-two shift done on
-the bits), so the result equals the reference there too; see `_tiny_blocks`.
+The result is the reference's on every backend. Accelerators (and XLA on
+CPU) may flush float32 subnormals to zero, and a GPU's float32 division need
+not be correctly rounded, while the reference computes with both. So every
+division (`amax / 127`, `1 / d`) is done exactly on the integer bits
+(`_div_rn`), and blocks whose largest magnitude is below 2**-100 are computed
+on exactly rescaled values (`_tiny_blocks`). Non-finite values are found with
+`isfinite`, not through the maximum (a GPU's fast max may drop a NaN): such a
+block gets a NaN scale, so it dequantizes to NaN.
 """
 
 from __future__ import annotations
@@ -88,18 +92,49 @@ def _roundf(x: jax.Array) -> jax.Array:
   return jnp.sign(x) * (floored + jnp.floor(2 * (a - floored)))
 
 
-def _div127(x: jax.Array) -> jax.Array:
-  """x / 127, correctly rounded.
+def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a / b rounded to nearest even, for positive normal float32 a and b whose quotient is a
+  normal float32; computed by long division on the significands (uint32), so it is exact on
+  every backend whatever its float division does. Other inputs give unspecified values:
+  callers select around them.
 
-  XLA rewrites a division by a broadcast constant into a multiplication by its
-  (rounded) reciprocal, which is off by an ulp for about 4.5 % of inputs; an
-  opaque divisor keeps the true division. The quotient is opaque too: otherwise
-  XLA folds a later `1 / d` into `127 / x`, which rounds differently (q off by
-  one at near-ties under jit).
+  With a = ma * 2**ea and b = mb * 2**eb (24-bit significands), ma / mb lies in (1/2, 2);
+  after doubling ma when ma < mb it lies in [1, 2). The integer bit is 1, the remainder
+  r = ma - mb < mb < 2**24, and three steps of 8 bits (r * 256 < 2**32) give 23 fraction
+  bits and a round bit; the final remainder is the sticky bit.
   """
-  return jax.lax.optimization_barrier(
-    x / jax.lax.optimization_barrier(jnp.full(x.shape, 127, jnp.float32))
-  )
+  ab = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  bb = jax.lax.bitcast_convert_type(b, jnp.uint32)
+  hidden = jnp.uint32(1 << _F32_EXP_SHIFT)
+  ma = (ab & jnp.uint32(0x7FFFFF)) | hidden
+  mb = (bb & jnp.uint32(0x7FFFFF)) | hidden
+  ea = (ab >> _F32_EXP_SHIFT).astype(jnp.int32)
+  eb = (bb >> _F32_EXP_SHIFT).astype(jnp.int32)
+  low = ma < mb
+  ma = jnp.where(low, ma << 1, ma)
+  exp = ea - eb + 127 - low.astype(jnp.int32)  # the quotient's biased exponent
+  r = ma - mb
+  quot = jnp.ones_like(ma)
+  for _ in range(3):
+    r = r << 8
+    digit = r // mb
+    r = r - digit * mb
+    quot = (quot << 8) | digit
+  # quot: 25 bits, the 24-bit significand and a round bit; r != 0 is the sticky bit.
+  mant = quot >> 1
+  up = (quot & 1) & ((r != 0) | (mant & 1)).astype(jnp.uint32)
+  bits = (exp.astype(jnp.uint32) << _F32_EXP_SHIFT) + (mant + up - hidden)  # a carry bumps exp
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _div127(x: jax.Array) -> jax.Array:
+  """x / 127 correctly rounded, for float32 x >= 0 whose quotient is 0 or a normal float32."""
+  return jnp.where(x == 0, np.float32(0), _div_rn(x, jnp.full(x.shape, 127, jnp.float32)))
+
+
+def _recip(d: jax.Array) -> jax.Array:
+  """1 / d correctly rounded, for float32 d > 0 whose reciprocal is a normal float32."""
+  return _div_rn(jnp.ones(d.shape, jnp.float32), d)
 
 
 def _scale_up_exact(bits: jax.Array) -> jax.Array:
@@ -127,7 +162,7 @@ def _tiny_blocks(bits: jax.Array, amax_bits: jax.Array):
   # (amax*2**64)/127 * 2**-64 exactly, and so does 1/d after the shift.
   d_up = _div127(amax_up)
   d_normal = d_up * np.float32(2.0**-_SHIFT)
-  id_up_normal = np.float32(1) / d_up
+  id_up_normal = _recip(d_up)
   # Where d is subnormal, do the division on the integer grid of subnormals:
   # amax = n * 2**-149 with n < 2**30, d = round(n / 127) * 2**-149 (127 is odd,
   # so there are no ties).
@@ -137,7 +172,8 @@ def _tiny_blocks(bits: jax.Array, amax_bits: jax.Array):
   d_int = n // 127 + (2 * (n % 127) > 127).astype(n.dtype)
   d_sub = jax.lax.bitcast_convert_type(d_int, jnp.float32)  # d_int * 2**-149
   # 1/d = 2**149 / d_int: computed as 2**85 / d_int, then shifted by 2**64.
-  id_sub_up = np.float32(2.0**85) / d_int.astype(jnp.float32)
+  d_int_f = jnp.maximum(d_int, 1).astype(jnp.float32)  # exact: d_int < 2**24
+  id_sub_up = _div_rn(jnp.full(d_int_f.shape, 2.0**85, jnp.float32), d_int_f)
   overflow = id_sub_up >= np.float32(2.0**64)  # the reference's 1/d is inf: q = 0
   id_sub_up = jnp.where((d_int == 0) | overflow, 0, id_sub_up)
   d_is_normal = d_up >= np.float32(2.0 ** (-126 + _SHIFT))
@@ -147,18 +183,25 @@ def _tiny_blocks(bits: jax.Array, amax_bits: jax.Array):
 
 
 def _quantize_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Q8_0 of float32 blocks (B, 32, ...): (d float32 (B, 1, ...), q int8 (B, 32, ...))."""
+  """Q8_0 of float32 blocks (B, 32, ...): (d float32 (B, 1, ...), q int8 (B, 32, ...)).
+
+  A block holding a nan or an inf gets d = nan and q = 0 (it dequantizes to nan).
+  """
+  finite = jnp.all(jnp.isfinite(blocks), axis=1, keepdims=True)
+  blocks = jnp.where(finite, blocks, np.float32(0))
   bits = jax.lax.bitcast_convert_type(blocks, jnp.int32)
-  # max |w| on the bits: exact for every non-negative float, subnormals included.
+  # max |w| on the bits: exact for every finite non-negative float, subnormals included.
   amax_bits = jnp.max(bits & 0x7FFFFFFF, axis=1, keepdims=True)
   amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
-  d = _div127(amax)
-  inv_d = jnp.where(d == 0, 0, np.float32(1) / d)
-  q = _roundf(blocks * inv_d)
   tiny = amax_bits < (_TINY_EXP << _F32_EXP_SHIFT)
+  # Normal blocks: amax >= 2**-100, so d >= 2**-107 and 1/d < 2**107 are normal.
+  d = _div127(jnp.where(tiny, np.float32(1), amax))
+  q = _roundf(blocks * _recip(d))
   d_tiny, q_tiny = _tiny_blocks(bits, amax_bits)
   d = jnp.where(tiny, d_tiny, d)
   q = jnp.where(tiny, q_tiny, q)
+  d = jnp.where(finite, d, np.float32(np.nan))
+  q = jnp.where(finite, q, 0)
   return d, q.astype(jnp.int8)
 
 
