@@ -205,18 +205,32 @@ def _quantize_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   return d, q.astype(jnp.int8)
 
 
-def _check_finite(w: jax.Array, name: str) -> None:
-  """Raise ValueError on non-finite values; under tracing, at run time."""
-  bad = ~jnp.all(jnp.isfinite(w))
+def _non_finite_message(name: str) -> str:
+  return f"cannot quantize {name} to Q8_0: it holds non-finite values (nan or inf)"
 
-  def raise_if(flag) -> None:
-    if bool(flag):
-      raise ValueError(f"cannot quantize {name} to Q8_0: it holds non-finite values (nan or inf)")
 
-  if isinstance(bad, jax.core.Tracer):
-    jax.debug.callback(raise_if, bad)
-  else:
-    raise_if(bad)
+def checked_finite(w: jax.Array, name: str) -> jax.Array:
+  """A boolean scalar that is True when `w` is all finite; raise ValueError when it is not.
+
+  Concrete arrays are checked here. Traced ones are checked when the program runs, by a
+  pure callback whose result the scales depend on: a callback with an effect (like
+  `jax.debug.callback`) would make every traced quantizer an effect, which Flax's
+  `nn.scan` refuses at init ("broadcasted variable has a data dependency on the scan body").
+  """
+  finite = jnp.all(jnp.isfinite(w))
+  if not isinstance(finite, jax.core.Tracer):
+    if not bool(finite):
+      raise ValueError(_non_finite_message(name))
+    return finite
+
+  def check(ok: np.ndarray) -> np.ndarray:
+    if not np.all(ok):
+      raise ValueError(_non_finite_message(name))
+    return np.asarray(ok, np.bool_)
+
+  return jax.pure_callback(
+    check, jax.ShapeDtypeStruct(finite.shape, jnp.bool_), finite, vmap_method="sequential"
+  )
 
 
 def quantize(
@@ -257,11 +271,12 @@ def quantize(
       f"cannot quantize {name} of shape {w.shape} to Q8_0: axis {axis} has"
       f" {k} rows, not a multiple of {BLOCK}"
     )
-  if check_finite:
-    _check_finite(w, name)
   moved = jnp.moveaxis(w.astype(jnp.float32), axis, 0)
   rest = moved.shape[1:]
   d, q = _quantize_blocks(moved.reshape(k // BLOCK, BLOCK, *rest))
+  if check_finite:  # both parts depend on the check, so it runs whichever part is used
+    ok = checked_finite(w, name)
+    d, q = jnp.where(ok, d, np.float32(np.nan)), jnp.where(ok, q, jnp.int8(0))
   q = jnp.moveaxis(q.reshape(k, *rest), 0, axis)
   d = jnp.moveaxis(d.reshape(k // BLOCK, *rest), 0, axis)
   return Q8Array(q=q, scale=d.astype(scale_dtype), axis=axis, dtype=w.dtype)

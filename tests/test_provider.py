@@ -18,6 +18,10 @@ import q8rules
 from q8rules.q8_0 import BLOCK
 from tests._utils import rel_err
 
+pytestmark = pytest.mark.usefixtures(
+  "float32_matmuls"
+)  # float references: float32 on every backend
+
 
 def dequantized_f64(w: WithAux) -> np.ndarray:
   """A Q8 weight back in its float shape, in float64 (numpy only)."""

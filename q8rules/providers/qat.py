@@ -87,6 +87,18 @@ def _fake_quant_ste_jvp(
   return _fake_quant_jit(w, layout, scale_dtype), dw
 
 
+def matched_precision(precision: Any, lhs: jax.Array, matched: bool) -> Any:
+  """The precision of a fake-quantised product: the op's own when it names one, else float32's
+  (`Precision.HIGHEST`) for float32 activations, so the QAT forward pass and its gradients
+  compute what serving computes on every backend (a GPU's default for float32 is TF32),
+  unless `jax.default_matmul_precision` says otherwise."""
+  if not matched or precision is not None or lhs.dtype != jnp.float32:
+    return precision
+  if jax.config.jax_default_matmul_precision is not None:
+    return None
+  return jax.lax.Precision.HIGHEST
+
+
 class Q8QatProvider(RecordingProvider, QuantizationProvider):
   """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params.
 
@@ -119,14 +131,14 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
   ) -> jax.Array:
     """`lax.dot_general` with a matched weight `rhs` fake-quantised."""
     rule, op_id = self._get_current_rule_and_op_id("dot_general")
-    rhs = self._maybe_fake_quant(
+    fq = self._maybe_fake_quant(
       rule, op_id, lhs, rhs, lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers)
     )
     return jax.lax.dot_general(
       lhs,
-      rhs,
+      fq,
       dimension_numbers,
-      precision=precision,
+      precision=matched_precision(precision, lhs, fq is not rhs),
       preferred_element_type=preferred_element_type,
       out_sharding=out_sharding,
     )
@@ -144,10 +156,11 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     rule, op_id = self._get_current_rule_and_op_id("einsum")
     if len(operands) == 2:
       lhs, rhs = operands
-      rhs = self._maybe_fake_quant(
+      fq = self._maybe_fake_quant(
         rule, op_id, lhs, rhs, lambda shape: from_einsum(einsum_str, lhs.ndim, shape)
       )
-      operands = (lhs, rhs)
+      precision = matched_precision(precision, lhs, fq is not rhs)
+      operands = (lhs, fq)
     else:
       self._record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
     return jnp.einsum(
@@ -170,13 +183,13 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
     rule, op_id = self._get_current_rule_and_op_id("dot_general")
     dims = jnp_dot_dimension_numbers(a.ndim, b.ndim)
-    b = self._maybe_fake_quant(
+    fq = self._maybe_fake_quant(
       rule, op_id, a, b, lambda shape: from_dot_general(a.ndim, shape, dims)
     )
     return jnp.dot(
       a,
-      b,
-      precision=precision,
+      fq,
+      precision=matched_precision(precision, a, fq is not b),
       preferred_element_type=preferred_element_type,
       out_sharding=out_sharding,
     )

@@ -40,7 +40,7 @@ from q8rules.layout import (
 )
 from q8rules.providers._common import RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
-from q8rules.q8_0 import Q8Array, quantize
+from q8rules.q8_0 import Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
 
 
@@ -280,7 +280,9 @@ def quantize_params(
     abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
-      param = abs_param.replace(array=_quantize_stacked(jnp.asarray(param), abs_param.how, name))
+      param = jnp.asarray(param)
+      checked_finite(param, name)  # a concrete param: a clear ValueError here, not at run time
+      param = abs_param.replace(array=_quantize_stacked(param, abs_param.how, name))
     quantized[path] = param
   if isinstance(abstract_quantized_params, nnx.Module):
     quantized = nnx.to_pure_dict(nnx.state(quantized))
