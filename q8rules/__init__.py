@@ -2,6 +2,7 @@
 
 from q8rules import checkpoint, sharding
 from q8rules.kernels import q8_gemv_applies, q8_matmul
+from q8rules.llm import load_gguf as load_gguf
 from q8rules.providers import Q8How, Q8Provider, Q8QatProvider, quantize_params
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
