@@ -75,10 +75,10 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
   """
   slots = tensor_slots(c)
   problems = []
-  missing = [n for n in slots if n not in shapes]
+  missing = [repr(n) for n in slots if n not in shapes]
   if missing:
     problems.append(f"{len(missing)} tensor(s) missing:\n{listing(missing)}")
-  unexpected = [n for n in shapes if n not in slots]
+  unexpected = [repr(n) for n in shapes if n not in slots]
   if unexpected:
     problems.append(
       f"{len(unexpected)} unexpected tensor(s) (not part of a {c.arch!r} model):\n"
