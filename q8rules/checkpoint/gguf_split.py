@@ -76,6 +76,9 @@ class GGUFSplitCheckpoint(Mapping[str, Any]):
   def raw(self, name: str) -> Any:
     return self._part(name).raw(name)
 
+  def release(self, name: str) -> None:
+    self._part(name).release(name)
+
   def close(self) -> None:
     for part in self.parts:
       part.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -167,14 +167,44 @@ def _q8_rule(paths: list[tuple[str, ...]]) -> Q8Rule:
   return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16)
 
 
+def _traced_params(config: TransformerConfig, q8_dense: list[tuple[str, ...]]) -> dict[str, Any]:
+  """The quantized model's param shapes (`jax.eval_shape` of init: nothing allocated).
+
+  Tracing init of a many-layer model through qwix takes seconds, so it is traced on
+  one-layer models, once per distinct set of Q8_0 Dense kernels in a layer, and each
+  layer takes the subtree of its kind (the same structure a full trace gives).
+  """
+  q8 = set(q8_dense)
+  top = [p for p in q8 if not p[0].startswith("layers_")]
+
+  def kind(i: int) -> frozenset[tuple[str, ...]]:
+    return frozenset(p[1:] for p in q8 if p[0] == f"layers_{i}")
+
+  one = dataclasses.replace(config, layers=1)
+  traced: dict[frozenset[tuple[str, ...]], Any] = {}
+  for i in range(config.layers):
+    k = kind(i)
+    if k in traced:
+      continue
+    paths = [("layers_0", *p) for p in k] + top
+    model: nn.Module = Transformer(one)
+    if paths:
+      model = qwix.quantize_model(model, Q8Provider([_q8_rule(paths)]))
+    ids = jnp.zeros((1, 1), jnp.int32)
+    traced[k] = jax.eval_shape(model.init, jax.random.key(0), ids, init_cache(one, 1), 0)["params"]
+  first = traced[kind(0)]
+  params = {name: sub for name, sub in first.items() if name != "layers_0"}
+  for i in range(config.layers):
+    params[f"layers_{i}"] = traced[kind(i)]["layers_0"]
+  return params
+
+
 def _abstract_params(
-  model: nn.Module, config: TransformerConfig, ckpt: Any, slots: dict[str, Any]
+  config: TransformerConfig, q8_dense: list[tuple[str, ...]], ckpt: Any, slots: dict[str, Any]
 ) -> Any:
-  """The param tree's shapes (eval_shape: nothing allocated), with each float leaf in its
-  file dtype and the embedding table as the file's tensor spec (Q8Array or array)."""
-  cache = init_cache(config, 1)
-  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32), cache, 0)
-  params = abstract["params"]
+  """The param tree's shapes, with each float leaf in its file dtype and the embedding
+  table as the file's tensor spec (Q8Array or array)."""
+  params = _traced_params(config, q8_dense)
   by_path = {slot.path: name for name, slot in slots.items()}
 
   def fix(path: tuple[Any, ...], leaf: Any) -> Any:
@@ -189,6 +219,32 @@ def _abstract_params(
     return jax.ShapeDtypeStruct(leaf.shape, dtype)
 
   return jax.tree_util.tree_map_with_path(fix, params, is_leaf=lambda x: isinstance(x, Q8Array))
+
+
+class _Releasing(Mapping[str, Any]):
+  """A checkpoint whose tensors' file pages are dropped from memory once read (`release`),
+  so that loading holds the loaded params, not the params and the mapped file."""
+
+  def __init__(self, ckpt: Any):
+    self._ckpt = ckpt
+    self.path = ckpt.path
+
+  def spec(self, name: str) -> Any:
+    return self._ckpt.spec(name)
+
+  def __getitem__(self, name: str) -> Any:
+    value = self._ckpt[name]
+    self._ckpt.release(name)
+    return value
+
+  def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+    return name in self._ckpt
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._ckpt)
+
+  def __len__(self) -> int:
+    return len(self._ckpt)
 
 
 def _place_on_mesh(abstract: Any, mesh: Any) -> Any:
@@ -281,11 +337,11 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
   model: nn.Module = Transformer(config)
   if q8_dense:
     model = qwix.quantize_model(model, Q8Provider([_q8_rule(q8_dense)]))
-  abstract = _abstract_params(model, config, ckpt, slots)
+  abstract = _abstract_params(config, q8_dense, ckpt, slots)
   if mesh is not None:
     abstract = _place_on_mesh(abstract, mesh)
   name_map = {name: slot.path for name, slot in slots.items()}
-  params = ckpt_assign.assign(abstract, ckpt, name_map, progress=progress)
+  params = ckpt_assign.assign(abstract, _Releasing(ckpt), name_map, progress=progress)
   tokenizer = None
   if "tokenizer.ggml.model" in meta:
     from q8rules.llm.tokenizer import GGUFTokenizer
