@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap as mmap_lib
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -347,6 +348,23 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     """The reader's view of the tensor's bytes in the file (uint8 blocks for quantized
     types), valid while the checkpoint is open. For inspection; nothing is copied."""
     return self._info(name).data
+
+  def release(self, name: str) -> None:
+    """Drop the file pages of tensor `name` from this process's memory (`madvise(DONTNEED)`
+    on the mapping; the page cache keeps them). Reading the tensor again maps them back.
+    Loading a file tensor by tensor and releasing each keeps peak memory near the size
+    of what was loaded instead of twice it. A no-op where mmap.madvise is unavailable."""
+    data = self._live().data
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap_lib, "MADV_DONTNEED"):
+      return
+    raw = self._info(name).data
+    start = raw.ctypes.data - data.ctypes.data + int(data.offset) % mmap_lib.ALLOCATIONGRANULARITY
+    page = mmap_lib.PAGESIZE
+    first = -(-start // page) * page  # whole pages inside the tensor only
+    end = (start + raw.nbytes) // page * page
+    if end > first:
+      mm.madvise(mmap_lib.MADV_DONTNEED, first, end - first)
 
   def spec(self, name: str, *, layout: Layout | None = None) -> Q8Array | jax.ShapeDtypeStruct:
     """Shape and dtype of `self[name]` without reading it.

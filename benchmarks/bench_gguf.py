@@ -1,0 +1,190 @@
+"""load_gguf on a ~1 GB Q8_0 llama file: load time vs reading the file, peak host memory,
+and CPU decode tokens/s (llama.cpp's on the same file is measured by
+`scripts/make_gguf_references.py`'s environment: `--llama-cpp-python PY`).
+
+    python benchmarks/bench_gguf.py [--file /tmp/bench-q8_0.gguf] [--llama-cpp-python /work/llamacpp-venv/bin/python]
+
+The file (22 layers, dim 2048, ffn 5632, 32 heads / 4 KV heads, the tiny test
+vocabulary) is written once with random Q8_0 blocks (random int8 values and
+float16 scales: valid Q8_0 data, no float weights needed). Each measurement runs
+in a fresh interpreter. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).parent.parent
+CFG = dict(layers=22, dim=2048, ffn=5632, heads=32, kv_heads=4)
+
+
+def make_file(path: Path) -> None:
+  import gguf
+
+  tiny = gguf.GGUFReader(ROOT / "tests/data/gguf_models/tiny-llama-q8_0.gguf")
+  rng = np.random.default_rng(0)
+  d, hd = CFG["dim"], CFG["dim"] // CFG["heads"]
+  vocab = len(tiny.fields["tokenizer.ggml.tokens"].contents())
+  shapes = {"token_embd.weight": (vocab, d)}
+  for i in range(CFG["layers"]):
+    p = f"blk.{i}."
+    shapes |= {
+      p + "attn_norm.weight": (d,),
+      p + "attn_q.weight": (d, d),
+      p + "attn_k.weight": (CFG["kv_heads"] * hd, d),
+      p + "attn_v.weight": (CFG["kv_heads"] * hd, d),
+      p + "attn_output.weight": (d, d),
+      p + "ffn_norm.weight": (d,),
+      p + "ffn_gate.weight": (CFG["ffn"], d),
+      p + "ffn_up.weight": (CFG["ffn"], d),
+      p + "ffn_down.weight": (d, CFG["ffn"]),
+    }
+  shapes |= {"output_norm.weight": (d,), "output.weight": (vocab, d)}
+  tmp = path.with_suffix(".tmp")
+  w = gguf.GGUFWriter(tmp, "llama")
+  for key, field in tiny.fields.items():
+    if key.startswith(("GGUF.", "llama.")) or key == "general.architecture":
+      continue
+    vt = gguf.GGUFValueType(field.types[0])
+    sub = gguf.GGUFValueType(field.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
+    w.add_key_value(key, field.contents(), vt, sub)
+  w.add_context_length(2048)
+  w.add_embedding_length(d)
+  w.add_block_count(CFG["layers"])
+  w.add_feed_forward_length(CFG["ffn"])
+  w.add_head_count(CFG["heads"])
+  w.add_head_count_kv(CFG["kv_heads"])
+  w.add_rope_dimension_count(hd)
+  w.add_layer_norm_rms_eps(1e-5)
+  blk = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+  q8 = gguf.GGMLQuantizationType.Q8_0
+  for name, shape in shapes.items():
+    if len(shape) == 1:
+      w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+    else:
+      w.add_tensor_info(
+        name,
+        (shape[0], shape[1] // 32 * 34),
+        np.dtype(np.uint8),
+        shape[0] * shape[1] // 32 * 34,
+        raw_dtype=q8,
+      )
+  w.write_header_to_file(tmp)
+  w.write_kv_data_to_file()
+  w.write_ti_data_to_file()
+  for shape in shapes.values():
+    if len(shape) == 1:
+      w.write_tensor_data(np.ones(shape, np.float32))
+      continue
+    b = np.empty(shape[0] * shape[1] // 32, blk)
+    b["qs"] = rng.integers(-127, 128, b["qs"].shape, dtype=np.int8)
+    b["d"] = (rng.uniform(0.5, 1.5, b.shape) * 0.02 / 127 / np.sqrt(shape[1] / 2048)).astype(
+      np.float16
+    )
+    w.write_tensor_data(b.view(np.uint8).reshape(shape[0], -1))
+  w.close()
+  os.replace(tmp, path)
+
+
+OURS = """
+import json, os, resource, sys, time
+import jax, jax.numpy as jnp, numpy as np
+import q8rules
+jnp.zeros(1).block_until_ready()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss():
+  for line in open('/proc/self/status'):
+    if line.startswith('VmRSS'):
+      return int(line.split()[1]) * 1024
+t = time.perf_counter()
+m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False)
+jax.block_until_ready(m.params)
+load_s = time.perf_counter() - t
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after = rss()
+ids = [0, 41, 70, 77, 77, 80, 222, 88]
+stamps = []
+for _ in m.stream(ids, 34):
+  stamps.append(time.perf_counter())
+decode_tps = (len(stamps) - 2) / (stamps[-1] - stamps[1])
+print(json.dumps(dict(load_s=load_s, base=base, peak=peak, after=after, decode_tps=decode_tps)))
+"""
+
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=128, n_threads=2, verbose=False)
+ids = [0, 41, 70, 77, 77, 80, 222, 88]
+llm.eval(ids)
+stamps = []
+for _ in range(34):
+  t = int(llm.scores[llm.n_tokens - 1].argmax())
+  llm.eval([t])
+  stamps.append(time.perf_counter())
+print(json.dumps(dict(decode_tps=(len(stamps) - 2) / (stamps[-1] - stamps[1]))))
+"""
+
+
+def read_file_s(path: Path) -> float:
+  t = time.perf_counter()
+  with open(path, "rb", buffering=0) as f:
+    buf = bytearray(64 << 20)
+    while f.readinto(buf):
+      pass
+  return time.perf_counter() - t
+
+
+def run(py: str, code: str, path: Path) -> dict:
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out = subprocess.run(
+    [py, "-c", textwrap.dedent(code), str(path)],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=True,
+  )
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--file", default="/tmp/bench-q8_0.gguf")
+  ap.add_argument("--llama-cpp-python", default=None)
+  args = ap.parse_args()
+  path = Path(args.file)
+  if not path.exists():
+    make_file(path)
+  size = path.stat().st_size
+  read_s = min(read_file_s(path) for _ in range(2))
+  ours = run(sys.executable, OURS, path)
+  rows = [
+    ("file", f"{size / 1e9:.3f} GB Q8_0 ({CFG['layers']} layers, dim {CFG['dim']})"),
+    ("read the file (page cache warm)", f"{read_s:.2f} s"),
+    ("load_gguf", f"{ours['load_s']:.2f} s ({ours['load_s'] / read_s:.2f}x the read)"),
+    (
+      "peak RSS during load, minus RSS before",
+      f"{(ours['peak'] - ours['base']) / 1e9:.3f} GB ({(ours['peak'] - ours['base']) / size:.2f}x the file)",
+    ),
+    ("RSS after load", f"{ours['after'] / 1e9:.3f} GB"),
+    ("decode, q8rules (float32 activations)", f"{ours['decode_tps']:.1f} tokens/s"),
+  ]
+  if args.llama_cpp_python:
+    theirs = run(args.llama_cpp_python, LLAMA_CPP, path)
+    rows.append(("decode, llama.cpp (2 threads)", f"{theirs['decode_tps']:.1f} tokens/s"))
+    rows.append(("llama.cpp / q8rules", f"{theirs['decode_tps'] / ours['decode_tps']:.2f}x"))
+  print("| measure | value |\n|---|---|")
+  for k, v in rows:
+    print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+  main()

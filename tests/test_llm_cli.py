@@ -1,0 +1,57 @@
+"""`python -m q8rules run MODEL.gguf`: prints the text as generated, then tokens/s."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from q8rules.llm import cli, load_gguf
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+
+
+def test_run_prints_text_and_speed(capsys):
+  path = DATA / "tiny-qwen2-q8_0.gguf"
+  out = cli.main(
+    [
+      str(path),
+      "--prompt",
+      "The quick brown fox",
+      "--max-new-tokens",
+      "8",
+      "--float32",
+      "--no-progress",
+    ]
+  )
+  m = load_gguf(path, dtype=jnp.float32)
+  assert out["prompt_ids"] == m.tokenizer.encode("The quick brown fox")
+  assert out["new_ids"] == m.generate(out["prompt_ids"], 8, stop_ids=[m.tokenizer.eos_id])
+  printed = capsys.readouterr()
+  assert printed.out.startswith("The quick brown fox")
+  assert printed.out.rstrip("\n") == m.tokenizer.decode(out["prompt_ids"] + out["new_ids"])
+  assert "prefill: " in printed.err and "decode: " in printed.err and "tokens/s" in printed.err
+
+
+def test_module_entry_point_runs():
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "q8rules",
+      "run",
+      str(DATA / "tiny-llama-q8_0.gguf"),
+      "--prompt-ids",
+      "0,41,70",
+      "--max-new-tokens",
+      "3",
+      "--no-progress",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert "tokens/s" in proc.stderr and "llama, 2 layers" in proc.stderr

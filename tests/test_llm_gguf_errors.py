@@ -1,0 +1,154 @@
+"""`load_gguf` on bad files: each a CheckpointError naming the file and the tensor; split sets."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+
+from q8rules.checkpoint import CheckpointError
+from q8rules.llm import load_gguf
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+SRC = DATA / "tiny-llama-q8_0.gguf"
+IDS = [0, 41, 70, 77, 77, 80, 222, 88]
+
+
+def rewrite(
+  dst: Path,
+  *,
+  src: Path = SRC,
+  drop: tuple[str, ...] = (),
+  replace: dict | None = None,
+  add: dict | None = None,
+  meta: dict | None = None,
+  arch: str | None = None,
+  split_max_tensors: int = 0,
+) -> None:
+  """Copy a GGUF file with gguf's reader and writer, changing what is asked.
+
+  replace / add: name -> (float32 array in GGUF numpy order, GGML type); meta: key -> new value
+  (same GGUF type as in the file).
+  """
+  r = gguf.GGUFReader(src)
+  old_arch = r.fields["general.architecture"].contents()
+  arch = arch or old_arch
+  w = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
+  for key, field in r.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    vtype = V(field.types[0])
+    sub = V(field.types[-1]) if vtype == V.ARRAY else None
+    value = (meta or {}).get(key, field.contents())
+    w.add_key_value(key.replace(old_arch + ".", arch + ".", 1), value, vtype, sub)
+
+  def put(name: str, x: np.ndarray, qtype: T) -> None:
+    if qtype == T.F32:
+      w.add_tensor(name, x.astype(np.float32))
+    else:
+      w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+  for t in r.tensors:
+    if t.name in drop:
+      continue
+    if t.name in (replace or {}):
+      put(t.name, *replace[t.name])
+    else:
+      w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+  for name, (x, qtype) in (add or {}).items():
+    put(name, x, qtype)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def file_weight(name: str) -> np.ndarray:
+  for t in gguf.GGUFReader(SRC).tensors:
+    if t.name == name:
+      shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+      return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+  raise KeyError(name)
+
+
+def raises(path: Path, *patterns: str, **kw) -> str:
+  with pytest.raises(CheckpointError) as e:
+    load_gguf(path, **kw)
+  msg = str(e.value)
+  assert str(path) in msg or path.name in msg, msg
+  for p in patterns:
+    assert re.search(p, msg), (p, msg)
+  return msg
+
+
+def test_missing_tensor(tmp_path):
+  raises(rewrite_to(tmp_path, drop=("blk.1.ffn_up.weight",)), "missing", "'blk.1.ffn_up.weight'")
+
+
+def test_unexpected_tensor(tmp_path):
+  extra = {"blk.0.ffn_extra.weight": (np.ones((4, 32), np.float32), T.F32)}
+  raises(rewrite_to(tmp_path, add=extra), "unexpected", "'blk.0.ffn_extra.weight'")
+
+
+def test_shape_disagrees_with_metadata(tmp_path):
+  msg = raises(
+    rewrite_to(tmp_path, meta={"llama.feed_forward_length": 288}),
+    "disagree with the metadata",
+    r"'blk.0.ffn_up.weight': shape \(256, 128\), the metadata says \(288, 128\)",
+  )
+  assert "ffn 288" in msg
+
+
+def test_unsupported_arch(tmp_path):
+  raises(rewrite_to(tmp_path, arch="mamba"), "unsupported architecture 'mamba'", "llama", "qwen2")
+
+
+def test_unsupported_quant_type_then_dequantize_other(tmp_path):
+  w = file_weight("blk.0.ffn_up.weight")
+  path = rewrite_to(tmp_path, replace={"blk.0.ffn_up.weight": (w, T.Q4_0)})
+  raises(path, "'blk.0.ffn_up.weight': Q4_0", "dequantize_other=True")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    m = load_gguf(path, dtype=jnp.float32, dequantize_other=True)
+  assert any("'blk.0.ffn_up.weight': Q4_0" in str(c.message) for c in caught)
+  up = m.params["layers_0"]["mlp"]["up"]["kernel"]
+  assert np.asarray(up).dtype == np.float32 and up.shape == (128, 256)
+  q8 = load_gguf(SRC, dtype=jnp.float32).logits(IDS)
+  q4 = m.logits(IDS)
+  assert np.linalg.norm(q4 - q8) / np.linalg.norm(q8) < 0.1
+
+
+def test_truncated_file(tmp_path):
+  path = tmp_path / "cut.gguf"
+  data = SRC.read_bytes()
+  path.write_bytes(data[: len(data) - 5000])
+  raises(path, "truncated", "tensor '")
+
+
+def rewrite_to(tmp_path: Path, name: str = "bad.gguf", **kw) -> Path:
+  path = tmp_path / name
+  rewrite(path, **kw)
+  return path
+
+
+def test_split_set_loads_as_one(tmp_path):
+  rewrite(tmp_path / "tiny.gguf", split_max_tensors=8)
+  parts = sorted(p.name for p in tmp_path.iterdir())
+  assert parts == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)], parts
+  m = load_gguf(tmp_path / parts[0], dtype=jnp.float32)
+  want = load_gguf(SRC, dtype=jnp.float32).logits(IDS)
+  np.testing.assert_array_equal(m.logits(IDS), want)
+  assert m.tokenizer is not None and m.tokenizer.encode("Hello") == [0, 41, 70, 77, 77, 80]
+
+
+def test_split_set_with_a_part_missing(tmp_path):
+  rewrite(tmp_path / "tiny.gguf", split_max_tensors=8)
+  (tmp_path / "tiny-00002-of-00003.gguf").unlink()
+  raises(tmp_path / "tiny-00001-of-00003.gguf", "1 part\\(s\\) missing", "tiny-00002-of-00003.gguf")
