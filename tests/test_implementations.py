@@ -98,3 +98,20 @@ def test_export_carries_each_platforms_kernel(rng):
   if jax.default_backend() == "cpu":
     y = exp.call(x, q, scale)
     assert close_to_float64(y, x, weight64(q, scale), 1e-6)
+
+
+def test_never_picks_the_fold_on_a_gpu_too_old_for_triton(monkeypatch):
+  """A Colab T4 (compute capability 7.5): Pallas Triton cannot run there, so
+  `implementation=None` takes the XLA path and a forced 'fold' says why; an H100 (9.0) runs
+  the fold. Faked: this host has no GPU."""
+  from q8rules.kernels import pallas_triton
+
+  monkeypatch.setattr(pallas_triton, "compute_capability", lambda: (7, 5))
+  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "xla"
+  with pytest.raises(ValueError, match="compute capability 8.0 or newer; this GPU has 7.5"):
+    resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu", implementation="fold")
+  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="tpu") == "fold"  # TPUs are unaffected
+  monkeypatch.setattr(pallas_triton, "compute_capability", lambda: (9, 0))
+  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
+  monkeypatch.setattr(pallas_triton, "compute_capability", lambda: None)  # no GPU: export
+  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"

@@ -70,8 +70,12 @@ def _shape_reason(m: int, k: int, n: int, form: str) -> str | None:
 
 
 def fold_shape_reason(m: int, k: int, n: int, *, backend: str | None = None) -> str | None:
-  """Why the fold kernel cannot take an (m, K) x (K, N) product on `backend` at all, or None."""
-  return _shape_reason(m, k, n, kernel_form(backend))
+  """Why the fold kernel cannot take an (m, K) x (K, N) product on `backend` at all, or None:
+  the shape, or (GPU) a device older than the Triton form needs."""
+  form = kernel_form(backend)
+  if form == "gpu" and (reason := pallas_triton.device_reason()):
+    return reason
+  return _shape_reason(m, k, n, form)
 
 
 def fold_reason(
@@ -89,7 +93,7 @@ def fold_reason(
     e.g. 'm=64 > 8 tile rows', 'K=1000 not a multiple of 32', or None.
   """
   form = kernel_form(backend)
-  reason = _shape_reason(m, k, n, form)
+  reason = fold_shape_reason(m, k, n, backend=backend)
   if reason:
     return reason
   tiles = _column_tiles(n, form)

@@ -49,6 +49,40 @@ MAX_GROUP = 8
 NUM_WARPS = 4
 NUM_STAGES = 2
 
+MIN_COMPUTE_CAPABILITY = (8, 0)
+"""Pallas' Triton backend needs compute capability 8.0 or newer (jax-ml/jax issue 26799): a
+Colab T4 (7.5) cannot run this form."""
+
+
+@functools.cache
+def _first_cuda_capability() -> tuple[int, int] | None:
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:  # no CUDA backend in this process (a CPU, TPU or ROCm host)
+    return None
+  capability = getattr(devices[0], "compute_capability", None) if devices else None
+  if not capability:
+    return None
+  major, minor = str(capability).split(".")[:2]
+  return int(major), int(minor)
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of this process's first CUDA device, or None when it has none."""
+  return _first_cuda_capability()
+
+
+def device_reason() -> str | None:
+  """Why this process's GPU cannot run the Triton form, or None (also where no GPU is
+  attached, as when lowering for export from another host)."""
+  capability = compute_capability()
+  if capability is not None and capability < MIN_COMPUTE_CAPABILITY:
+    return (
+      f"Pallas Triton needs compute capability {MIN_COMPUTE_CAPABILITY[0]}."
+      f"{MIN_COMPUTE_CAPABILITY[1]} or newer; this GPU has {capability[0]}.{capability[1]}"
+    )
+  return None
+
 
 def blocks_per_step(k: int) -> int:
   """Q8_0 blocks per K-loop step: the largest divisor of K/32 that is <= 8."""
