@@ -193,6 +193,20 @@ def time_shapes(kernels, qwix, shapes, *, smoke: bool, bandwidth: float, deadlin
   return rows
 
 
+def suite_summary(log: Path) -> list[str]:
+  """The test suite's result on this machine: pytest's closing line and each failure."""
+  lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+  closing = [line for line in lines if " passed" in line or " failed" in line or "error" in line]
+  failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+  out = ["## The test suite on this machine (`pytest -m 'not slow'`, notebooks aside)", ""]
+  out.append(
+    f"Result: `{closing[-1].strip('= ')}`" if closing else "Result: no closing line (timed out?)"
+  )
+  if failed:
+    out += ["", *[f"- `{line}`" for line in failed]]
+  return out
+
+
 def write_report(path: Path, header: list[str], sections: list[list[str]]) -> None:
   text = "\n".join(header + [line for section in sections for line in ["", *section]]) + "\n"
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU")
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS_GPU.md")
-  parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing after this")
+  parser.add_argument("--budget-s", type=float, default=100.0, help="stop timing after this")
+  parser.add_argument("--suite-log", type=Path, help="pytest output to summarise (gpu_check.sh)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   backend = jax.default_backend()
@@ -256,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline=start + args.budget_s,
   )
   footer = [f"Total run: {time.perf_counter() - start:.0f} s."]
-  write_report(args.out, header, [correctness_head + correctness, timing_head + timing, footer])
+  sections = [correctness_head + correctness, timing_head + timing, footer]
+  if args.suite_log is not None:
+    sections.insert(0, suite_summary(args.suite_log))
+  write_report(args.out, header, sections)
   return 0
 
 

@@ -1,8 +1,31 @@
 #!/usr/bin/env bash
-# The fold's GPU check on a lent machine, from anywhere: bash benchmarks/gpu_check.sh [--out PATH]
-# Needs python with jax (CUDA) and numpy; Qwix rows appear only if `import qwix` works there.
-# On CPU, add --smoke (tiny shapes, Pallas interpret mode) to check the script itself.
-set -euo pipefail
+# The GPU check, one prepared run on a lent machine (under 5 minutes; installs nothing from the
+# network): the test suite on the GPU, then the kernels' correctness against float64 and their
+# timings; writes benchmarks/RESULTS_GPU.md (or --out PATH).
+#   here, once:      bash benchmarks/gpu_wheels.sh              (qwix and gguf wheels into .whl/)
+#   on the device:   bash benchmarks/gpu_check.sh --out "$OUT/RESULTS_GPU.md"   (carry .whl)
+#   here, to check:  bash benchmarks/gpu_check.sh --smoke --out /tmp/r.md       (CPU, interpret)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" benchmarks/gpu_check.py "$@"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || true
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/q8rules-site .whl/*.whl && export PYTHONPATH="/tmp/q8rules-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+suite_log="$(mktemp)"
+smoke=0
+for a in "$@"; do [ "$a" = "--smoke" ] && smoke=1; done
+if [ "$smoke" = 1 ]; then
+  tests=(tests/test_q8_0.py tests/test_precision.py)
+else
+  tests=(tests --ignore=tests/test_notebooks.py)
+fi
+# The suite, time-boxed so the timings still run (in parallel where pytest-xdist is there, as on
+# the H200 image); its summary goes into the results file.
+parallel=()
+"$PY" -c "import xdist" 2>/dev/null && [ "$smoke" = 0 ] && parallel=(-n 8)
+timeout "${SUITE_BUDGET_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -rf \
+  "${parallel[@]}" "${tests[@]}" 2>&1 | tee "$suite_log" | tail -40
+exec "$PY" benchmarks/gpu_check.py --suite-log "$suite_log" "$@"
