@@ -25,6 +25,7 @@ from jaxlib.triton import dialect as triton_dialect
 from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 from q8rules.kernels.fold import q8_fold
 from q8rules.q8_0 import BLOCK
+from tests._utils import lowering_for
 
 
 def operand_specs(m: int, k: int, n: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -41,7 +42,9 @@ def lower(backend: str, platform: str, specs) -> ir.Module:
   def f(x, q, s):
     return q8_fold(x, q, s, backend=backend, interpret=False)
 
-  return jax.jit(f).trace(*specs).lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
+  with lowering_for((platform,)):
+    lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=(platform,))
+  return lowered.compiler_ir("stablehlo")
 
 
 def custom_calls(module: ir.Module) -> list[ir.Operation]:

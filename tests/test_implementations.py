@@ -13,7 +13,7 @@ from q8rules.kernels import IMPLEMENTATIONS, REGISTRY, q8_matmul, resolve, why_n
 from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 from q8rules.kernels.cpu_native import TARGET as CPU_TARGET
 from q8rules.q8_0 import Q8Array
-from tests._utils import close_to_float64, random_q8, random_x, weight64
+from tests._utils import close_to_float64, lowering_for, random_q8, random_x, weight64
 
 # (m, K, N): one row, a few rows, a tile's worth of rows (8 fits every fold form), N = 1, a
 # padded column tile, K of one block and of several K steps.
@@ -88,12 +88,14 @@ def test_export_carries_each_platforms_kernel(rng):
   f = jax.jit(lambda x, q, s: q8_matmul(x, Q8Array(q, s)))
   targets = (CPU_TARGET, TRITON_CUSTOM_CALL, MOSAIC_CUSTOM_CALL)
   checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
-  exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=checks)(x, q, scale)
+  with lowering_for(("cpu", "cuda", "tpu")):
+    exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=checks)(x, q, scale)
   text = exp.mlir_module()
   assert MOSAIC_CUSTOM_CALL in text and TRITON_CUSTOM_CALL in text
   assert (CPU_TARGET in text) == (resolve(m, k, n, jnp.float32, "cpu") == "cpu")
   for platform, expected in (("tpu", MOSAIC_CUSTOM_CALL), ("cuda", TRITON_CUSTOM_CALL)):
-    one = export.export(f, platforms=(platform,), disabled_checks=checks)(x, q, scale)
+    with lowering_for((platform,)):
+      one = export.export(f, platforms=(platform,), disabled_checks=checks)(x, q, scale)
     assert expected in one.mlir_module(), platform
   if jax.default_backend() == "cpu":
     y = exp.call(x, q, scale)
