@@ -22,6 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from q8rules.kernels import cpu_native, fold
+from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -287,53 +288,14 @@ for _lp in _LOWERING_PLATFORMS:
   )
 
 
-def _bind(x2d, q, scale, implementation, interpret):
-  return q8_product_p.bind(x2d, q, scale, implementation=implementation, interpret=interpret)
+@functools.cache
+def _product(implementation: ImplementationArg, interpret: bool | None):
+  """The product for one (implementation, interpret): the primitive with its vmap and jvp."""
 
+  def bind(x2d, q, scale):
+    return q8_product_p.bind(x2d, q, scale, implementation=implementation, interpret=interpret)
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _product(x2d, q, scale, implementation, interpret) -> jax.Array:
-  return _batched(x2d, q, scale, implementation, interpret)
-
-
-def _product_jvp(implementation, interpret, primals, tangents):
-  """Bilinear in (x, scale): tangents through the (transposable) XLA path."""
-  x2d, q, scale = primals
-  dx, _, dscale = tangents
-  y = _product(x2d, q, scale, implementation, interpret)
-  dy = jnp.zeros_like(y)
-  if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-    dy = dy + q8_matmul_xla(dx, q, scale)
-  if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
-    dy = dy + q8_matmul_xla(x2d, q, dscale)
-  return y, dy
-
-
-_product.defjvp(_product_jvp, symbolic_zeros=True)
-
-
-def _batched(x2d, q, scale, implementation, interpret) -> jax.Array:
-  @jax.custom_batching.custom_vmap
-  def f(x2d, q, scale):
-    return _bind(x2d, q, scale, implementation, interpret)
-
-  @f.def_vmap
-  def f_vmap(axis_size, in_batched, x2d, q, scale):
-    """A batch of x with one weight folds into the rows (one read of the weight)."""
-    x_b, q_b, s_b = in_batched
-    if not (q_b or s_b):
-      if not x_b:
-        return f(x2d, q, scale), False
-      b, m, k = x2d.shape
-      return f(x2d.reshape(b * m, k), q, scale).reshape(b, m, q.shape[1]), True
-
-    def batched(a, is_batched):
-      return a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-
-    args = (batched(x2d, x_b), batched(q, q_b), batched(scale, s_b))
-    return jax.lax.map(lambda a: f(*a), args), True
-
-  return f(x2d, q, scale)
+  return bilinear_product(bind)
 
 
 def q8_matmul(
@@ -364,7 +326,7 @@ def q8_matmul(
   if x2d.shape[0] == 0 or n == 0:
     y = jnp.zeros((x2d.shape[0], n), jnp.float32)
   else:
-    y = _product(x2d, w.q, w.scale, impl, interpret)
+    y = _product(impl, interpret)(x2d, w.q, w.scale)
   return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype)
 
 

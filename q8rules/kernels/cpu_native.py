@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from q8rules.kernels.xla_chunked import q8_matmul_xla
+from q8rules.kernels._bilinear import bilinear_product
 from q8rules.q8_0 import BLOCK
 
 TARGET = "q8rules_q8_gemv"
@@ -151,50 +151,7 @@ def _ffi_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, q, scale)
 
 
-@jax.custom_batching.custom_vmap
-def _product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  return _ffi_product(x, q, scale)
-
-
-@_product.def_vmap
-def _product_vmap(
-  axis_size: int, in_batched: list[bool], x: jax.Array, q: jax.Array, scale: jax.Array
-) -> tuple[jax.Array, bool]:
-  """Batched x with one weight: fold the batch into M. A batched weight: one call per element."""
-  x_batched, q_batched, scale_batched = in_batched
-  if not (q_batched or scale_batched):
-    if not x_batched:
-      return _product(x, q, scale), False
-    b, m, k = x.shape
-    y = _product(x.reshape(b * m, k), q, scale)
-    return y.reshape(b, m, q.shape[1]), True
-
-  def batched(a: jax.Array, is_batched: bool) -> jax.Array:
-    return a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-
-  args = (batched(x, x_batched), batched(q, q_batched), batched(scale, scale_batched))
-  return jax.lax.map(lambda a: _product(*a), args), True
-
-
-@jax.custom_jvp
-def _product_diff(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  return _product(x, q, scale)
-
-
-def _product_jvp(primals, tangents):
-  """The product is bilinear in (x, scale): tangents through the (transposable) XLA path."""
-  x, q, scale = primals
-  dx, _, dscale = tangents
-  y = _product_diff(x, q, scale)
-  dy = jnp.zeros_like(y)
-  if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-    dy = dy + q8_matmul_xla(dx, q, scale)
-  if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
-    dy = dy + q8_matmul_xla(x, q, dscale)
-  return y, dy
-
-
-_product_diff.defjvp(_product_jvp, symbolic_zeros=True)
+_product_diff = bilinear_product(_ffi_product)
 
 
 def q8_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
