@@ -28,6 +28,8 @@ from q8rules._qwix import (
   WithAux,
   create_quantized_param,
   current_module_path,
+  find_param,
+  get_attribute,
   get_value_from_path,
   unbox,
 )
@@ -75,6 +77,51 @@ class Q8Provider(RecordingProvider, PtqProvider):
   `qwix.quantize_model(model, Q8Provider(rules), *inputs)` for nnx.
   After the first run, `report()` lists every intercepted op.
   """
+
+  SERVED = frozenset(
+    {"jax.lax.dot_general", "jax.numpy.dot", "jax.numpy.einsum", "jax.numpy.asarray"}
+  )
+  """The Qwix interceptions this provider serves (jnp.dot goes through dot_general)."""
+
+  PLUMBING = frozenset(
+    {
+      "flax.linen.Module.param",
+      "flax.linen.dtypes.promote_dtype",
+      "flax.nnx.nn.dtypes.promote_dtype",
+      "qwix._src.qconfig.get_current_rule",
+      "jax.experimental.pallas.pallas_call",
+    }
+  )
+  """Qwix interceptions that are not products: kept as `qwix.PtqProvider` has them."""
+
+  def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+    """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
+    `jax.lax.conv_general_dilated`) run float and recorded (path 'float', with a note)."""
+    intercepts = super().get_intercept_map()
+    for name in intercepts:
+      if name not in self.SERVED | self.PLUMBING:
+        intercepts[name] = self._float_op(name)
+    return intercepts
+
+  def _float_op(self, name: str) -> Callable[..., Any]:
+    """The op at `name` (e.g. 'jax.lax.conv_general_dilated'), run as it is, in float."""
+    op = name.rsplit(".", 1)[-1]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+      rule, op_id = self._get_current_rule_and_op_id(op)
+      weight = args[1] if len(args) > 1 else None
+      shape = tuple(weight.shape) if weight is not None and find_param(weight) else None
+      self._record(
+        rule,
+        op_id,
+        "float",
+        weight_shape=shape,
+        note=f"{op} is not served as Q8_0 (only dot_general/einsum products are): left float",
+      )
+      # Inside a handler Qwix's interception is off: this runs the original op.
+      return get_attribute(name)(*args, **kwargs)
+
+    return run
 
   # ---- the intercepted ops -------------------------------------------------
 
