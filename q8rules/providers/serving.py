@@ -296,6 +296,40 @@ def _quantize_stacked(w: jax.Array, how: Q8How, name: str) -> Q8Array:
   return f(w)
 
 
+def _param_paths(abstract_quantized_params: Any) -> set[tuple[Any, ...]]:
+  """The paths of every param leaf of the Q8 model (a Q8 weight counts as one leaf)."""
+  if isinstance(abstract_quantized_params, nnx.Module):
+    paths = set()
+    for path, node in nnx.iter_graph(abstract_quantized_params):
+      if isinstance(node, nnx.Param):
+        # nnx keeps a WithAux's parts as Params at .../kernel/array/{q,scale}
+        if len(path) > 2 and path[-2] == "array" and path[-1] in ("q", "scale"):
+          path = path[:-2]
+        paths.add(tuple(path))
+    return paths
+  if isinstance(abstract_quantized_params, nnx.State):
+    abstract_quantized_params = nnx.to_pure_dict(abstract_quantized_params)
+  return set(flax.traverse_util.flatten_dict(abstract_quantized_params))
+
+
+def _as_dict(params: Any) -> Any:
+  """A float param tree as nested dicts of arrays: an nnx.State (or a dict holding nnx
+  Variables) becomes its pure dict."""
+  if isinstance(params, nnx.State):
+    return nnx.to_pure_dict(params)
+  return jax.tree.map(
+    lambda v: v[...] if isinstance(v, nnx.Variable) else v,
+    params,
+    is_leaf=lambda v: isinstance(v, nnx.Variable),
+  )
+
+
+def _listing(paths: Any, limit: int = 20) -> str:
+  names = sorted("/".join(map(str, p)) for p in paths)
+  more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+  return ", ".join(names[:limit]) + more
+
+
 def quantize_params(
   params: Any,
   abstract_quantized_params: Any,
@@ -308,22 +342,42 @@ def quantize_params(
 
   Args:
     params: the float param tree (linen: unboxed `variables['params']`; nnx:
-      `nnx.to_pure_dict(nnx.state(model, nnx.Param))`).
+      `nnx.state(model)` or `nnx.state(model, nnx.Param)`, as an `nnx.State` or
+      its pure dict).
     abstract_quantized_params: the param tree of the Q8 model (linen: from
       `init`, possibly under `jax.eval_shape`), or the Q8 nnx model itself.
     allow_extra_params: skip float params the Q8 model does not have.
 
   Returns:
     The param tree with every weight the Q8 model serves as Q8_0 replaced by
-    `WithAux(Q8Array, Q8How)`, other leaves as given.
+    `WithAux(Q8Array, Q8How)`, other leaves as given (nnx: a pure dict, for
+    `nnx.update(q8_model, ...)`).
+
+  Raises:
+    ValueError: a param of the Q8 model that `params` lacks (naming every one,
+      and every float param the model does not have), or a float param the Q8
+      model does not have (unless `allow_extra_params`).
   """
+  flat = flax.traverse_util.flatten_dict(_as_dict(params))
+  found = {path: get_value_from_path(abstract_quantized_params, path) for path in flat}
+  extra = [path for path, v in found.items() if v is None]
+  missing = _param_paths(abstract_quantized_params) - set(flat)
+  if missing or (extra and not allow_extra_params):
+    problems = []
+    if missing:
+      problems.append(
+        f"the float params lack {len(missing)} param(s) of the quantized model: {_listing(missing)}"
+      )
+    if extra:
+      problems.append(
+        f"{len(extra)} float param(s) are not in the quantized model's params: {_listing(extra)}"
+      )
+    raise ValueError("quantize_params: " + "; ".join(problems))
   quantized = {}
-  for path, param in flax.traverse_util.flatten_dict(params).items():
-    abs_param = get_value_from_path(abstract_quantized_params, path)
+  for path, param in flat.items():
+    abs_param = found[path]
     if abs_param is None:
-      if allow_extra_params:
-        continue
-      raise ValueError(f"{'/'.join(map(str, path))} is not in the quantized model's params")
+      continue
     abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
