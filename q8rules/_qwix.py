@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from qwix import PtqProvider, QuantizationProvider, QuantizationRule, quantize_model
+from qwix._src import interception as _interception
 from qwix._src.providers import ptq as _ptq
 from qwix._src.utils import flax_util as _flax_util
 
@@ -28,6 +29,12 @@ unbox = _flax_util.unbox
 
 get_value_from_path = _flax_util.get_value_from_path
 """The leaf at a path of a param tree or an nnx module (None when absent)."""
+
+
+get_attribute = _interception.get_attribute
+"""The object at a dotted path, e.g. 'jax.lax.conv_general_dilated' (how Qwix names the ops it
+intercepts). Called from inside a provider's handler it runs the original function: Qwix's
+interception does not recurse."""
 
 
 def current_module_path() -> str:
@@ -48,6 +55,7 @@ __all__ = [
   "create_quantized_param",
   "current_module_path",
   "find_param",
+  "get_attribute",
   "get_value_from_path",
   "is_with_aux",
   "quantize_model",

@@ -38,15 +38,26 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
   return statistics.median(times) * 1e3
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Defaults shown after each option's help; the description kept as written."""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m q8rules", description=__doc__)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--dim", type=int, default=512)
-  p.add_argument("--ffn", type=int, default=1408)
-  p.add_argument("--vocab", type=int, default=2048)
+  p = argparse.ArgumentParser(
+    prog="python -m q8rules", description=__doc__, formatter_class=_HelpFormatter
+  )
+  p.add_argument("--layers", type=int, default=4, help="decoder layers")
+  p.add_argument("--dim", type=int, default=512, help="model width D (heads = D / 64)")
+  p.add_argument("--ffn", type=int, default=1408, help="MLP hidden width F")
+  p.add_argument("--vocab", type=int, default=2048, help="vocabulary size V (lm_head D x V)")
   p.add_argument("--steps", type=int, default=16, help="greedy decode steps compared")
   p.add_argument("--repeats", type=int, default=30, help="timed decode steps")
-  p.add_argument("--implementation", choices=["fold", "cpu", "xla", "reference"], default=None)
+  p.add_argument(
+    "--implementation",
+    choices=["fold", "cpu", "xla", "reference"],
+    default=None,
+    help="force one Q8_0 implementation (None: the best for the backend and shape)",
+  )
   p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
   return p.parse_args(argv)
 

@@ -246,7 +246,8 @@ def quantize(
   Args:
     w: float array (float32, bfloat16 or float16) of any rank; `w.shape[axis]`
       must be a multiple of 32.
-    axis: the axis blocked (the contraction axis of a weight).
+    axis: the axis blocked (the contraction axis of a weight), in
+      [-w.ndim, w.ndim); anything else raises.
     scale_dtype: float32 (default) or float16 (GGUF's; `q` is still computed
       from the float32 scale, as llama.cpp does).
     name: how error messages name `w`.
@@ -264,7 +265,14 @@ def quantize(
     raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype} (for {name})")
   if w.ndim == 0:
     raise ValueError(f"cannot quantize scalar {name} to Q8_0")
-  axis = axis % w.ndim
+  if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+    raise TypeError(f"cannot quantize {name} to Q8_0: axis must be an int, got {axis!r}")
+  if not -w.ndim <= axis < w.ndim:
+    raise ValueError(
+      f"cannot quantize {name} of shape {tuple(w.shape)} to Q8_0: axis {axis} is out of"
+      f" range for rank {w.ndim} (valid: {-w.ndim} to {w.ndim - 1})"
+    )
+  axis = int(axis) % w.ndim
   k = w.shape[axis]
   if k % BLOCK:
     raise ValueError(

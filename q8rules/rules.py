@@ -35,6 +35,12 @@ class Q8Rule(QuantizationRule):
   implementation: ImplementationArg = None
   interpret: bool | None = None
 
+  def __post_init__(self) -> None:
+    """Refuse, at construction, options Q8_0 cannot honour (the reason first, then the rule)."""
+    problems = rule_problems(self)
+    if problems:
+      raise ValueError(f"Q8Rule cannot honour {'; '.join(problems)}; in {self!r}")
+
 
 def describe(rule: QuantizationRule) -> str:
   """The rule with only its non-default fields, e.g. `Q8Rule(module_path='mlp/.*')`."""
@@ -48,10 +54,8 @@ def describe(rule: QuantizationRule) -> str:
   return f"{type(rule).__name__}({', '.join(fields)})"
 
 
-def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:
-  """Raise a clear error on a rule the Q8_0 providers cannot honour."""
-  if not isinstance(rule, Q8Rule):
-    raise TypeError(f"{provider} takes q8rules.Q8Rule, got {type(rule).__name__}: {rule}")
+def rule_problems(rule: QuantizationRule) -> list[str]:
+  """Why each option of `rule` cannot be honoured by Q8_0 serving (empty when all can)."""
   problems = []
   if rule.weight_qtype != Q8_0:
     problems.append(f"weight_qtype={rule.weight_qtype!r} (Q8_0 only)")
@@ -65,12 +69,28 @@ def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:
     problems.append(
       f"weight_calibration_method={rule.weight_calibration_method!r} (Q8_0 is absmax)"
     )
-  if np.dtype(rule.scale_dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+  try:
+    scale_dtype = np.dtype(getattr(rule, "scale_dtype", np.float32))
+  except TypeError:
+    scale_dtype = None
+  if scale_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
     problems.append(f"scale_dtype={rule.scale_dtype!r} (float32 or float16)")
   try:
-    check_implementation(rule.implementation)
+    check_implementation(getattr(rule, "implementation", None))
   except ValueError as e:
     problems.append(str(e))
+  return problems
+
+
+def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:
+  """Raise a clear error on a rule the Q8_0 providers cannot honour (the reason first).
+
+  A `Q8Rule` is checked at construction already; this catches one built around
+  its `__post_init__` (e.g. `object.__setattr__`) and rules of other types.
+  """
+  if not isinstance(rule, Q8Rule):
+    raise TypeError(f"{provider} takes q8rules.Q8Rule, got {type(rule).__name__}: {rule}")
+  problems = rule_problems(rule)
   if problems:
-    raise ValueError(f"{provider} cannot honour rule {rule}: " + "; ".join(problems))
+    raise ValueError(f"{provider} cannot honour {'; '.join(problems)}; in rule {rule}")
   return rule

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import qwix
 import safetensors
 import safetensors.numpy
 from qwix._src.providers.ptq import WithAux
@@ -191,3 +193,48 @@ def test_inconsistent_q8_entries(tmp_path, rng):
   bad_dtype = write("bad_dtype.safetensors", {"w.q8": q.astype(np.int16), "w.q8_scale": scale})
   with pytest.raises(CheckpointError, match="q dtype int16, not int8"):
     ckpt_st.load(bad_dtype)
+
+
+class _Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(64, name="up")(x)
+    h = nn.Einsum((4, 16, 32), "btnh,nhd->btd", name="o")(h.reshape(*h.shape[:2], 4, 16))
+    return nn.Dense(8, use_bias=False, name="down")(h)
+
+
+def test_load_like_gives_params_apply_takes(tmp_path, rng):
+  """The README's round trip: `load(path, like=abstract)` gives WithAux(Q8Array, Q8How)
+  where the abstract has them, bit for bit the saved values; plain `load` gives bare Q8Arrays,
+  which `apply` rejects."""
+  x = jnp.asarray(rng.standard_normal((2, 3, 32)), jnp.float32)
+  q8_model = qwix.quantize_model(_Net(), q8rules.Q8Provider([q8rules.Q8Rule()]))
+  params = q8_model.init(jax.random.key(0), x)["params"]
+  abstract = jax.eval_shape(q8_model.init, jax.random.key(1), x)["params"]
+  path = tmp_path / "q8.safetensors"
+  ckpt_st.save(path, params)
+
+  back = ckpt_st.load(path, like=abstract)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for name in ("up", "o", "down"):
+    got, want = back[name]["kernel"], params[name]["kernel"]
+    assert isinstance(got, WithAux) and got.how == want.how
+    np.testing.assert_array_equal(got.array.q, want.array.q)
+    np.testing.assert_array_equal(bits(got.array.scale), bits(want.array.scale))
+  np.testing.assert_array_equal(
+    q8_model.apply({"params": back}, x), q8_model.apply({"params": params}, x)
+  )
+  with pytest.raises(Exception):  # noqa: B017 (whatever Flax/Qwix raise on bare Q8Arrays)
+    q8_model.apply({"params": ckpt_st.load(path)}, x)
+
+
+def test_load_like_names_what_does_not_fit(tmp_path, rng):
+  x = jnp.ones((2, 3, 32), jnp.float32)
+  q8_model = qwix.quantize_model(_Net(), q8rules.Q8Provider([q8rules.Q8Rule()]))
+  params = q8_model.init(jax.random.key(0), x)["params"]
+  path = tmp_path / "q8.safetensors"
+  ckpt_st.save(path, {k: v for k, v in params.items() if k != "down"})
+  with pytest.raises(
+    CheckpointError, match=r"(?s)q8\.safetensors: .*get no tensor:\n  down/kernel"
+  ):
+    ckpt_st.load(path, like=params)

@@ -124,6 +124,29 @@ def test_validate_rule_refuses(kwargs, message):
     validate_rule(q8rules.Q8Rule(**kwargs), provider="Q8Provider")
 
 
+@pytest.mark.parametrize(
+  "kwargs,reason",
+  [
+    ({"act_qtype": "int8"}, "act_qtype='int8' (weight-only"),
+    ({"tile_size": 64}, "tile_size=64 (Q8_0 blocks are always 32 rows)"),
+    ({"implementation": "bogus"}, "implementation='bogus': expected None, one of"),
+    ({"scale_dtype": "not a dtype"}, "scale_dtype='not a dtype' (float32 or float16)"),
+  ],
+)
+def test_rule_refused_at_construction_reason_first(kwargs, reason):
+  """Q8Rule(...) itself raises, and the message starts with the reason, not the rule's repr."""
+  with pytest.raises(ValueError) as e:
+    q8rules.Q8Rule(**kwargs)
+  assert str(e.value).startswith(f"Q8Rule cannot honour {reason}"), str(e.value)
+
+
+def test_validate_rule_catches_a_rule_changed_after_construction():
+  rule = q8rules.Q8Rule()
+  object.__setattr__(rule, "tile_size", 64)
+  with pytest.raises(ValueError, match="^Q8Provider cannot honour tile_size=64"):
+    validate_rule(rule, provider="Q8Provider")
+
+
 def test_rule_implementation_sequence():
   rule = q8rules.Q8Rule(implementation=("fold", "xla"))
   assert validate_rule(rule, provider="Q8Provider") is rule

@@ -13,8 +13,9 @@ one tensor per array, named by its dotted path:
 
 qwix `WithAux` and Flax boxed leaves are written without their wrapper (the
 param path convention of `q8rules.checkpoint._common` skips `.array` and
-`.value`); `load` gives plain dicts, which `assign(template,
-assign.flatten(tree), lambda n: n)` puts back into a template that has them.
+`.value`); `load(path)` gives plain dicts, and `load(path, like=abstract_params)`
+puts them back into the model's param tree, wrappers included, ready for
+`apply` (`assign(like, assign.flatten(tree), lambda n: n)`, every shape checked).
 Lists, tuples and other containers are refused (their structure could not be
 rebuilt).
 
@@ -36,6 +37,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from q8rules.checkpoint import assign as _assign
 from q8rules.checkpoint._common import (
   WRAPPER_ATTRS,
   CheckpointError,
@@ -188,23 +190,30 @@ def _tensor(f: Any, path: Path, name: str) -> np.ndarray:
     raise CheckpointError(f"{path}: tensor {name!r}: cannot read it: {e}") from e
 
 
-def load(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
-  """Read a file written by `save` (or any safetensors file) as a nested dict.
+def load(path: str | os.PathLike[str], *, like: Any = None, progress: bool | None = None) -> Any:
+  """Read a file written by `save` (or any safetensors file) as a nested dict, or, given
+  `like`, as the model's param tree.
 
   Args:
     path: the .safetensors file.
+    like: the param tree the tensors go into, e.g. `jax.eval_shape(q8_model.init, key,
+      *inputs)['params']` (a tree of ShapeDtypeStructs is enough): the result has its
+      structure, its `WithAux(Q8Array, Q8How)` wrappers and dtypes, so `apply` takes it.
+      Every param must have its tensor and every tensor its param (see `assign.assign`).
     progress: a tqdm bar over tensors (None: on when more than 16 and stderr is
       a terminal).
 
   Returns:
-    Nested dicts: `Q8Array`s (numpy `q` int8 and `scale`, `axis` and `dtype`
-    as saved) where the header says so, numpy arrays elsewhere. Names without
-    the Q8 header entry load as arrays at their dotted path.
+    Without `like`: nested dicts of `Q8Array`s (numpy `q` int8 and `scale`, `axis`
+    and `dtype` as saved) where the header says so, numpy arrays elsewhere. Names
+    without the Q8 header entry load as arrays at their dotted path. With `like`:
+    `like`'s tree with jax arrays in it.
 
   Raises:
     CheckpointError: not a safetensors file (truncated, bad header), a Q8
       entry without its `.q8` or `.q8_scale` tensor or with inconsistent
-      shapes or dtypes, names that collide as a tree.
+      shapes or dtypes, names that collide as a tree; with `like`, a param
+      without a tensor, a tensor without a param, or one that does not fit.
   """
   path = Path(path)
   tree: dict[str, Any] = {}
@@ -228,7 +237,12 @@ def load(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[
       q = _tensor(f, path, base + Q_SUFFIX)
       scale = _tensor(f, path, base + SCALE_SUFFIX)
       _insert(path, tree, base, _q8_array(path, base, q, scale, fields))
-  return tree
+  if like is None:
+    return tree
+  try:
+    return _assign.assign(like, _assign.flatten(tree), lambda n: n, progress=progress)
+  except CheckpointError as e:
+    raise CheckpointError(f"{path}: {e}") from e
 
 
 def _q8_array(path: Path, name: str, q: np.ndarray, scale: np.ndarray, fields: Any) -> Q8Array:

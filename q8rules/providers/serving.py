@@ -28,6 +28,8 @@ from q8rules._qwix import (
   WithAux,
   create_quantized_param,
   current_module_path,
+  find_param,
+  get_attribute,
   get_value_from_path,
   unbox,
 )
@@ -75,6 +77,51 @@ class Q8Provider(RecordingProvider, PtqProvider):
   `qwix.quantize_model(model, Q8Provider(rules), *inputs)` for nnx.
   After the first run, `report()` lists every intercepted op.
   """
+
+  SERVED = frozenset(
+    {"jax.lax.dot_general", "jax.numpy.dot", "jax.numpy.einsum", "jax.numpy.asarray"}
+  )
+  """The Qwix interceptions this provider serves (jnp.dot goes through dot_general)."""
+
+  PLUMBING = frozenset(
+    {
+      "flax.linen.Module.param",
+      "flax.linen.dtypes.promote_dtype",
+      "flax.nnx.nn.dtypes.promote_dtype",
+      "qwix._src.qconfig.get_current_rule",
+      "jax.experimental.pallas.pallas_call",
+    }
+  )
+  """Qwix interceptions that are not products: kept as `qwix.PtqProvider` has them."""
+
+  def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+    """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
+    `jax.lax.conv_general_dilated`) run float and recorded (path 'float', with a note)."""
+    intercepts = super().get_intercept_map()
+    for name in intercepts:
+      if name not in self.SERVED | self.PLUMBING:
+        intercepts[name] = self._float_op(name)
+    return intercepts
+
+  def _float_op(self, name: str) -> Callable[..., Any]:
+    """The op at `name` (e.g. 'jax.lax.conv_general_dilated'), run as it is, in float."""
+    op = name.rsplit(".", 1)[-1]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+      rule, op_id = self._get_current_rule_and_op_id(op)
+      weight = args[1] if len(args) > 1 else None
+      shape = tuple(weight.shape) if weight is not None and find_param(weight) else None
+      self._record(
+        rule,
+        op_id,
+        "float",
+        weight_shape=shape,
+        note=f"{op} is not served as Q8_0 (only dot_general/einsum products are): left float",
+      )
+      # Inside a handler Qwix's interception is off: this runs the original op.
+      return get_attribute(name)(*args, **kwargs)
+
+    return run
 
   # ---- the intercepted ops -------------------------------------------------
 
@@ -249,6 +296,40 @@ def _quantize_stacked(w: jax.Array, how: Q8How, name: str) -> Q8Array:
   return f(w)
 
 
+def _param_paths(abstract_quantized_params: Any) -> set[tuple[Any, ...]]:
+  """The paths of every param leaf of the Q8 model (a Q8 weight counts as one leaf)."""
+  if isinstance(abstract_quantized_params, nnx.Module):
+    paths = set()
+    for path, node in nnx.iter_graph(abstract_quantized_params):
+      if isinstance(node, nnx.Param):
+        # nnx keeps a WithAux's parts as Params at .../kernel/array/{q,scale}
+        if len(path) > 2 and path[-2] == "array" and path[-1] in ("q", "scale"):
+          path = path[:-2]
+        paths.add(tuple(path))
+    return paths
+  if isinstance(abstract_quantized_params, nnx.State):
+    abstract_quantized_params = nnx.to_pure_dict(abstract_quantized_params)
+  return set(flax.traverse_util.flatten_dict(abstract_quantized_params))
+
+
+def _as_dict(params: Any) -> Any:
+  """A float param tree as nested dicts of arrays: an nnx.State (or a dict holding nnx
+  Variables) becomes its pure dict."""
+  if isinstance(params, nnx.State):
+    return nnx.to_pure_dict(params)
+  return jax.tree.map(
+    lambda v: v[...] if isinstance(v, nnx.Variable) else v,
+    params,
+    is_leaf=lambda v: isinstance(v, nnx.Variable),
+  )
+
+
+def _listing(paths: Any, limit: int = 20) -> str:
+  names = sorted("/".join(map(str, p)) for p in paths)
+  more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+  return ", ".join(names[:limit]) + more
+
+
 def quantize_params(
   params: Any,
   abstract_quantized_params: Any,
@@ -261,22 +342,42 @@ def quantize_params(
 
   Args:
     params: the float param tree (linen: unboxed `variables['params']`; nnx:
-      `nnx.to_pure_dict(nnx.state(model, nnx.Param))`).
+      `nnx.state(model)` or `nnx.state(model, nnx.Param)`, as an `nnx.State` or
+      its pure dict).
     abstract_quantized_params: the param tree of the Q8 model (linen: from
       `init`, possibly under `jax.eval_shape`), or the Q8 nnx model itself.
     allow_extra_params: skip float params the Q8 model does not have.
 
   Returns:
     The param tree with every weight the Q8 model serves as Q8_0 replaced by
-    `WithAux(Q8Array, Q8How)`, other leaves as given.
+    `WithAux(Q8Array, Q8How)`, other leaves as given (nnx: a pure dict, for
+    `nnx.update(q8_model, ...)`).
+
+  Raises:
+    ValueError: a param of the Q8 model that `params` lacks (naming every one,
+      and every float param the model does not have), or a float param the Q8
+      model does not have (unless `allow_extra_params`).
   """
+  flat = flax.traverse_util.flatten_dict(_as_dict(params))
+  found = {path: get_value_from_path(abstract_quantized_params, path) for path in flat}
+  extra = [path for path, v in found.items() if v is None]
+  missing = _param_paths(abstract_quantized_params) - set(flat)
+  if missing or (extra and not allow_extra_params):
+    problems = []
+    if missing:
+      problems.append(
+        f"the float params lack {len(missing)} param(s) of the quantized model: {_listing(missing)}"
+      )
+    if extra:
+      problems.append(
+        f"{len(extra)} float param(s) are not in the quantized model's params: {_listing(extra)}"
+      )
+    raise ValueError("quantize_params: " + "; ".join(problems))
   quantized = {}
-  for path, param in flax.traverse_util.flatten_dict(params).items():
-    abs_param = get_value_from_path(abstract_quantized_params, path)
+  for path, param in flat.items():
+    abs_param = found[path]
     if abs_param is None:
-      if allow_extra_params:
-        continue
-      raise ValueError(f"{'/'.join(map(str, path))} is not in the quantized model's params")
+      continue
     abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
