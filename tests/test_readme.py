@@ -193,8 +193,13 @@ def _nnx_mlp(seed: int):
 
 
 def run_block(index: int, workdir: str) -> None:
-  """Run README block `index` in `workdir`, the declared names filled in (warnings shown)."""
+  """Run README block `index` in `workdir`, the declared names filled in (warnings shown).
+
+  A block that names a file of this repository (`tests/data/...`) says it runs from the
+  repository root, and runs there."""
   line, source = python_blocks()[index]
+  if "tests/data/" in source:
+    workdir = str(README.parent)
   namespace = {"__name__": "__readme__"}
   for entry in declared(source):
     value = WORLD.value(entry, Path(workdir))
