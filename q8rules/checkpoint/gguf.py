@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 import gguf as gguf_lib
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValue, GGUFValueType
@@ -459,6 +460,12 @@ def _q8_shapes(
   return shape, scale_rows, len(shape) - 1
 
 
+@jax.jit
+def _transpose_last_two(a: jax.Array) -> jax.Array:
+  """(..., R, C) -> (..., C, R) on the default device."""
+  return jnp.swapaxes(a, -1, -2)
+
+
 def _repack_q8(
   data: np.ndarray,
   shape: tuple[int, ...],
@@ -479,8 +486,12 @@ def _repack_q8(
   q_shape, scale_shape, axis = _q8_shapes(shape, layout)
   if layout == "kernel" and len(shape) >= 2:
     lead, n_out = rows[:-1], rows[-1]
-    q = np.empty((*lead, nb, BLOCK, n_out), np.int8)
-    np.copyto(q, np.moveaxis(qs, -3, -1))
+    # Gather the values row by row (32-byte runs), then transpose in XLA's tiled kernel:
+    # numpy's element-wise transposing copy of int8 runs at a fraction of memory speed.
+    rows_k = np.empty((*lead, n_out, nb * BLOCK), np.int8)
+    np.copyto(rows_k.reshape(*lead, n_out, nb, BLOCK), qs)
+    q = np.asarray(_transpose_last_two(rows_k))
+    del rows_k
     scale = np.empty(scale_shape, scale_dtype)
     np.copyto(scale, np.swapaxes(d, -1, -2))
   else:
