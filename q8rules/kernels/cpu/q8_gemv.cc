@@ -17,6 +17,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define Q8_X86 1
@@ -452,8 +456,9 @@ Q8_AVX512 void ColumnsAvx512(const Problem& p, int64_t n0, int64_t n1, int64_t m
 
 // Set through Q8GemvForceScalar: tests run the scalar path on a SIMD CPU.
 std::atomic<bool> g_force_scalar{false};
-// The path the last call ran (-1: none yet), for tests and reports.
+// The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
 std::atomic<int> g_last_isa{-1};
+std::atomic<int> g_last_threads{0};
 
 // The best path this CPU supports.
 Isa BestIsa() {
@@ -547,15 +552,25 @@ struct Shared {
   }
 };
 
-// Threads worth using: one per ~1 MiB of q (a pool wake-up costs ~10 us, a
+// The CPUs this process may run on (its affinity mask, e.g. under taskset),
+// else the hardware's threads.
+int64_t UsableCpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+}
+
+// Threads worth using: one per ~1 MiB of q x M (a pool wake-up costs ~10 us, a
 // 1 MiB stream ~40 us), at most the pool's threads plus the caller and the
-// hardware's threads.
+// CPUs this process may use.
 int64_t Threads(const Problem& p, int64_t pool_threads) {
   const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
   int64_t t = std::max<int64_t>(1, work / (1 << 20));
   t = std::min<int64_t>(t, pool_threads + 1);
-  t = std::min<int64_t>(t, std::max<unsigned>(1, std::thread::hardware_concurrency()));
   t = std::min<int64_t>(t, p.k / kBlock);
+  if (t > 1) t = std::min<int64_t>(t, UsableCpus());
   return std::max<int64_t>(t, 1);
 }
 
@@ -597,6 +612,7 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
   const int64_t threads = Threads(p, pool.num_threads());
+  g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
   if (threads == 1) {
     Columns(p);
     return ffi::Error::Success();
@@ -662,6 +678,9 @@ extern "C" int Q8GemvSelectedIsa() {
 
 // The path the last call ran, or -1 before the first call.
 extern "C" int Q8GemvLastIsa() { return g_last_isa.load(); }
+
+// The threads the last call used (the caller and pool helpers), 0 before the first call.
+extern "C" int Q8GemvLastThreads() { return g_last_threads.load(); }
 
 // The name of path `isa` ("scalar", "avx2", "avx512"), or "" if there is none.
 extern "C" const char* Q8GemvIsaName(int isa) {
