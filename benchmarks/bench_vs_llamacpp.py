@@ -56,7 +56,6 @@ import q8rules  # noqa: E402
 from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
 from q8rules.kernels import cpu  # noqa: E402
 
-START, END = markers("vs-llamacpp")
 HEADING = "## CPU: q8rules vs llama.cpp (Q8_0 matmul)"
 SHAPES = ((4096, 4096), (8192, 8192), (4096, 14336), (14336, 4096))
 ROWS = (1, 2, 4, 8, 16)
@@ -355,6 +354,11 @@ def main() -> None:
     "--calls", type=int, default=10, help="timed calls per cell and round (at least one per copy)"
   )
   parser.add_argument(
+    "--section",
+    default="vs-llamacpp",
+    help="RESULTS.md section to write (e.g. vs-llamacpp-1cpu for a run under taskset -c 0)",
+  )
+  parser.add_argument(
     "--threads",
     type=int,
     default=None,
@@ -400,10 +404,11 @@ def main() -> None:
   if args.no_write:
     return
   command = " ".join(["python", "benchmarks/bench_vs_llamacpp.py", *sys.argv[1:]])
+  start, end = markers(args.section)
   text = "\n".join(
     [
-      START,
-      HEADING,
+      start,
+      f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
       "",
       header + f" Load average at the end: {load_average()}.",
       "",
@@ -424,10 +429,10 @@ def main() -> None:
       "",
       "Model level (tokens/s, decode at batch 1 and 128-token prefill on one Q8_0 GGUF file):"
       " not measured: q8rules has no GGUF -> model loader on this branch yet (issue 12).",
-      END,
+      end,
     ]
   )
-  write_section("vs-llamacpp", text)
+  write_section(args.section, text)
   print("wrote benchmarks/RESULTS.md")
 
 
