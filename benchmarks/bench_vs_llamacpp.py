@@ -399,6 +399,7 @@ def main() -> None:
     f"Date: {now}. Machine: {machine()}; L3 {l3_bytes() >> 20} MiB; CPU flags: {cpu_flags()}."
     f" jax {jax.__version__}, jaxlib {jaxlib.__version__}, llama-cpp-python {llama_cpp.__version__},"
     f" numpy {np.__version__}. Threads: {threads} for ggml, {threads_given()} CPUs for XLA's pool"
+    f" (affinity mask: CPUs {sorted(os.sched_getaffinity(0))})"
     f" (the q8 cpu kernel splits K over the pool and the calling thread)."
     f" Kernel ISA: best {isa_lib.Q8GemvIsaName(isa_lib.Q8GemvBestIsa()).decode()},"
     f" $Q8RULES_CPU_ISA={os.environ.get('Q8RULES_CPU_ISA', '(unset)')}."
