@@ -36,12 +36,11 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // Q8_0 rows per scale
 constexpr int64_t kMaxRows = 16;    // x rows sharing one read of q
-// x rows and 8-column vectors per register tile for M > 3. Measured at
-// K = N = 4096 (ms, M = 8 / 16): 6 x 2: 2.61 / 4.14, 5 x 2: 2.63 / 5.20,
-// 4 x 2: 2.75 / 5.42, 8 x 1: 2.90 / 5.80.
+// x rows and 8-column vectors per AVX2 register tile for M > 3 (the
+// alternatives measured are in benchmarks/RESULTS.md).
 constexpr int64_t kTileRows = 6;
 constexpr int kTileVectors = 2;
-constexpr int64_t kPrefetch = 128;  // bytes ahead in each q row stream (see above)
+constexpr int64_t kPrefetch = 128;  // bytes ahead in each q row stream (RESULTS.md)
 
 // One product, all arrays row-major. A thread's share is a run of 32-row blocks: the same struct with x, q and
 // scale advanced to its first block, k its rows, and y its own accumulator.
