@@ -3,6 +3,7 @@
     python benchmarks/bench_vs_llamacpp.py             # full grid, writes RESULTS.md
     python benchmarks/bench_vs_llamacpp.py --quick     # K = N = 4096 only, m in {1, 8}
     python benchmarks/bench_vs_llamacpp.py --no-write  # print the table only
+    taskset -c 0 python benchmarks/bench_vs_llamacpp.py --quick --section vs-llamacpp-1cpu
 
 Needs the `llama_cpp` package (llama-cpp-python, built for this CPU) in the same Python as jax
 and q8rules; it builds nothing itself, and exits cleanly with a message when `llama_cpp` does
@@ -24,8 +25,11 @@ float16 scale per 32 rows, as GGUF stores it), timed three ways on the same weig
 Weights: several copies of each shape (distinct values), together at least twice the L3 size
 the OS reports, and calls rotate through them, so every call reads its weight from DRAM. The
 weights are the same bytes on both sides (ggml's 34-byte blocks are built from our q and
-scale). Rounds sweep the whole grid, interleaving the three paths cell by cell; a cell's time
-is the least of its per-round medians. Overheads are measured and reported, not subtracted:
+scale). Rounds sweep the whole grid, interleaving the three paths cell by cell (with a 20 ms
+pause before each, so the other side's spinning threads, XLA's pool or ggml's OpenMP team, are
+asleep); a cell's time is the least of its per-round medians, and the fastest single call is
+reported too (on a shared machine ggml's OpenMP barriers suffer more from other processes than
+the kernel's dynamically claimed work, which the medians then show). Overheads are measured and reported, not subtracted:
 a tiny product (K = 32, N = 16, m = 1) on each side gives the per-call cost of dispatch
 (jax.jit + XLA FFI; ctypes + ggml graph compute with its threadpool set-up).
 
