@@ -7,8 +7,10 @@ process compiles the source with `$CXX` (default `c++`) into `$Q8RULES_CACHE`
 (default `~/.cache/q8rules`), named by a hash of source, jaxlib, compiler and
 flags; `available()` is False, with `unavailable_reason()`, where that cannot
 happen (not x86-64, default backend not CPU, no compiler, a failed build).
-`vmap` folds a batch of x into the kernel's rows; derivatives are linear XLA
-(`xla_chunked`). Timings: benchmarks/RESULTS.md.
+The SIMD path (AVX-512, else AVX2/FMA/F16C, else scalar) is chosen at run time;
+`$Q8RULES_CPU_ISA` (avx512, avx2, scalar, auto) caps it, read on every call. `vmap` folds
+a batch of x into the kernel's rows; derivatives are linear XLA (`xla_chunked`).
+Timings: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -130,8 +132,23 @@ def unavailable_reason() -> str | None:
   return _state.get("reason")  # type: ignore[return-value]
 
 
+ISAS = ("scalar", "avx2", "avx512")
+"""The kernel's SIMD paths, by the codes its `Q8Gemv*Isa` functions return."""
+
+
+def isa(which: str = "best") -> str | None:
+  """A SIMD path of the loaded kernel: 'best' (what this CPU has), 'selected' (what the next
+  call runs, after `$Q8RULES_CPU_ISA` and `force_scalar`) or 'last' (what the last call
+  ran); None when the kernel is unavailable."""
+  lib = _load()
+  if lib is None:
+    return None
+  fn = {"best": lib.Q8GemvBestIsa, "selected": lib.Q8GemvSelectedIsa, "last": lib.Q8GemvLastIsa}
+  return ISAS[fn[which]()]
+
+
 def has_avx2() -> bool:
-  """Whether the loaded kernel runs its AVX2/FMA/F16C path on this CPU (False if unavailable)."""
+  """Whether the loaded kernel runs a SIMD path on this CPU (False if unavailable)."""
   lib = _load()
   return bool(lib is not None and lib.Q8GemvHasAvx2())
 

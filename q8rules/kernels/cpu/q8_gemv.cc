@@ -1,62 +1,25 @@
-// Q8_0 weight-only product on the CPU, as an XLA FFI handler.
-//
-//   y (M, N) f32 = x (M, K) f32 @ W,   W[k, n] = q[k, n] * scale[k / 32, n]
-//
-// q is int8 (K x N, row-major: each weight row is contiguous over N) and scale
-// is float32 or float16 (K/32 x N). Numerics are the fold's: for every 32-row
-// block b and column n the block's partial sum
-//
-//   s[n] = sum_{i < 32} x[32 b + i] * q[32 b + i, n]      (float32, FMA)
-//
-// is formed first and then scaled once: y[n] += scale[b, n] * s[n].
-//
-// Why this shape of kernel. A decode-sized product (M of a few rows) is bound
-// by reading q from DRAM: one byte per weight, against the four a float32
-// weight costs (and the eight more of XLA's dequantise-to-f32-then-dot round
-// trip through the cache). So q is read exactly once, converted int8 -> f32 in
-// registers, and every x row uses those same bytes:
-//
-//   * Register tiles. A tile is MR x rows against NV 8-column vectors of one
-//     32-row block: the block's partial sums stay in MR * NV ymm registers for
-//     all 32 rows (no partial-sum traffic through memory), each q vector is
-//     loaded and converted once (vpmovsxbd + vcvtdq2ps) and FMA'd with every
-//     x row's broadcast value, and the scales are applied once at the end
-//     (y += d * s). M = 1: 1 x 64 columns (8 accumulators: one cache line of
-//     each q row per tile); M = 2, 3: 2 or 3 x 32; larger M: 6 x 16 tiles
-//     (12 accumulators + 2 q vectors + 1 broadcast fill AVX2's 16 registers).
-//   * Streams. A block's 32 rows are 32 concurrent sequential streams (the
-//     tiles walk them 64 columns at a time); each row is prefetched 128 bytes
-//     ahead in software. Measured on the 2-core EPYC at K = N = 4096, M = 1,
-//     q from DRAM: no prefetch 1.33 ms, 64 B 0.77, 128 B 0.73-0.75, 192 B
-//     0.77, 256 B 0.86, 512 B slower still; streaming 4 or 8 rows at a time
-//     through an L1 buffer of partial sums instead of register tiles: 0.84-0.86.
-//   * Threads. K is cut into runs of blocks (about 8 per thread) that the
-//     caller and XLA's intra-op thread pool claim from an atomic counter; each
-//     worker accumulates into its own M x N buffer (the caller's is y) and the
-//     caller adds them at the end. Each q row is read over all N columns (long
-//     contiguous runs), and a helper that starts late, or whose core is busy
-//     with another process, just claims fewer runs.
-//   * M > 3: each 64-column stretch of a block is converted to float32 once
-//     (32 x 64 floats, 8 KiB in L1) and the 6-row tiles read it from there,
-//     so M = 8 or 16 converts each weight once instead of once per row group
-//     (12% faster at M = 8 and 16, K = N = 4096).
-//   * M > 16 runs in groups of 16 x rows, each group streaming q again (the
-//     dispatcher sends M > 16 to XLA's GEMM, which is faster there; this path
-//     only has to be right).
-//
-// The AVX2/FMA/F16C code is compiled for those instructions by function
-// attributes, and the rest of the file for the baseline x86-64 ISA, so a CPU
-// without AVX2 (checked at run time with __builtin_cpu_supports) runs the
-// scalar path with the same block order instead of faulting.
+// Q8_0 weight-only product on the CPU, as an XLA FFI handler:
+//   y (M, N) f32 = x (M, K) f32 @ W,  W[k, n] = q[k, n] * scale[k / 32, n],
+// q int8 (K, N) row-major, scale float32 or float16 (K/32, N). Numerics are the
+// fold's: per 32-row block b, s[n] = sum_i x[32b + i] q[32b + i, n] in float32
+// (FMA), then y[n] += scale[b, n] * s[n]. Decode-sized M is bound by reading q,
+// so q is read once, converted to float32 in registers, and used by every x row.
+// Paths (AVX-512, AVX2, scalar; the same block order) are picked at run time from
+// the CPU and $Q8RULES_CPU_ISA; design measurements are in benchmarks/RESULTS.md.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -73,15 +36,17 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // Q8_0 rows per scale
 constexpr int64_t kMaxRows = 16;    // x rows sharing one read of q
-// x rows and 8-column vectors per register tile for M > 3. Measured at
-// K = N = 4096 (ms, M = 8 / 16): 6 x 2: 2.61 / 4.14, 5 x 2: 2.63 / 5.20,
-// 4 x 2: 2.75 / 5.42, 8 x 1: 2.90 / 5.80.
+// x rows and 8-column vectors per AVX2 register tile for M > 3 (the
+// alternatives measured are in benchmarks/RESULTS.md).
 constexpr int64_t kTileRows = 6;
 constexpr int kTileVectors = 2;
-constexpr int64_t kPrefetch = 128;  // bytes ahead in each q row stream (see above)
+constexpr int64_t kPrefetch = 128;  // bytes ahead in each q row stream (RESULTS.md)
 
 // One product, all arrays row-major. A thread's share is a run of 32-row blocks: the same struct with x, q and
 // scale advanced to its first block, k its rows, and y its own accumulator.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512"};
+
 struct Problem {
   const float* x;       // (M, k) with row stride ldx
   const int8_t* q;      // (k, N)
@@ -90,6 +55,7 @@ struct Problem {
   float* y;             // (M, N), accumulated into (+=)
   int64_t m, k, n;
   int64_t ldx;          // x's row stride (the full K)
+  Isa isa;              // the path every thread runs
 };
 
 // The blocks [b0, b1) of p, accumulating into y.
@@ -331,22 +297,205 @@ Q8_AVX2 void ColumnsAvx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, i
   }
 }
 
-// Set through Q8GemvForceScalar: tests run the scalar path on an AVX2 CPU.
-std::atomic<bool> g_force_scalar{false};
+// ---------------------------------------------------------------------------
+// AVX-512 path (F, plus the AVX2/FMA/F16C set): the AVX2 path's tiles on
+// 16-column zmm vectors, with 32 registers for wider tiles.
+// ---------------------------------------------------------------------------
+#define Q8_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
-bool HasAvx2() {
-  if (g_force_scalar.load(std::memory_order_relaxed)) return false;
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return has;
+// 16 int8 at p -> 16 floats (vpmovsxbd zmm + vcvtdq2ps).
+Q8_AVX512 inline __m512 Load16(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
-#else
-std::atomic<bool> g_force_scalar{false};
-bool HasAvx2() { return false; }
+
+// 16 scales of block b from column col (float32 or float16).
+Q8_AVX512 inline __m512 LoadScale16(const Problem& p, int64_t b, int64_t col) {
+  const int64_t i = b * p.n + col;
+  if (p.scale_f16) {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.scale) + i));
+    return _mm512_cvtph_ps(h);
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p.scale) + i);
+}
+
+template <int MR, int NV>
+Q8_AVX512 inline void FoldIntoY16(const Problem& p, int64_t b, int64_t col, int64_t m0,
+                                  const __m512 (&acc)[MR][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const __m512 d = LoadScale16(p, b, col + 16 * v);
+    for (int r = 0; r < MR; ++r) {
+      float* yr = p.y + (m0 + r) * p.n + col + 16 * v;
+      _mm512_storeu_ps(yr, _mm512_fmadd_ps(d, acc[r][v], _mm512_loadu_ps(yr)));
+    }
+  }
+}
+
+// MR x rows [m0, m0 + MR) against NV * 16 columns from col of block b, as
+// Tile<MR, NV> on the AVX2 path; prefetches every cache line the tile reads
+// next, kPrefetch bytes ahead.
+template <int MR, int NV>
+Q8_AVX512 inline void Tile16(const Problem& p, int64_t b, int64_t col, int64_t m0) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int8_t* qb = p.q + b * kBlock * p.n + col;
+  const float* xb = p.x + m0 * p.ldx + b * kBlock;
+  for (int i = 0; i < kBlock; ++i) {
+    const int8_t* qr = qb + i * p.n;
+    for (int l = 0; l < NV * 16; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(qr + l + kPrefetch), _MM_HINT_T0);
+    __m512 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = Load16(qr + 16 * v);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(xb[r * p.ldx + i]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xv, qv[v], acc[r][v]);
+    }
+  }
+  FoldIntoY16<MR, NV>(p, b, col, m0, acc);
+}
+
+// Tile16<MR, NV> reading q already converted: f holds 32 rows x 64 columns
+// (row stride 64) of block b, col0 the column of f[0].
+template <int MR, int NV>
+Q8_AVX512 inline void TileF16(const Problem& p, int64_t b, const float* f, int64_t col0,
+                              int64_t col, int64_t m0) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* xb = p.x + m0 * p.ldx + b * kBlock;
+  const float* fc = f + (col - col0);
+  for (int i = 0; i < kBlock; ++i) {
+    __m512 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(fc + i * 64 + 16 * v);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(xb[r * p.ldx + i]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xv, qv[v], acc[r][v]);
+    }
+  }
+  FoldIntoY16<MR, NV>(p, b, col, m0, acc);
+}
+
+// Tile16<mr, NV> for a run-time mr in 1..8.
+template <int NV>
+Q8_AVX512 void Tile16Rows(int64_t mr, const Problem& p, int64_t b, int64_t col, int64_t m0) {
+  switch (mr) {
+    case 1: return Tile16<1, NV>(p, b, col, m0);
+    case 2: return Tile16<2, NV>(p, b, col, m0);
+    case 3: return Tile16<3, NV>(p, b, col, m0);
+    case 4: return Tile16<4, NV>(p, b, col, m0);
+    case 5: return Tile16<5, NV>(p, b, col, m0);
+    case 6: return Tile16<6, NV>(p, b, col, m0);
+    case 7: return Tile16<7, NV>(p, b, col, m0);
+    default: return Tile16<8, NV>(p, b, col, m0);
+  }
+}
+
+template <int NV>
+Q8_AVX512 void TileF16Rows(int64_t mr, const Problem& p, int64_t b, const float* f, int64_t col0,
+                           int64_t col, int64_t m0) {
+  switch (mr) {
+    case 1: return TileF16<1, NV>(p, b, f, col0, col, m0);
+    case 2: return TileF16<2, NV>(p, b, f, col0, col, m0);
+    case 3: return TileF16<3, NV>(p, b, f, col0, col, m0);
+    case 4: return TileF16<4, NV>(p, b, f, col0, col, m0);
+    case 5: return TileF16<5, NV>(p, b, f, col0, col, m0);
+    case 6: return TileF16<6, NV>(p, b, f, col0, col, m0);
+    case 7: return TileF16<7, NV>(p, b, f, col0, col, m0);
+    default: return TileF16<8, NV>(p, b, f, col0, col, m0);
+  }
+}
+
+// Columns [n0, n1) for x rows [m0, m0 + mg), block by block, in 64-column
+// stretches (one cache line of each q row): mg <= 6 is one mg x 64 tile
+// (at most 24 accumulators + 4 q vectors), mg = 7, 8 two mg x 32 tiles, and
+// mg > 8 converts the stretch to float32 once (8 KiB, L1) for 8 x 32 tiles.
+// Then 16 columns at a time, and the last N % 16 scalar.
+Q8_AVX512 void ColumnsAvx512(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mg) {
+  const int64_t w = n1 - n0;
+  const int64_t n64 = n0 + (w & ~int64_t{63});
+  const int64_t n16 = n0 + (w & ~int64_t{15});
+  for (int64_t b = 0; b < p.k / kBlock; ++b) {
+    for (int64_t c = n0; c < n64; c += 64) {
+      if (mg <= 6) {
+        Tile16Rows<4>(mg, p, b, c, m0);
+      } else if (mg <= 8) {
+        Tile16Rows<2>(mg, p, b, c, m0);
+        Tile16Rows<2>(mg, p, b, c + 32, m0);
+      } else {
+        alignas(64) float f[kBlock * 64];
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const int8_t* qr = p.q + (b * kBlock + i) * p.n + c;
+          _mm_prefetch(reinterpret_cast<const char*>(qr + kPrefetch), _MM_HINT_T0);
+          for (int v = 0; v < 4; ++v) _mm512_store_ps(f + i * 64 + 16 * v, Load16(qr + 16 * v));
+        }
+        for (int64_t cv = c; cv < c + 64; cv += 32)
+          for (int64_t r = 0; r < mg; r += 8)
+            TileF16Rows<2>(std::min<int64_t>(8, mg - r), p, b, f, c, cv, m0 + r);
+      }
+    }
+    for (int64_t c = n64; c < n16; c += 16)  // the last < 64 columns, 16 at a time
+      for (int64_t r = 0; r < mg; r += 8)
+        Tile16Rows<1>(std::min<int64_t>(8, mg - r), p, b, c, m0 + r);
+    for (int64_t c = n16; c < n1; ++c) {  // the last < 16 columns, scalar
+      const float d = ScaleAt(p, b, c);
+      for (int64_t r = 0; r < mg; ++r) {
+        const float* x = p.x + (m0 + r) * p.ldx + b * kBlock;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < kBlock; ++i)
+          acc = std::fma(x[i], static_cast<float>(p.q[(b * kBlock + i) * p.n + c]), acc);
+        p.y[(m0 + r) * p.n + c] += d * acc;
+      }
+    }
+  }
+}
+
 #endif  // Q8_X86
+
+// Set through Q8GemvForceScalar: tests run the scalar path on a SIMD CPU.
+std::atomic<bool> g_force_scalar{false};
+// The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
+std::atomic<int> g_last_isa{-1};
+std::atomic<int> g_last_threads{0};
+
+// The best path this CPU supports.
+Isa BestIsa() {
+#if Q8_X86
+  static const Isa best = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c")))
+      return kScalar;
+    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
+  }();
+  return best;
+#else
+  return kScalar;
+#endif
+}
+
+// The path a call runs: $Q8RULES_CPU_ISA (avx512, avx2 or scalar; unset, empty
+// or "auto": the best), capped at what the CPU supports, and scalar while
+// Q8GemvForceScalar is on. Read on every call. False for an unknown value.
+bool SelectIsa(Isa* isa) {
+  Isa want = kAvx512;
+  const char* env = std::getenv("Q8RULES_CPU_ISA");
+  if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
+    if (std::strcmp(env, "avx512") == 0) {
+      want = kAvx512;
+    } else if (std::strcmp(env, "avx2") == 0) {
+      want = kAvx2;
+    } else if (std::strcmp(env, "scalar") == 0) {
+      want = kScalar;
+    } else {
+      return false;
+    }
+  }
+  if (g_force_scalar.load(std::memory_order_relaxed)) want = kScalar;
+  *isa = std::min(want, BestIsa());
+  return true;
+}
 
 // All x rows of p (groups of <= 16 rows), all columns, accumulated into p.y.
 void Columns(const Problem& p) {
@@ -354,7 +503,11 @@ void Columns(const Problem& p) {
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
     const int64_t mg = std::min(kMaxRows, p.m - m0);
 #if Q8_X86
-    if (HasAvx2()) {
+    if (p.isa == kAvx512) {
+      ColumnsAvx512(p, 0, p.n, m0, mg);
+      continue;
+    }
+    if (p.isa == kAvx2) {
       ColumnsAvx2(p, 0, p.n, m0, mg);
       continue;
     }
@@ -398,15 +551,25 @@ struct Shared {
   }
 };
 
-// Threads worth using: one per ~1 MiB of q (a pool wake-up costs ~10 us, a
+// The CPUs this process may run on (its affinity mask, e.g. under taskset),
+// else the hardware's threads.
+int64_t UsableCpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+}
+
+// Threads worth using: one per ~1 MiB of q x M (a pool wake-up costs ~10 us, a
 // 1 MiB stream ~40 us), at most the pool's threads plus the caller and the
-// hardware's threads.
+// CPUs this process may use.
 int64_t Threads(const Problem& p, int64_t pool_threads) {
   const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
   int64_t t = std::max<int64_t>(1, work / (1 << 20));
   t = std::min<int64_t>(t, pool_threads + 1);
-  t = std::min<int64_t>(t, std::max<unsigned>(1, std::thread::hardware_concurrency()));
   t = std::min<int64_t>(t, p.k / kBlock);
+  if (t > 1) t = std::min<int64_t>(t, UsableCpus());
   return std::max<int64_t>(t, 1);
 }
 
@@ -440,9 +603,15 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.q = q.typed_data();
   p.scale = scale.untyped_data();
   p.y = y->typed_data();
+  if (!SelectIsa(&p.isa)) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
+  }
+  g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
   const int64_t threads = Threads(p, pool.num_threads());
+  g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
   if (threads == 1) {
     Columns(p);
     return ffi::Error::Success();
@@ -488,8 +657,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
 );
 
-// Whether this build runs the AVX2 path on this CPU (for tests and reports).
-extern "C" int Q8GemvHasAvx2() { return HasAvx2() ? 1 : 0; }
+// Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
+extern "C" int Q8GemvHasAvx2() {
+  Isa isa;
+  return SelectIsa(&isa) && isa != kScalar ? 1 : 0;
+}
 
 // Force (1) or stop forcing (0) the scalar path, whatever the CPU supports.
 extern "C" void Q8GemvForceScalar(int force) { g_force_scalar.store(force != 0); }
+
+// The best path this CPU supports: 0 scalar, 1 avx2, 2 avx512.
+extern "C" int Q8GemvBestIsa() { return BestIsa(); }
+
+// The path the next call would run (as above), or -1 if $Q8RULES_CPU_ISA is invalid.
+extern "C" int Q8GemvSelectedIsa() {
+  Isa isa;
+  return SelectIsa(&isa) ? isa : -1;
+}
+
+// The path the last call ran, or -1 before the first call.
+extern "C" int Q8GemvLastIsa() { return g_last_isa.load(); }
+
+// The threads the last call used (the caller and pool helpers), 0 before the first call.
+extern "C" int Q8GemvLastThreads() { return g_last_threads.load(); }
+
+// The name of path `isa` ("scalar", "avx2", "avx512"), or "" if there is none.
+extern "C" const char* Q8GemvIsaName(int isa) {
+  return isa >= 0 && isa <= kAvx512 ? kIsaNames[isa] : "";
+}
