@@ -46,7 +46,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--vocab", type=int, default=2048)
   p.add_argument("--steps", type=int, default=16, help="greedy decode steps compared")
   p.add_argument("--repeats", type=int, default=30, help="timed decode steps")
-  p.add_argument("--implementation", choices=["fold", "cpu", "xla", "reference"], default=None)
+  p.add_argument("--implementation", choices=q8rules.kernels.IMPLEMENTATIONS, default=None)
   p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
   return p.parse_args(argv)
 

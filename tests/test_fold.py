@@ -250,10 +250,12 @@ def test_resolve():
   assert resolve(64, 4096, 4096, backend="cpu") == "xla"
   assert resolve(1, 4096, 4096, backend="tpu") == "fold"
   assert resolve(8, 4096, 4096, backend="tpu") == "fold"
-  assert resolve(64, 4096, 4096, backend="tpu") == "xla"
+  assert resolve(64, 4096, 4096, backend="tpu") == "xla_dequant"  # many rows: dequantise, dot
   assert resolve(16, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
-  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla"
-  assert resolve(1, 1000, 4096, backend="gpu") == "xla"
+  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla_dequant"
+  assert resolve(2048, 4096, 14336, jnp.bfloat16, backend="gpu") == "xla_dequant"
+  assert resolve(1, 1000, 4096, backend="gpu") == "xla_dequant"
+  assert resolve(512, 4096, 4096, backend="cpu") == "xla"  # the CPU keeps its scan
   # A sequence is tried in order; a forced name must be able to run the product.
   assert resolve(64, 4096, 4096, backend="tpu", implementation=("fold", "xla")) == "xla"
   with pytest.raises(ValueError, match="'fold': m=64 > 8 tile rows"):
@@ -290,7 +292,7 @@ def test_forced_fold_runs_past_the_bytes_rule(rng):
   x, q, scale = operands(rng, 8, 1024, 8)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
   assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
-  assert resolve(8, 1024, 8, backend="tpu") == "xla"
+  assert resolve(8, 1024, 8, backend="tpu") == "xla_dequant"
   y = q8_matmul(x, w, implementation="fold")
   assert rel_err(y, reference64(x, q, scale)) <= 1e-6
 
