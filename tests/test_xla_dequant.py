@@ -67,3 +67,18 @@ def test_registered_and_picked_for_many_rows_on_accelerators(rng):
   assert y.shape == (2, 3, 48) and y.dtype == jnp.bfloat16
   direct = q8_matmul_dequant(x.reshape(6, 128), q, scale).astype(jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(y).reshape(6, 48), np.asarray(direct))
+
+
+@pytest.mark.parametrize("dtype,operand", [(jnp.bfloat16, "bf16"), (jnp.float32, "f32")])
+def test_prefill_lowers_for_cuda_to_one_dot(dtype, operand):
+  """On CUDA, 128 rows take `xla_dequant`: no kernel call, one dot of the dequantised weight in
+  the activations' dtype (float32 rows at HIGHEST: no TF32)."""
+  q = jax.ShapeDtypeStruct((1024, 256), jnp.int8)
+  s = jax.ShapeDtypeStruct((32, 256), jnp.float32)
+  x = jax.ShapeDtypeStruct((128, 1024), dtype)
+  f = jax.jit(lambda x, q, s: q8_matmul(x, Q8Array(q, s)))
+  text = str(f.trace(x, q, s).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo"))
+  assert "custom_call" not in text
+  (dot,) = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert f"tensor<128x1024x{operand}>, tensor<1024x256x{operand}>) -> tensor<128x256xf32>" in dot
+  assert ("HIGHEST" in dot) == (dtype == jnp.float32)
