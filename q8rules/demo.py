@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=30, help="timed decode steps")
   p.add_argument(
     "--implementation",
-    choices=["fold", "cpu", "xla", "reference"],
+    choices=q8rules.kernels.IMPLEMENTATIONS,
     default=None,
     help="force one Q8_0 implementation (None: the best for the backend and shape)",
   )

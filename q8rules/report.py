@@ -16,7 +16,7 @@ class OpRecord:
     op: the op and its index within the module, e.g. 'dot_general0'.
     rule: index of the matched rule, or None.
     path: the implementation that ran (`q8rules.kernels.resolve`: 'fold', 'cpu',
-      'xla', 'reference'; per shard under a mesh), 'fake_quant' (QAT), or 'float'
+      'xla', 'xla_dequant', 'reference'; per shard under a mesh), 'fake_quant' (QAT), or 'float'
       (left untouched).
     weight_shape: the float weight's shape (None when the op has no weight).
     m, k, n: the product as (M, K) @ (K, N) (K before padding).

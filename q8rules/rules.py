@@ -25,7 +25,7 @@ class Q8Rule(QuantizationRule):
   Attributes:
     scale_dtype: float32 (default, as on the chip) or float16 (GGUF's).
     implementation: None picks the best for the backend and shape; a name of
-      `q8rules.kernels.IMPLEMENTATIONS` ('fold', 'cpu', 'xla', 'reference') or a
+      `q8rules.kernels.IMPLEMENTATIONS` ('fold', 'cpu', 'xla', 'xla_dequant', 'reference') or a
       sequence of them tried in order (see `q8rules.kernels.resolve`).
     interpret: run the fold in Pallas interpret mode (None: on CPU only).
   """

@@ -13,7 +13,7 @@ import q8rules
 from q8rules.kernels import cpu_native, q8_matmul, resolve
 from q8rules.kernels.fold import TILE_ROWS, fold_applies, fold_reason, kernel_form, q8_fold
 from q8rules.kernels.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
-from q8rules.kernels.pallas_triton import fold_gpu
+from q8rules.kernels.pallas_triton import blocks_per_step, fold_gpu, k_splits
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -95,10 +95,44 @@ def test_gpu_form_bf16(rng):
   assert rel_err(out, reference64(x, q, scale)) <= 1e-2
 
 
+@pytest.mark.parametrize("splits,group", [(1, 4), (2, 1), (4, 2), (8, 4)])
+def test_gpu_form_any_split_of_k(rng, splits, group):
+  """The K slices' partials add up to the product, whatever the split and the loop step;
+  m = 3 < 16 rows: the masked store leaves the pad rows out of the sum."""
+  x, q, scale = operands(rng, 3, 1024, 64)
+  out = fold_gpu(jnp.asarray(x), q, scale, splits=splits, group=group, interpret=True)
+  assert out.shape == (3, 64)
+  assert rel_err(out, reference64(x, q, scale)) <= 1e-6
+
+
+def test_gpu_form_rejects_splits_that_cut_a_block(rng):
+  x, q, scale = operands(rng, 1, 1056, 64)
+  with pytest.raises(ValueError, match="K slices do not divide K=1056"):
+    fold_gpu(x, q, scale, splits=2, interpret=True)
+  with pytest.raises(ValueError, match="blocks a step do not divide"):
+    fold_gpu(x, q, scale, splits=3, group=2, interpret=True)
+  with pytest.raises(ValueError, match="splits= is for the GPU form"):
+    q8_fold(x, q, scale, backend="tpu", splits=3)
+
+
+def test_k_splits_fill_the_gpu():
+  """The fewest K slices giving >= 2 programs per SM (132 SMs), at least 8 blocks a slice."""
+  assert k_splits(4096, 4096, sms=132) == 8  # 64 tiles x 8 = 512 programs
+  assert k_splits(14336, 4096, sms=132) == 7  # 448 blocks = 7 x 64
+  assert k_splits(4096, 14336, sms=132) == 2  # 224 tiles
+  assert k_splits(8192, 8192, sms=132) == 4
+  assert k_splits(8192, 28672, sms=132) == 1  # 448 tiles fill it already
+  assert k_splits(4096, 128256, sms=132) == 1
+  assert k_splits(256, 64, sms=132) == 1  # 8 blocks: one slice
+  assert k_splits(32 * 37, 64, sms=132) == 1  # 37 blocks, prime: no whole split of >= 8
+  assert blocks_per_step(4096) == 4 and blocks_per_step(32 * 11) == 1 and blocks_per_step(96) == 3
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_k_not_a_multiple_of_1024(rng, backend):
-  """K = 33 blocks: the TPU form takes K steps of 11 blocks, the GPU form loops 3 blocks a step."""
+  """K = 33 blocks: the TPU form takes K steps of 11 blocks, the GPU form 3 K slices of 11."""
   assert block_k(1056) == 352 and block_k(3072) == 1024 and block_k(32 * 37) == 32
+  assert k_splits(1056, 72) == 3
   x, q, scale = operands(rng, 5, 1056, 72)
   out = q8_fold(x, q, scale, backend=backend)
   assert rel_err(out, reference64(x, q, scale)) <= 1e-6
@@ -216,10 +250,12 @@ def test_resolve():
   assert resolve(64, 4096, 4096, backend="cpu") == "xla"
   assert resolve(1, 4096, 4096, backend="tpu") == "fold"
   assert resolve(8, 4096, 4096, backend="tpu") == "fold"
-  assert resolve(64, 4096, 4096, backend="tpu") == "xla"
+  assert resolve(64, 4096, 4096, backend="tpu") == "xla_dequant"  # many rows: dequantise, dot
   assert resolve(16, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
-  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla"
-  assert resolve(1, 1000, 4096, backend="gpu") == "xla"
+  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla_dequant"
+  assert resolve(2048, 4096, 14336, jnp.bfloat16, backend="gpu") == "xla_dequant"
+  assert resolve(1, 1000, 4096, backend="gpu") == "xla_dequant"
+  assert resolve(512, 4096, 4096, backend="cpu") == "xla"  # the CPU keeps its scan
   # A sequence is tried in order; a forced name must be able to run the product.
   assert resolve(64, 4096, 4096, backend="tpu", implementation=("fold", "xla")) == "xla"
   with pytest.raises(ValueError, match="'fold': m=64 > 8 tile rows"):
@@ -256,7 +292,7 @@ def test_forced_fold_runs_past_the_bytes_rule(rng):
   x, q, scale = operands(rng, 8, 1024, 8)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
   assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
-  assert resolve(8, 1024, 8, backend="tpu") == "xla"
+  assert resolve(8, 1024, 8, backend="tpu") == "xla_dequant"
   y = q8_matmul(x, w, implementation="fold")
   assert rel_err(y, reference64(x, q, scale)) <= 1e-6
 

@@ -133,18 +133,35 @@ def test_tpu_form_does_not_lower_for_cuda():
 
 @pytest.mark.parametrize("m,dtype", [(1, jnp.bfloat16), (8, jnp.bfloat16), (16, jnp.float32)])
 def test_gpu_form_lowers_to_triton(m, dtype):
-  (call,) = custom_calls(lower("gpu", "cuda", operand_specs(m, 4096, 200, dtype)))
+  module = lower("gpu", "cuda", operand_specs(m, 4096, 200, dtype))
+  (call,) = custom_calls(module)
   assert target(call) == TRITON_CUSTOM_CALL
   attrs, kernel = triton_config(call)
   assert attrs["name"] == '"q8_fold_gpu"'
-  assert attrs["num_warps"].startswith("4") and attrs["num_stages"].startswith("2")
+  assert attrs["num_warps"].startswith("4") and attrs["num_stages"].startswith("4")
   assert attrs["grid_x"].startswith("4")  # 200 columns -> 4 tiles of 64
-  assert "scf.for" in kernel  # the K loop runs inside the kernel
+  # 4 column tiles for 132 SMs: K splits into 128 / 8 = 16 slices of 8 blocks (64 programs)
+  assert attrs["grid_y"].startswith("16")
+  assert "scf.for" in kernel  # the K slice's loop runs inside the kernel
   dots = re.findall(r"tt\.dot .*", kernel)
-  assert len(dots) == 8  # 8 Q8_0 blocks a loop step
+  assert len(dots) == 4  # 4 Q8_0 blocks a loop step
   assert all("tensor<16x32x" in d and "tensor<32x64x" in d for d in dots)
   if dtype == jnp.float32:
     assert "inputPrecision = tf32" not in kernel  # float32 rows dot in IEEE fp32, not TF32
+  (store,) = re.findall(r"tt\.store .*", kernel)
+  # m < 16: only the live rows are stored (a masked store: pointers, values, mask)
+  assert (store.count("%") == 3) == (m < 16)
+  # XLA adds the 16 partials: a reduce over the slices of the live rows
+  assert f"tensor<16x{m}x256xf32>" in str(module) and "stablehlo.reduce" in str(module)
+
+
+def test_gpu_form_lowers_without_splitting_wide_n():
+  """8192 x 28672: 448 column tiles fill 132 SMs, so one K slice and no reduction."""
+  module = lower("gpu", "cuda", operand_specs(1, 8192, 28672, jnp.bfloat16))
+  (call,) = custom_calls(module)
+  attrs, _ = triton_config(call)
+  assert attrs["grid_x"].startswith("448") and attrs["grid_y"].startswith("1 ")
+  assert "stablehlo.reduce" not in str(module)
 
 
 def test_gpu_form_takes_at_most_16_rows():

@@ -45,8 +45,10 @@ def test_bf16_and_float16_scales(rng, name):
   q, scale = random_q8(rng, k, n, scale_dtype=np.float16)
   x = random_x(rng, (m, k), jnp.bfloat16)
   y = q8_matmul(x, Q8Array(q, scale), implementation=name, preferred_element_type=jnp.float32)
-  # bf16 inputs are exact in float32: the bound is float32 accumulation's
-  assert close_to_float64(y, x.astype(jnp.float32), weight64(q, scale), 1e-6)
+  # bf16 inputs are exact in float32: the bound is float32 accumulation's, or bf16's where the
+  # implementation rounds the weight to the activations' dtype
+  tol = 1e-2 if REGISTRY[name].rounds_weight else 1e-6
+  assert close_to_float64(y, x.astype(jnp.float32), weight64(q, scale), tol)
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
@@ -104,12 +106,12 @@ def test_export_carries_each_platforms_kernel(rng):
 
 def test_never_picks_the_fold_on_a_gpu_too_old_for_triton(monkeypatch):
   """A Colab T4 (compute capability 7.5): Pallas Triton cannot run there, so
-  `implementation=None` takes the XLA path and a forced 'fold' says why; an H100 (9.0) runs
+  `implementation=None` takes an XLA path and a forced 'fold' says why; an H100 (9.0) runs
   the fold. Faked: this host has no GPU."""
   from q8rules.kernels import pallas_triton
 
   monkeypatch.setattr(pallas_triton, "compute_capability", lambda: (7, 5))
-  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "xla"
+  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "xla_dequant"
   with pytest.raises(ValueError, match="compute capability 8.0 or newer; this GPU has 7.5"):
     resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu", implementation="fold")
   assert resolve(1, 4096, 4096, jnp.bfloat16, backend="tpu") == "fold"  # TPUs are unaffected

@@ -3,7 +3,8 @@
 The registry and the only function that picks an implementation (`resolve`) are
 in `api.py`; each implementation is a file named for what it is:
 `pallas_mosaic_tpu.py` and `pallas_triton.py` (the fold's two forms, wrapped by
-`fold.py`), `cpu_native.py` (+ `cpu/q8_gemv.cc`), `xla_chunked.py`, `reference.py`.
+`fold.py`), `cpu_native.py` (+ `cpu/q8_gemv.cc`), `xla_chunked.py`, `xla_dequant.py`,
+`reference.py`.
 """
 
 from q8rules.kernels.api import (

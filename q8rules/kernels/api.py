@@ -25,6 +25,7 @@ from q8rules.kernels import cpu_native, fold
 from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla_chunked import q8_matmul_xla
+from q8rules.kernels.xla_dequant import q8_matmul_dequant
 from q8rules.q8_0 import BLOCK, Q8Array
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -64,6 +65,9 @@ class Implementation:
     cannot: why it cannot run a problem (None: it can).
     slower: why `implementation=None` passes it over for the next one (None: pick it).
     run: `run(x2d, q, scale, platform, interpret)` -> (m, N) float32.
+    rounds_weight: True when bf16/f16 activations meet the weight rounded to their dtype
+      (the product within that dtype's accuracy of float64); False when every product
+      is exact and only float32 accumulation rounds.
   """
 
   name: str
@@ -71,6 +75,7 @@ class Implementation:
   cannot: Callable[[Problem], str | None]
   slower: Callable[[Problem], str | None]
   run: Callable[[jax.Array, jax.Array, jax.Array, str, bool | None], jax.Array]
+  rounds_weight: bool = False
 
 
 def _never(p: Problem) -> None:
@@ -99,6 +104,12 @@ def _fold_slower(p: Problem) -> str | None:
   if p.platform == "cpu":
     return "on CPU the fold runs only in Pallas interpret mode"
   return fold.fold_reason(p.m, p.k, p.n, backend=p.platform, itemsize=p.itemsize)
+
+
+def _dequant_slower(p: Problem) -> str | None:
+  if p.platform == "cpu":
+    return "on CPU the cache-sized scan ('xla') is faster (docs/design.md)"
+  return None
 
 
 def _run_fold(x2d, q, scale, platform: str, interpret: bool | None) -> jax.Array:
@@ -131,6 +142,15 @@ REGISTRY: dict[str, Implementation] = {
       lambda x2d, q, scale, platform, interpret: q8_matmul_xla(x2d, q, scale),
     ),
     Implementation(
+      "xla_dequant",
+      "the weight dequantised into the activations' dtype in large pieces, one dot each"
+      " (many-row products on GPU and TPU)",
+      _never,
+      _dequant_slower,
+      lambda x2d, q, scale, platform, interpret: q8_matmul_dequant(x2d, q, scale),
+      rounds_weight=True,
+    ),
+    Implementation(
       "reference",
       "dequantise the whole weight, then one dot (the yardstick; slow)",
       _never,
@@ -145,10 +165,12 @@ IMPLEMENTATIONS = tuple(REGISTRY)
 
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
   "cpu": ("cpu", "xla"),
-  "gpu": ("fold", "xla"),
-  "tpu": ("fold", "xla"),
+  "gpu": ("fold", "xla_dequant", "xla"),
+  "tpu": ("fold", "xla_dequant", "xla"),
 }
-"""What `implementation=None` tries, in order, per platform; the last always applies."""
+"""What `implementation=None` tries, in order, per platform; the last always applies. On GPU
+and TPU the fold takes decode shapes and the dequantise-then-dot the rest (provisional until
+measured on the devices: docs/design.md, "GPU dispatch")."""
 
 
 def platform_of(backend: str | None = None) -> str:

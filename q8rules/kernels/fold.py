@@ -8,7 +8,8 @@ for all the rows. It applies (`fold_applies`) when
     (Triton's smallest dot); on CPU the TPU form runs in interpret mode, 8;
   * K is whole Q8_0 blocks (a multiple of 32);
   * it moves no more bytes than reading the weight dense in bf16:
-    m*K*itemsize*column_tiles + K*N*1.125 <= K*N*2 (x is re-read once per
+    m*K*itemsize*column_tiles + K*N*1.125 (+ 8*S*m*N for the GPU form's S
+    K-slice partials, written and read once) <= K*N*2 (x is re-read once per
     column tile; int8 plus one f32 scale per 32 values is 1.125 bytes each).
 
 Columns are the kernel's column tiles, the last padded with zero values and
@@ -98,6 +99,8 @@ def fold_reason(
     return reason
   tiles = _column_tiles(n, form)
   fold_bytes = m * k * itemsize * tiles + k * n * _Q8_BYTES
+  if form == "gpu" and (splits := pallas_triton.k_splits(k, n)) > 1:
+    fold_bytes += 8 * splits * m * n  # the f32 partials, written and read
   dense_bytes = k * n * _DENSE_BYTES
   if fold_bytes > dense_bytes:
     return (
@@ -114,7 +117,9 @@ def fold_applies(m: int, k: int, n: int, *, backend: str | None = None, itemsize
   return fold_reason(m, k, n, backend=backend, itemsize=itemsize) is None
 
 
-def _run_kernel(x2d, q, scale, form: str, block_n: int | None, interpret: bool) -> jax.Array:
+def _run_kernel(
+  x2d, q, scale, form: str, block_n: int | None, splits: int | None, interpret: bool
+) -> jax.Array:
   """The kernel on N padded to whole column tiles: (m, N) float32."""
   n = q.shape[1]
   module = pallas_mosaic_tpu if form == "tpu" else pallas_triton
@@ -123,26 +128,29 @@ def _run_kernel(x2d, q, scale, form: str, block_n: int | None, interpret: bool) 
   if pad:  # zero values and zero scales: the pad's sums stay in the pad
     q = jnp.pad(q, ((0, 0), (0, pad)))
     scale = jnp.pad(scale, ((0, 0), (0, pad)))
-  kernel = pallas_mosaic_tpu.fold_tpu if form == "tpu" else pallas_triton.fold_gpu
-  return kernel(x2d, q, scale, block_n=tn, interpret=interpret)[:, :n]
+  if form == "tpu":
+    out = pallas_mosaic_tpu.fold_tpu(x2d, q, scale, block_n=tn, interpret=interpret)
+  else:
+    out = pallas_triton.fold_gpu(x2d, q, scale, block_n=tn, splits=splits, interpret=interpret)
+  return out[:, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fold(x2d, q, scale, form, block_n, interpret):
-  return _run_kernel(x2d, q, scale, form, block_n, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fold(x2d, q, scale, form, block_n, splits, interpret):
+  return _run_kernel(x2d, q, scale, form, block_n, splits, interpret)
 
 
-def _fold_fwd(x2d, q, scale, form, block_n, interpret):
-  return _run_kernel(x2d, q, scale, form, block_n, interpret), (x2d, q, scale)
+def _fold_fwd(x2d, q, scale, form, block_n, splits, interpret):
+  return _run_kernel(x2d, q, scale, form, block_n, splits, interpret), (x2d, q, scale)
 
 
-def _fold_bwd(form, block_n, interpret, res, dy):
+def _fold_bwd(form, block_n, splits, interpret, res, dy):
   """dx = dy @ W^T; dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n]; no dq.
 
   Plain XLA in float32 at HIGHEST precision (it dequantises the whole weight:
   the backward pass of a decode-shaped product is rare).
   """
-  del form, block_n, interpret
+  del form, block_n, splits, interpret
   x2d, q, scale = res
   m, k = x2d.shape
   n = q.shape[1]
@@ -158,7 +166,7 @@ def _fold_bwd(form, block_n, interpret, res, dy):
 
 
 _fold.defvjp(_fold_fwd, _fold_bwd)
-_fold_jit = jax.jit(_fold, static_argnums=(3, 4, 5))
+_fold_jit = jax.jit(_fold, static_argnums=(3, 4, 5, 6))
 
 
 def check_fold_operands(x2d: jax.Array, q: jax.Array, scale: jax.Array) -> None:
@@ -191,6 +199,7 @@ def q8_fold(
   backend: str | None = None,
   interpret: bool | None = None,
   block_n: int | None = None,
+  splits: int | None = None,
 ) -> jax.Array:
   """`x2d @ (q * scale)` with the fold kernel: (m, N) float32.
 
@@ -203,6 +212,8 @@ def q8_fold(
     interpret: Pallas interpret mode; None: when the kernel's platform is not
       the default backend (so always on CPU).
     block_n: the column tile (default: the form's `column_tile(N)`).
+    splits: the GPU form's K slices, dividing K/32 (default
+      `pallas_triton.k_splits`); the TPU form walks K in its grid and takes none.
 
   Differentiable (`jax.custom_vjp`) in x and in scale, by plain XLA in the
   backward pass; q is integer and gets no gradient. Raises ValueError when the
@@ -214,9 +225,11 @@ def q8_fold(
   reason = _shape_reason(x2d.shape[0], q.shape[0], q.shape[1], form)
   if reason:
     raise ValueError(f"q8_fold ({form} form): {reason}")
+  if splits is not None and form != "gpu":
+    raise ValueError(f"q8_fold ({form} form): splits= is for the GPU form")
   if interpret is None:  # interpret unless the kernel's own platform runs this program
     interpret = jax.default_backend() != form
-  return _fold_jit(x2d, q, scale, form, block_n, bool(interpret))
+  return _fold_jit(x2d, q, scale, form, block_n, splits, bool(interpret))
 
 
 __all__ = [
