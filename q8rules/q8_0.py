@@ -182,6 +182,7 @@ def _tiny_blocks(bits: jax.Array, amax_bits: jax.Array):
   return d, _roundf(w_up * id_up)
 
 
+@jax.jit  # one compiled call per shape, not ~150 op-by-op dispatches when run eagerly
 def _quantize_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Q8_0 of float32 blocks (B, 32, ...): (d float32 (B, 1, ...), q int8 (B, 32, ...)).
 
