@@ -33,8 +33,8 @@ the kernel's dynamically claimed work, which the medians then show). Overheads a
 a tiny product (K = 32, N = 16, m = 1) on each side gives the per-call cost of dispatch
 (jax.jit + XLA FFI; ctypes + ggml graph compute with its threadpool set-up).
 
-Model level (tokens/s of decode and prefill on one Q8_0 GGUF file) needs a GGUF -> q8rules
-model loader, which q8rules does not have yet; it is skipped with a note.
+Model level (tokens/s of decode and prefill on one Q8_0 GGUF file) is
+`benchmarks/bench_gguf.py`, which runs `q8rules.load_gguf` and llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -443,7 +443,7 @@ def main() -> None:
       body,
       "",
       "Model level (tokens/s, decode at batch 1 and 128-token prefill on one Q8_0 GGUF file):"
-      " not measured: q8rules has no GGUF -> model loader on this branch yet (issue 12).",
+      " see the `gguf` section (`benchmarks/bench_gguf.py`).",
       end,
     ]
   )
