@@ -10,6 +10,7 @@ residual. Why this form, and the forms measured against it: docs/design.md.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,21 @@ def q8_matmul_xla(
       f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
     )
   c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
+  return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
+
+
+def scan_row_chunks(
+  x: jax.Array,
+  q: jax.Array,
+  scale: jax.Array,
+  c: int,
+  rows_product: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+  """`sum_i rows_product(x[:, rows_i], q[rows_i], scale[blocks_i])` over chunks of `c` rows of
+  K (a multiple of 32; a shorter last chunk), as a scan whose body is rematerialised, so
+  reverse mode recomputes each chunk instead of keeping them all. (M, N) float32."""
+  m, k = x.shape
   steps, rem = divmod(k, c)
-  x = x.astype(jnp.float32)
   main = steps * c
   xs = x[:, :main].reshape(m, steps, c).transpose(1, 0, 2)  # (steps, M, c)
 
@@ -95,12 +109,12 @@ def q8_matmul_xla(
     xi, i = xi_i
     qi = jax.lax.dynamic_slice_in_dim(q, i * c, c, axis=0)
     si = jax.lax.dynamic_slice_in_dim(scale, i * (c // BLOCK), c // BLOCK, axis=0)
-    return acc + _rows_product(xi, qi, si), None
+    return acc + rows_product(xi, qi, si), None
 
-  acc = jnp.zeros((m, n), jnp.float32)
+  acc = jnp.zeros((m, q.shape[1]), jnp.float32)
   acc, _ = jax.lax.scan(step, acc, (xs, jnp.arange(steps, dtype=jnp.int32)))
   if rem:
-    acc = acc + jax.checkpoint(_rows_product, prevent_cse=False)(
+    acc = acc + jax.checkpoint(rows_product, prevent_cse=False)(
       x[:, main:], q[main:], scale[main // BLOCK :]
     )
   return acc

@@ -15,12 +15,11 @@ The CPU keeps the cache-sized scan of `xla_chunked` (docs/design.md).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.kernels.xla_chunked import scan_row_chunks
 from q8rules.q8_0 import BLOCK
 
 PIECE_BYTES = 512 << 20
@@ -81,22 +80,7 @@ def q8_matmul_dequant(
   c = piece_rows(k, n, dt.itemsize, piece_bytes)
   if c >= k:
     return _piece_product(x, q, scale)
-  steps, rem = divmod(k, c)
-  main = steps * c
-  xs = x[:, :main].reshape(m, steps, c).transpose(1, 0, 2)  # (steps, M, c)
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)
-  def step(acc: jax.Array, xi_i: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-    xi, i = xi_i
-    qi = jax.lax.dynamic_slice_in_dim(q, i * c, c, axis=0)
-    si = jax.lax.dynamic_slice_in_dim(scale, i * (c // BLOCK), c // BLOCK, axis=0)
-    return acc + _piece_product(xi, qi, si), None
-
-  acc = jnp.zeros((m, n), jnp.float32)
-  acc, _ = jax.lax.scan(step, acc, (xs, jnp.arange(steps, dtype=jnp.int32)))
-  if rem:
-    acc = acc + _piece_product(x[:, main:], q[main:], scale[main // BLOCK :])
-  return acc
+  return scan_row_chunks(x, q, scale, c, _piece_product)
 
 
 __all__ = ["PIECE_BYTES", "dequant_dtype", "piece_rows", "q8_matmul_dequant"]
