@@ -252,7 +252,7 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
       " the weight once per 16 rows. q8 xla is bound by the float32 round trip of each dequantised 8 MiB chunk"
       " through the L3 (written once, read once by the dot: 8 bytes per weight against the 1.06"
       " it reads from DRAM), not by DRAM, so its share of the read bandwidth stays near 12 GB/s"
-      " at m = 1 whatever the bandwidth is; see `q8rules/kernels/xla.py` for the alternatives"
+      " at m = 1 whatever the bandwidth is; see `docs/design.md` for the alternatives"
       " measured. This VM's memory bandwidth moves between runs (28-55 GB/s measured by this script within"
       " an hour), which moves the dense rows by up to 1.5x.",
       "",
