@@ -78,15 +78,22 @@ def q8_matmul_xla(
   Returns:
     (M, N) float32, accumulated in float32.
   """
+  m, k, n = check_parts(x, q, scale, what="q8_matmul_xla")
+  c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
+  return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
+
+
+def check_parts(x: jax.Array, q: jax.Array, scale: jax.Array, *, what: str) -> tuple[int, int, int]:
+  """(M, K, N) of x (M, K), q (K, N) and scale (K/32, N); a ValueError naming `what` when
+  they do not fit or K is not whole Q8_0 blocks."""
   m, k = x.shape
   n = q.shape[1]
   if q.shape[0] != k or scale.shape != (k // BLOCK, n) or k % BLOCK:
     raise ValueError(
-      f"q8_matmul_xla: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
+      f"{what}: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
       f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
     )
-  c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
-  return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
+  return m, k, n
 
 
 def scan_row_chunks(

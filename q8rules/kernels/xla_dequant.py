@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels.xla_chunked import scan_row_chunks
+from q8rules.kernels.xla_chunked import check_parts, scan_row_chunks
 from q8rules.q8_0 import BLOCK
 
 PIECE_BYTES = 512 << 20
@@ -68,13 +68,7 @@ def q8_matmul_dequant(
   Returns:
     (M, N) float32, accumulated in float32.
   """
-  m, k = x.shape
-  n = q.shape[1]
-  if q.shape[0] != k or scale.shape != (k // BLOCK, n) or k % BLOCK:
-    raise ValueError(
-      f"q8_matmul_dequant: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
-      f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
-    )
+  _, k, n = check_parts(x, q, scale, what="q8_matmul_dequant")
   dt = dequant_dtype(x.dtype)
   x = x.astype(dt)
   c = piece_rows(k, n, dt.itemsize, piece_bytes)
