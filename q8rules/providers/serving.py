@@ -46,8 +46,12 @@ from q8rules.q8_0 import Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
 
 
-def quantize_weight(w: jax.Array, how: Q8How, *, name: str = "weight") -> Q8Array:
-  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0."""
+def quantize_weight(
+  w: jax.Array, how: Q8How, *, name: str = "weight", check_finite: bool = True
+) -> Q8Array:
+  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0.
+
+  `check_finite=False` where the caller has already checked `w` (see `quantize`)."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"{name}: cannot quantize a weight of dtype {w.dtype} to Q8_0 (not float)")
   if tuple(w.shape) != how.layout.shape:
@@ -56,7 +60,13 @@ def quantize_weight(w: jax.Array, how: Q8How, *, name: str = "weight") -> Q8Arra
       f" were made for shape {how.layout.shape}"
     )
   return dataclasses.replace(
-    quantize(how.layout.to_matrix(w), axis=0, scale_dtype=how.scale_dtype, name=name),
+    quantize(
+      how.layout.to_matrix(w),
+      axis=0,
+      scale_dtype=how.scale_dtype,
+      name=name,
+      check_finite=check_finite,
+    ),
     dtype=np.dtype(how.dtype),
   )
 
@@ -281,13 +291,13 @@ class Q8Provider(RecordingProvider, PtqProvider):
     return y.astype(out_dtype)
 
 
-def _quantize_stacked(w: jax.Array, how: Q8How, name: str) -> Q8Array:
+def _quantize_stacked(w: jax.Array, how: Q8How, name: str, *, check_finite: bool) -> Q8Array:
   """`quantize_weight`, vmapped over leading axes that a lifted transform (`nn.scan`,
   `nn.vmap`) stacked the per-layer weight along: (*L, *how.layout.shape) -> Q8Array
   of q (*L, K_padded, N), as the Q8 model's own init makes it."""
 
   def f(a: jax.Array) -> Q8Array:
-    return quantize_weight(a, how, name=name)
+    return quantize_weight(a, how, name=name, check_finite=check_finite)
 
   extra = w.ndim - len(how.layout.shape)
   if extra > 0 and tuple(w.shape[extra:]) == how.layout.shape:
@@ -382,8 +392,11 @@ def quantize_params(
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
       name = "/".join(map(str, path))
       param = jnp.asarray(param)
-      checked_finite(param, name)  # a concrete param: a clear ValueError here, not at run time
-      param = abs_param.replace(array=_quantize_stacked(param, abs_param.how, name))
+      traced = isinstance(param, jax.core.Tracer)
+      if not traced:  # checked once, here: a clear ValueError, not a run-time callback per layer
+        checked_finite(param, name)
+      q8 = _quantize_stacked(param, abs_param.how, name, check_finite=traced)
+      param = abs_param.replace(array=q8)
     quantized[path] = param
   if isinstance(abstract_quantized_params, nnx.Module):
     quantized = nnx.to_pure_dict(nnx.state(quantized))
