@@ -1,13 +1,48 @@
-"""q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights."""
+"""q8rules: Qwix-style rules that serve Flax models with llama.cpp Q8_0 weights.
 
-from q8rules import checkpoint, kernels, sharding
-from q8rules.kernels import fold_applies, q8_matmul
+`import q8rules` loads the core only (the format, the rules, the providers, the
+kernels, sharding). The applications (`q8rules.checkpoint`, `q8rules.llm`,
+`q8rules.models`) load on first use: `q8rules.load_gguf` and `q8rules.checkpoint`
+are resolved lazily, so gguf, safetensors and tokenizers are imported only when
+a checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from q8rules import kernels, sharding
+from q8rules.kernels import export_checks, fold_applies, q8_matmul
 from q8rules.layout import Q8How
-from q8rules.llm import load_gguf
 from q8rules.providers import Q8Provider, Q8QatProvider, quantize_params, shard_products
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
+
+_LAZY = {
+  "checkpoint": ("q8rules.checkpoint", None),
+  "llm": ("q8rules.llm", None),
+  "models": ("q8rules.models", None),
+  "load_gguf": ("q8rules.llm", "load_gguf"),
+}
+"""Application names resolved on first use (module, attribute)."""
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _LAZY:
+    raise AttributeError(f"module 'q8rules' has no attribute {name!r}")
+  module, attr = _LAZY[name]
+  value = importlib.import_module(module)
+  if attr is not None:
+    value = getattr(value, attr)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
   "BLOCK",
@@ -20,9 +55,10 @@ __all__ = [
   "Report",
   "checkpoint",
   "dequantize",
+  "export_checks",
   "fold_applies",
-  "load_gguf",
   "kernels",
+  "load_gguf",
   "q8_matmul",
   "quantize",
   "quantize_params",

@@ -19,12 +19,15 @@ from q8rules.kernels.api import (
   platform_of,
   q8_matmul,
   resolve,
+  run_product,
   why_not,
 )
+from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks
 from q8rules.kernels.fold import fold_applies, fold_reason, q8_fold
 
 __all__ = [
   "CPU_MAX_ROWS",
+  "CUSTOM_CALL_TARGETS",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
   "REGISTRY",
@@ -32,11 +35,13 @@ __all__ = [
   "ImplementationArg",
   "check_implementation",
   "check_operands",
+  "export_checks",
   "fold_applies",
   "fold_reason",
   "platform_of",
   "q8_fold",
   "q8_matmul",
   "resolve",
+  "run_product",
   "why_not",
 ]

@@ -320,6 +320,35 @@ def _product(implementation: ImplementationArg, interpret: bool | None):
   return bilinear_product(bind)
 
 
+def run_product(
+  x: jax.Array,
+  w: Q8Array,
+  *,
+  implementation: ImplementationArg = None,
+  interpret: bool | None = None,
+  preferred_element_type: Any = None,
+) -> tuple[jax.Array, str]:
+  """`q8_matmul`, and the name of the implementation it chose for the default backend.
+
+  The name is what `resolve` picks at trace time (the one choice callers such as
+  the report should show); lowering for another platform picks that platform's own.
+  """
+  check_operands(x, w)
+  k, n = w.shape
+  x2d = x.reshape(-1, k)
+  chosen = resolve(x2d.shape[0], k, n, x.dtype, None, implementation)
+  impl = (
+    implementation
+    if implementation is None or isinstance(implementation, str)
+    else tuple(implementation)
+  )
+  if x2d.shape[0] == 0 or n == 0:
+    y = jnp.zeros((x2d.shape[0], n), jnp.float32)
+  else:
+    y = _product(impl, interpret)(x2d, w.q, w.scale)
+  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype), chosen
+
+
 def q8_matmul(
   x: jax.Array,
   w: Q8Array,
@@ -334,22 +363,16 @@ def q8_matmul(
   (default: x's dtype). `implementation` as `resolve`; it is checked now for the
   default backend (a clear error at trace time) and resolved again per platform
   when the program is lowered. `interpret` runs the fold in Pallas interpret
-  mode (None: on CPU only).
+  mode (None: on CPU only). `run_product` also returns the implementation's name.
   """
-  check_operands(x, w)
-  k, n = w.shape
-  x2d = x.reshape(-1, k)
-  resolve(x2d.shape[0], k, n, x.dtype, None, implementation)
-  impl = (
-    implementation
-    if implementation is None or isinstance(implementation, str)
-    else tuple(implementation)
+  y, _ = run_product(
+    x,
+    w,
+    implementation=implementation,
+    interpret=interpret,
+    preferred_element_type=preferred_element_type,
   )
-  if x2d.shape[0] == 0 or n == 0:
-    y = jnp.zeros((x2d.shape[0], n), jnp.float32)
-  else:
-    y = _product(impl, interpret)(x2d, w.q, w.scale)
-  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype)
+  return y
 
 
 __all__ = [
@@ -367,5 +390,6 @@ __all__ = [
   "q8_matmul",
   "q8_product_p",
   "resolve",
+  "run_product",
   "why_not",
 ]

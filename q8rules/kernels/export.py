@@ -1,0 +1,31 @@
+"""What `jax.export` needs to be told to carry q8rules' kernels.
+
+JAX refuses to export a custom call that is not on its list of targets with a
+compatibility guarantee. q8rules' kernels are such calls: the native CPU kernel
+(an XLA FFI target registered by this package), the Triton fold on GPU and the
+Mosaic fold on TPU. An exported served model therefore needs
+
+    jax.export.export(f, platforms=("cpu", "cuda", "tpu"),
+                      disabled_checks=q8rules.export_checks())
+
+and, where it is deserialized and run, the same q8rules version (the kernels'
+custom-call contracts are this package's, not JAX's).
+"""
+
+from __future__ import annotations
+
+from jax import export as jax_export
+
+from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels.cpu_native import TARGET as CPU_CUSTOM_CALL
+
+CUSTOM_CALL_TARGETS = (CPU_CUSTOM_CALL, TRITON_CUSTOM_CALL, MOSAIC_CUSTOM_CALL)
+"""The custom-call targets q8rules' kernels lower to: native CPU, Triton (GPU), Mosaic (TPU)."""
+
+
+def export_checks() -> list[jax_export.DisabledSafetyCheck]:
+  """The `disabled_checks` for `jax.export.export` of a program that runs q8rules' kernels."""
+  return [jax_export.DisabledSafetyCheck.custom_call(t) for t in CUSTOM_CALL_TARGETS]
+
+
+__all__ = ["CUSTOM_CALL_TARGETS", "export_checks"]
