@@ -1,4 +1,4 @@
-"""The demo: a small Llama-style decoder served float and as Q8_0, side by side.
+"""The demo: the built-in decoder (`q8rules.models.Transformer`) served float and as Q8_0.
 
 `python -m q8rules` prints what the rules matched and which path each op took,
 the weight bytes, the error of the Q8_0 model against the float one, and the
@@ -19,7 +19,7 @@ import numpy as np
 import qwix
 
 import q8rules
-from q8rules.models import Decoder, DecoderConfig, init_cache
+from q8rules.models import Transformer, TransformerConfig, init_cache
 
 
 def tree_bytes(tree) -> int:
@@ -48,6 +48,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   p.add_argument("--layers", type=int, default=4, help="decoder layers")
   p.add_argument("--dim", type=int, default=512, help="model width D (heads = D / 64)")
+  p.add_argument(
+    "--kv-heads", type=int, default=None, help="key/value heads (default: half the heads)"
+  )
   p.add_argument("--ffn", type=int, default=1408, help="MLP hidden width F")
   p.add_argument("--vocab", type=int, default=2048, help="vocabulary size V (lm_head D x V)")
   p.add_argument("--steps", type=int, default=16, help="greedy decode steps compared")
@@ -58,29 +61,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default=None,
     help="force one Q8_0 implementation (None: the best for the backend and shape)",
   )
+  p.add_argument("--tied", action="store_true", help="tied embeddings (the table is the head)")
   p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
   return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
-  config = DecoderConfig(
+  config = TransformerConfig(
     vocab=args.vocab,
     dim=args.dim,
     layers=args.layers,
     heads=args.dim // 64,
+    kv_heads=args.kv_heads or max(1, args.dim // 128),
     head_dim=64,
     ffn=args.ffn,
-    max_len=8 + args.steps + 1,
+    context_length=8 + args.steps + 1,
+    tied_embeddings=args.tied,
     dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
   )
   print(f"q8rules demo on {jax.default_backend()}: {config}")
-  model = Decoder(config)
+  model = Transformer(config)
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (1, 8)), jnp.int32)
-  cache = init_cache(config)
+  cache = init_cache(config, config.context_length)
   float_vars = jax.jit(model.init)(jax.random.key(0), prompt, cache, 0)
 
-  # The rules: every Dense/DenseGeneral/Einsum weight as Q8_0.
+  # The rules: every Dense weight and the embedding table as Q8_0.
   provider = q8rules.Q8Provider([q8rules.Q8Rule(implementation=args.implementation)])
   q8_model = qwix.quantize_model(model, provider)
   abstract = jax.eval_shape(q8_model.init, jax.random.key(0), prompt, cache, 0)

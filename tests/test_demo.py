@@ -27,10 +27,11 @@ def test_demo_runs_and_reports(capsys):
   )
   text = capsys.readouterr().out
   assert "What matched and which path each op took" in text
-  assert "layers_0/attn/o" in text and "lm_head" in text
+  assert "layers/attn/o" in text and "lm_head" in text
   paths = out["report"].paths()
   # one decode token: what the dispatcher picks for this backend and shape
-  assert paths["layers_0/mlp/down/dot_general0"] == resolve(1, 256, 128, jnp.float32)
-  assert paths["layers_0/attn/einsum0"] == "float"  # scores: two activations, no weight
+  assert paths["layers/mlp/down/dot_general0"] == resolve(1, 256, 128, jnp.float32)
+  assert paths["layers/attn/einsum0"] == "float"  # scores: two activations, no weight
+  assert paths["embed/take0"] == "lookup"  # the table is read from its Q8_0 values
   assert out["q8_bytes"] < 0.5 * out["float_bytes"]
   assert 0 < out["prefill_err"] < 0.05  # Q8_0 error against float: real but small

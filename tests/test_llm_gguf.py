@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +72,8 @@ def test_params_keep_the_files_tensors(arch):
 
     for name, slot in tensor_slots(m.config).items():
       got, want = flat[".".join(slot.path)], ckpt[name]
+      if m.config.scan_layers and slot.layer is not None:  # stacked along the layer axis
+        got = jax.tree.map(lambda a, i=slot.layer: a[i], got)
       if ckpt.tensor_type(name) == T.Q8_0:
         assert isinstance(got, q8rules.Q8Array), name
         assert np.asarray(got.q).dtype == np.int8 and np.asarray(got.scale).dtype == np.float16

@@ -1,6 +1,7 @@
 """Run llama.cpp GGUF models (archs llama, qwen2) in JAX with their Q8_0 weights as stored."""
 
 from q8rules.llm.config import SUPPORTED_ARCHS
-from q8rules.llm.model import GGUFModel, load_gguf
+from q8rules.llm.load import load_gguf
+from q8rules.llm.model import GGUFModel
 
 __all__ = ["SUPPORTED_ARCHS", "GGUFModel", "load_gguf"]

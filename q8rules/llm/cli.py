@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from q8rules.llm.model import load_gguf
+from q8rules.llm.load import load_gguf
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

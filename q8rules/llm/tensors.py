@@ -12,14 +12,19 @@ class TensorSlot(NamedTuple):
   """One GGUF tensor the model needs.
 
   Attributes:
-    path: the param path in the Transformer's params, e.g. ('layers_0', 'attn', 'q', 'kernel').
+    path: the param path in the Transformer's params: ('layers', 'attn', 'q', 'kernel') for
+      a block's tensor when the layers are scanned (stacked along a leading axis), else
+      ('layers_0', 'attn', 'q', 'kernel').
     shape: the tensor's shape in GGUF numpy order (`[n_out, n_in]` for a matrix).
-    dense: whether it is an `nn.Dense` kernel (a product the Q8 rules can serve).
+    dense: whether it is a matrix the Q8 rules can serve (a Dense kernel, or the
+      embedding table: looked up, and the output projection when tied).
+    layer: the block it belongs to (its index along the stacked axis when scanned).
   """
 
   path: tuple[str, ...]
   shape: tuple[int, ...]
   dense: bool
+  layer: int | None = None
 
 
 _LAYER = {  # GGUF name in block i -> (module path under layers_i, leaf)
@@ -45,18 +50,21 @@ def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
     "ffn_up": (c.ffn, c.dim),
     "ffn_down": (c.dim, c.ffn),
   }
-  slots = {"token_embd.weight": TensorSlot(("embed", "table"), (c.vocab, c.dim), False)}
+  slots = {"token_embd.weight": TensorSlot(("embed", "table"), (c.vocab, c.dim), True)}
   for i in range(c.layers):
-    layer = f"layers_{i}"
-    slots[f"blk.{i}.attn_norm.weight"] = TensorSlot((layer, "attn_norm", "scale"), (c.dim,), False)
-    slots[f"blk.{i}.ffn_norm.weight"] = TensorSlot((layer, "mlp_norm", "scale"), (c.dim,), False)
+    layer = "layers" if c.scan_layers else f"layers_{i}"
+    per_layer = {
+      "attn_norm": ((layer, "attn_norm", "scale"), (c.dim,), False),
+      "ffn_norm": ((layer, "mlp_norm", "scale"), (c.dim,), False),
+    }
     for name, (module, leaf) in _LAYER.items():
-      path = (layer, *module.split("/"), leaf)
-      slots[f"blk.{i}.{name}.weight"] = TensorSlot(path, shapes[name], True)
+      per_layer[name] = ((layer, *module.split("/"), leaf), shapes[name], True)
+    for name, (path, shape, dense) in per_layer.items():
+      slots[f"blk.{i}.{name}.weight"] = TensorSlot(path, shape, dense, i)
     if c.qkv_bias:
       for name in ("attn_q", "attn_k", "attn_v"):
         path = (layer, *_LAYER[name][0].split("/"), "bias")
-        slots[f"blk.{i}.{name}.bias"] = TensorSlot(path, shapes[name][:1], False)
+        slots[f"blk.{i}.{name}.bias"] = TensorSlot(path, shapes[name][:1], False, i)
   slots["output_norm.weight"] = TensorSlot(("norm", "scale"), (c.dim,), False)
   if not c.tied_embeddings:
     slots["output.weight"] = TensorSlot(("lm_head", "kernel"), (c.vocab, c.dim), True)

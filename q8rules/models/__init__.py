@@ -1,5 +1,9 @@
-"""Small built-in Flax models, written as any Flax user would (no quantization in them)."""
+"""The one built-in model: a config-driven decoder in plain Flax, with no quantization in it.
 
-from q8rules.models.llama import Decoder, DecoderConfig, init_cache
+`Transformer(TransformerConfig(...))` is what the demo, the README, the notebooks and
+`q8rules.llm.load_gguf` run; `qwix.quantize_model` with `q8rules.Q8Rule`s quantizes it.
+"""
 
-__all__ = ["Decoder", "DecoderConfig", "init_cache"]
+from q8rules.models.transformer import Cache, Transformer, TransformerConfig, init_cache
+
+__all__ = ["Cache", "Transformer", "TransformerConfig", "init_cache"]

@@ -1,7 +1,12 @@
-"""A decoder-only transformer in the shape of llama.cpp's `llama` and `qwen2` archs.
+"""The one decoder: a config-driven, llama.cpp-shaped transformer in plain Flax linen.
 
-What `q8rules.llm.load_gguf` builds from a GGUF file, written as a plain Flax
-linen module. Beyond the demo decoder (`q8rules.models.llama`) it has:
+It is the model the demo, the README, the notebooks and `q8rules.llm.load_gguf`
+run. Nothing in it knows about quantization: its weights are `nn.Dense` kernels
+(in, out) and one embedding table, and `qwix.quantize_model` with
+`q8rules.Q8Rule`s serves them as Q8_0 (the table too: its lookup and, with tied
+embeddings, the output projection read the same Q8_0 values).
+
+What the archs differ in is a config field:
 
   * grouped-query attention: `kv_heads` key/value heads, each shared by
     `heads // kv_heads` query heads;
@@ -14,16 +19,18 @@ linen module. Beyond the demo decoder (`q8rules.models.llama`) it has:
       - 'halves' (ggml's NEOX mode, arch `qwen2`): rotates (x[i], x[i + H/2]);
     the angle of pair i at position p is `p * scale * base**(-2i/H) / f_i`
     (`scale` = 1 / linear factor, `f_i` from a `rope_freqs` table when the
-    file has one, as Llama 3.1's);
+    model has one, as Llama 3.1's);
   * biases on q, k, v (`qkv_bias`, qwen2);
-  * an embedding table stored as GGUF stores `token_embd` read in kernel
-    layout, (dim, vocab), which may be a `Q8Array`: a lookup dequantizes only
-    the looked-up columns, and with tied embeddings the same table is the
-    output projection (no second copy).
+  * tied embeddings: the table (dim, vocab), GGUF's `token_embd` in kernel
+    layout, is the output projection too (one param, no second copy).
 
-Products: q, k, v, o, gate, up, down and lm_head are `nn.Dense` (kernels
-(in, out)), so `qwix.quantize_model` with `q8rules.Q8Rule`s serves them as
-Q8_0; attention scores and values are products of activations.
+Layers run under `nn.scan` over stacked params (`scan_layers=True`, the
+default: one layer is traced, whatever the depth) or unrolled
+(`layers_0`, `layers_1`, ...). Either way the KV cache is one pair of arrays
+(layers, batch, length, kv_heads, head_dim), updated in place at `pos`.
+
+Shapes: tokens (B, T) int32 -> logits (B, T, vocab) float32. Activations run in
+`dtype`; norms, RoPE and softmax in float32.
 """
 
 from __future__ import annotations
@@ -35,10 +42,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels import q8_matmul
-from q8rules.q8_0 import BLOCK, Q8Array
+Cache = tuple[jax.Array, jax.Array]
+"""(k, v), each (layers, batch, length, kv_heads, head_dim) in the config's dtype."""
 
-Cache = tuple[tuple[jax.Array, jax.Array], ...]
 RopeStyle = Literal["interleaved", "halves"]
 
 
@@ -47,8 +53,8 @@ class TransformerConfig:
   """Hyperparameters, in llama.cpp's terms where it has them.
 
   Attributes:
-    arch: 'llama' or 'qwen2' (GGUF `general.architecture`).
-    vocab: tokens in the vocabulary (rows of `token_embd`).
+    arch: the GGUF `general.architecture` this config mirrors ('llama', 'qwen2').
+    vocab: tokens in the vocabulary (columns of the embedding table).
     dim: embedding length.
     layers: blocks.
     heads: query heads.
@@ -62,10 +68,11 @@ class TransformerConfig:
     rope_freq_factors: the model has a `rope_freqs` param (head_dim / 2,)
       dividing each pair's frequency.
     norm_eps: RMSNorm epsilon.
-    context_length: the training context (informative; the cache sets the
-      usable length).
+    context_length: the longest cache `init_cache` may be asked for.
     tied_embeddings: the output projection is the embedding table.
     qkv_bias: q, k and v have biases.
+    scan_layers: run the blocks under `nn.scan` (params stacked along a
+      leading layer axis, under 'layers') instead of unrolled ('layers_i').
     dtype: activation dtype (float32 or bfloat16); softmax and norms run in
       float32, logits come back float32.
   """
@@ -87,7 +94,18 @@ class TransformerConfig:
   context_length: int = 2048
   tied_embeddings: bool = False
   qkv_bias: bool = False
+  scan_layers: bool = True
   dtype: Any = jnp.float32
+
+  def __post_init__(self) -> None:
+    if self.heads % self.kv_heads:
+      raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
+    if self.rope_style not in ("interleaved", "halves"):
+      raise ValueError(f"rope_style must be 'interleaved' or 'halves', got {self.rope_style!r}")
+    if self.rope_scaling not in (None, "linear"):
+      raise ValueError(f"rope_scaling must be None or 'linear', got {self.rope_scaling!r}")
 
 
 def rope_angles(config: TransformerConfig, positions: jax.Array, freq_factors: Any) -> jax.Array:
@@ -109,12 +127,10 @@ def apply_rope(x: jax.Array, angles: jax.Array, style: RopeStyle) -> jax.Array:
   if style == "interleaved":
     x0, x1 = xf[..., 0::2], xf[..., 1::2]
     out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)
-  elif style == "halves":
+  else:
     half = x.shape[-1] // 2
     x0, x1 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-  else:
-    raise ValueError(f"rope_style must be 'interleaved' or 'halves', got {style!r}")
   return out.astype(x.dtype)
 
 
@@ -136,11 +152,9 @@ class RMSNorm(nn.Module):
 class Embed(nn.Module):
   """Token embeddings, the table stored (dim, vocab): GGUF's `token_embd` in kernel layout.
 
-  The `table` param is a float array (dim, vocab) or a `Q8Array` (q (dim,
-  vocab) int8, scale (dim / 32, vocab), blocked along axis 0). `__call__`
-  looks up token ids (B, T) -> (B, T, dim) in `dtype`, dequantizing only the
-  looked-up columns; `attend` is x (B, T, dim) @ table -> (B, T, vocab)
-  float32 (the Q8_0 kernels for a Q8Array).
+  `__call__` looks token ids (B, T) up -> (B, T, dim) in `dtype` (`jnp.take` of
+  columns); `attend` is x (B, T, dim) @ table -> (B, T, vocab) float32, the
+  tied output projection.
   """
 
   vocab: int
@@ -153,24 +167,19 @@ class Embed(nn.Module):
     )
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    t = self.table
-    if isinstance(t, Q8Array):
-      q = jnp.take(t.q, ids, axis=1).astype(jnp.float32)  # (dim, B, T)
-      s = jnp.take(t.scale, ids, axis=1).astype(jnp.float32)  # (dim / 32, B, T)
-      cols = (q.reshape(self.dim // BLOCK, BLOCK, *ids.shape) * s[:, None]).reshape(q.shape)
-    else:
-      cols = jnp.take(jnp.asarray(t), ids, axis=1).astype(jnp.float32)
+    cols = jnp.take(self.table, ids, axis=1)  # (dim, B, T)
     return jnp.moveaxis(cols, 0, -1).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    t = self.table
-    if isinstance(t, Q8Array):
-      return q8_matmul(x, t, preferred_element_type=jnp.float32)
-    return jnp.dot(x, jnp.asarray(t).astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.dot(x, self.table, preferred_element_type=jnp.float32)
+
+
+def _dense(features: int, name: str, config: TransformerConfig, bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=config.dtype, name=name)
 
 
 class Attention(nn.Module):
-  """Causal GQA self-attention with RoPE over a KV cache (B, S, kv_heads, head_dim)."""
+  """Causal GQA self-attention with RoPE over one layer's slice of the KV cache."""
 
   config: TransformerConfig
 
@@ -178,33 +187,37 @@ class Attention(nn.Module):
   def __call__(
     self,
     x: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    cache: Cache,
+    layer: jax.Array | int,
     pos: jax.Array | int,
     freq_factors: Any,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  ) -> tuple[jax.Array, Cache]:
+    """x (B, T, dim), the whole cache, this block's layer index, the position of x[:, 0]."""
     c = self.config
     b, t, _ = x.shape
-    dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=c.dtype, name=name)  # noqa: E731
-    q = dense(c.heads * c.head_dim, "q", c.qkv_bias)(x).reshape(b, t, c.heads, c.head_dim)
-    k = dense(c.kv_heads * c.head_dim, "k", c.qkv_bias)(x).reshape(b, t, c.kv_heads, c.head_dim)
-    v = dense(c.kv_heads * c.head_dim, "v", c.qkv_bias)(x).reshape(b, t, c.kv_heads, c.head_dim)
+    q = _dense(c.heads * c.head_dim, "q", c, c.qkv_bias)(x).reshape(b, t, c.heads, c.head_dim)
+    k = _dense(c.kv_heads * c.head_dim, "k", c, c.qkv_bias)(x).reshape(b, t, c.kv_heads, -1)
+    v = _dense(c.kv_heads * c.head_dim, "v", c, c.qkv_bias)(x).reshape(b, t, c.kv_heads, -1)
     positions = pos + jnp.arange(t)
     angles = rope_angles(c, positions, freq_factors)
     q = apply_rope(q, angles, c.rope_style)
     k = apply_rope(k, angles, c.rope_style)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
+    cache_k, cache_v = cache
+    at = (layer, 0, pos, 0, 0)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype)[None], at)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype)[None], at)
+    keys = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # (B, S, KV, H)
+    values = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
     group = c.heads // c.kv_heads
     qg = q.reshape(b, t, c.kv_heads, group, c.head_dim).astype(jnp.float32)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, cache_k.astype(jnp.float32))
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, keys.astype(jnp.float32))
     scores = scores * (1.0 / float(c.head_dim) ** 0.5)
-    visible = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]  # (T, S)
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # (T, S)
     scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, cache_v.astype(jnp.float32))
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
     out = out.reshape(b, t, c.heads * c.head_dim).astype(c.dtype)
-    return dense(c.dim, "o", False)(out), cache_k, cache_v
+    return _dense(c.dim, "o", c)(out), (cache_k, cache_v)
 
 
 class Mlp(nn.Module):
@@ -215,27 +228,35 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    gate = nn.Dense(c.ffn, use_bias=False, dtype=c.dtype, name="gate")(x)
-    up = nn.Dense(c.ffn, use_bias=False, dtype=c.dtype, name="up")(x)
-    return nn.Dense(c.dim, use_bias=False, dtype=c.dtype, name="down")(nn.silu(gate) * up)
+    gate, up = _dense(c.ffn, "gate", c)(x), _dense(c.ffn, "up", c)(x)
+    return _dense(c.dim, "down", c)(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
+  """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)).
+
+  Called as `nn.scan` calls it: `(carry, layer, pos, freq_factors) -> (carry, None)`
+  with carry = (x, cache).
+  """
+
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, cache_k, cache_v, pos, freq_factors):
+  def __call__(
+    self, carry: tuple[jax.Array, Cache], layer: jax.Array | int, pos: Any, freq_factors: Any
+  ) -> tuple[tuple[jax.Array, Cache], None]:
     c = self.config
-    h, cache_k, cache_v = Attention(c, name="attn")(
-      RMSNorm(c.dim, c.norm_eps, c.dtype, name="attn_norm")(x), cache_k, cache_v, pos, freq_factors
+    x, cache = carry
+    h, cache = Attention(c, name="attn")(
+      RMSNorm(c.dim, c.norm_eps, c.dtype, name="attn_norm")(x), cache, layer, pos, freq_factors
     )
     x = x + h
     x = x + Mlp(c, name="mlp")(RMSNorm(c.dim, c.norm_eps, c.dtype, name="mlp_norm")(x))
-    return x, cache_k, cache_v
+    return (x, cache), None
 
 
 class Transformer(nn.Module):
-  """tokens (B, T) int32, cache, pos -> logits (B, T, vocab) float32, new cache.
+  """tokens (B, T) int32, cache, pos -> logits (B, T, vocab) float32, the updated cache.
 
   `pos` is the position of tokens[:, 0]; the cache holds positions [0, pos)
   already and gets [pos, pos + T) written.
@@ -248,28 +269,71 @@ class Transformer(nn.Module):
     self, tokens: jax.Array, cache: Cache, pos: jax.Array | int = 0
   ) -> tuple[jax.Array, Cache]:
     c = self.config
-    if c.heads % c.kv_heads or c.head_dim % 2:
-      raise ValueError(f"heads {c.heads} not a multiple of kv_heads {c.kv_heads}, or odd head_dim")
+    check_cache(c, cache, tokens.shape[0])
     freq_factors = None
     if c.rope_freq_factors:
       freq_factors = self.param("rope_freqs", nn.initializers.ones, (c.head_dim // 2,))
     embed = Embed(c.vocab, c.dim, c.dtype, name="embed")
-    x = embed(tokens)
-    new_cache = []
-    for i, (ck, cv) in enumerate(cache):
-      x, ck, cv = Block(c, name=f"layers_{i}")(x, ck, cv, pos, freq_factors)
-      new_cache.append((ck, cv))
+    carry = (embed(tokens), cache)
+    if c.scan_layers:
+      blocks = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast),
+        length=c.layers,
+      )(c, name="layers")
+      carry, _ = blocks(carry, jnp.arange(c.layers), pos, freq_factors)
+    else:
+      for i in range(c.layers):
+        carry, _ = Block(c, name=f"layers_{i}")(carry, i, pos, freq_factors)
+    x, cache = carry
     x = RMSNorm(c.dim, c.norm_eps, c.dtype, name="norm")(x)
     if c.tied_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(c.vocab, use_bias=False, dtype=c.dtype, name="lm_head")(x)
-    return logits.astype(jnp.float32), tuple(new_cache)
+      logits = _dense(c.vocab, "lm_head", c)(x)
+    return logits.astype(jnp.float32), cache
 
 
 def init_cache(config: TransformerConfig, length: int, batch: int = 1) -> Cache:
-  """An empty KV cache: per layer (k, v), each (batch, length, kv_heads, head_dim) in dtype."""
-  shape = (batch, length, config.kv_heads, config.head_dim)
-  return tuple(
-    (jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)) for _ in range(config.layers)
-  )
+  """An empty KV cache: (k, v), each (layers, batch, length, kv_heads, head_dim) in dtype."""
+  if length > config.context_length:
+    raise ValueError(
+      f"a cache of {length} positions exceeds context_length {config.context_length}"
+    )
+  shape = (config.layers, batch, length, config.kv_heads, config.head_dim)
+  return jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)
+
+
+def check_cache(config: TransformerConfig, cache: Any, batch: int) -> None:
+  """Raise a clear error unless `cache` is an `init_cache(config, length, batch)` pair."""
+  c = config
+  want = (c.layers, batch, None, c.kv_heads, c.head_dim)
+  pair = isinstance(cache, tuple | list) and len(cache) == 2
+  shapes = [tuple(a.shape) for a in cache] if pair else []
+  if not pair or any(
+    len(s) != 5 or any(w is not None and w != d for w, d in zip(want, s, strict=True))
+    for s in shapes
+  ):
+    raise ValueError(
+      f"the KV cache must be (k, v), each (layers={c.layers}, batch={batch}, length,"
+      f" kv_heads={c.kv_heads}, head_dim={c.head_dim}) as init_cache makes it; got"
+      f" {shapes or type(cache).__name__}"
+    )
+
+
+__all__ = [
+  "Attention",
+  "Block",
+  "Cache",
+  "Embed",
+  "Mlp",
+  "RMSNorm",
+  "Transformer",
+  "TransformerConfig",
+  "apply_rope",
+  "check_cache",
+  "init_cache",
+  "rope_angles",
+]

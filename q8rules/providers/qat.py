@@ -28,6 +28,7 @@ from q8rules.layout import (
   from_dot_general,
   from_einsum,
 )
+from q8rules.providers import lookup
 from q8rules.providers._common import RecordingProvider, jnp_dot_dimension_numbers, op_where
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
@@ -115,6 +116,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       "jax.lax.dot_general": self.dot_general,
       "jax.numpy.einsum": self.einsum,
       "jax.numpy.dot": self.dot,
+      "jax.numpy.take": self.take,
     }
 
   # ---- the intercepted ops -------------------------------------------------
@@ -193,6 +195,39 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       preferred_element_type=preferred_element_type,
       out_sharding=out_sharding,
     )
+
+  def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
+    """`jnp.take` from a matched table's Q8_0 round trip (what serving looks up; `lookup.py`)."""
+    rule, op_id = self._get_current_rule_and_op_id(lookup.OP)
+    if is_with_aux(a):
+      raise TypeError(
+        f"{op_where(op_id)}: got a Q8 (serving) table; Q8QatProvider trains float params"
+      )
+    matched = None
+    if not kwargs.keys() - {"mode"}:
+      matched = self._match_float_weight(
+        rule, op_id, a, lambda shape: lookup.lookup_layout(shape, axis)
+      )
+    if matched is None:
+      return jnp.take(a, indices, axis=axis, **kwargs)
+    _, layout = matched
+    scale_dtype = np.dtype(rule.scale_dtype)
+    rows = math.prod(jnp.shape(indices))
+    float_bytes, q8_bytes = lookup.lookup_bytes(
+      layout, rows, scale_dtype.itemsize, np.dtype(a.dtype).itemsize
+    )
+    self._record(
+      rule,
+      op_id,
+      FAKE_QUANT,
+      weight_shape=layout.shape,
+      m=rows,
+      k=layout.k,
+      n=layout.n,
+      float_bytes=float_bytes,
+      q8_bytes=q8_bytes,
+    )
+    return jnp.take(fake_quant_ste(a, layout, scale_dtype.name), indices, axis=axis, **kwargs)
 
   # ---- the fake quant ------------------------------------------------------
 

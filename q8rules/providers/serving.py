@@ -40,6 +40,7 @@ from q8rules.layout import (
   from_dot_general,
   from_einsum,
 )
+from q8rules.providers import lookup
 from q8rules.providers._common import RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
 from q8rules.q8_0 import Q8Array, checked_finite, quantize
@@ -89,7 +90,13 @@ class Q8Provider(RecordingProvider, PtqProvider):
   """
 
   SERVED = frozenset(
-    {"jax.lax.dot_general", "jax.numpy.dot", "jax.numpy.einsum", "jax.numpy.asarray"}
+    {
+      "jax.lax.dot_general",
+      "jax.numpy.dot",
+      "jax.numpy.einsum",
+      "jax.numpy.asarray",
+      "jax.numpy.take",
+    }
   )
   """The Qwix interceptions this provider serves (jnp.dot goes through dot_general)."""
 
@@ -107,7 +114,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
     """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
     `jax.lax.conv_general_dilated`) run float and recorded (path 'float', with a note)."""
-    intercepts = super().get_intercept_map()
+    intercepts = super().get_intercept_map() | {"jax.numpy.take": self.take}
     for name in intercepts:
       if name not in self.SERVED | self.PLUMBING:
         intercepts[name] = self._float_op(name)
@@ -201,6 +208,51 @@ class Q8Provider(RecordingProvider, PtqProvider):
       as_float,
       preferred_element_type,
     )
+
+  def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
+    """`jnp.take`: a lookup in a table a rule serves reads its Q8_0 values (`lookup.py`)."""
+    rule, op_id = self._get_current_rule_and_op_id(lookup.OP)
+    table = unbox(a)
+    if isinstance(table, WithAux) and isinstance(table.how, Q8How):
+      how, weight = table.how, table.array
+      try:
+        layout = lookup.lookup_layout(how.layout.shape, axis)
+        lookup.check_lookup_kwargs(kwargs)
+      except lookup.UnsupportedLookup as e:
+        raise ValueError(
+          f"{op_where(op_id)}: Q8 table used by a lookup it cannot serve: {e}"
+        ) from e
+      if layout != how.layout:
+        raise ValueError(
+          f"{op_where(op_id)}: the Q8 table was laid out as {how.layout} but this lookup"
+          f" needs {layout}"
+        )
+    elif not kwargs.keys() - {"mode"} and (
+      matched := self._match_float_weight(
+        rule, op_id, a, lambda shape: lookup.lookup_layout(shape, axis)
+      )
+    ):
+      name, layout = matched
+      how = Q8How(layout, np.dtype(rule.scale_dtype).name, np.dtype(a.dtype).name)
+      weight = create_quantized_param(name, a, how, _qarray_module=_Q8Quantizer).array
+    else:
+      return jnp.take(a, indices, axis=axis, **kwargs)
+    rows = math.prod(jnp.shape(indices))
+    float_bytes, q8_bytes = lookup.lookup_bytes(
+      layout, rows, np.dtype(weight.scale.dtype).itemsize, np.dtype(how.dtype).itemsize
+    )
+    self._record(
+      rule,
+      op_id,
+      lookup.PATH,
+      weight_shape=layout.shape,
+      m=rows,
+      k=layout.k,
+      n=layout.n,
+      float_bytes=float_bytes,
+      q8_bytes=q8_bytes,
+    )
+    return lookup.take_q8(weight, layout, indices, how.dtype, kwargs.get("mode"))
 
   def asarray(self, a, dtype=None, order=None, **kwargs):
     """Intercepts jnp.asarray so a Q8 weight passes through unchanged."""

@@ -1,0 +1,200 @@
+"""`load_gguf`: a llama.cpp GGUF file as the one `Transformer`, with its Q8_0 tensors as stored.
+
+Every Q8_0 tensor stays a `Q8Array` (int8 values, the file's float16 scales). The
+model is `q8rules.models.Transformer` quantized by one `q8rules.Q8Rule` that matches
+exactly the modules whose weight is Q8_0 in the file (the embedding table included:
+its lookup reads the looked-up columns' Q8_0 values and, with tied embeddings, the
+output projection reads the same values). F32 / F16 / BF16 tensors keep their dtype.
+
+Blocks run under `nn.scan` when each block tensor has one type across the layers
+(as llama.cpp's converter writes them): the per-layer tensors are stacked at load and
+one layer is traced. A file that mixes types across layers runs unrolled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+
+from q8rules.checkpoint import CheckpointError
+from q8rules.checkpoint import assign as ckpt_assign
+from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0
+from q8rules.checkpoint.gguf_split import open_gguf
+from q8rules.llm.config import config_from_metadata
+from q8rules.llm.model import GGUFModel, tp_specs
+from q8rules.llm.stacked import StackedTensors
+from q8rules.llm.tensors import TensorSlot, check_tensors, tensor_slots
+from q8rules.models.transformer import Transformer, TransformerConfig, init_cache
+from q8rules.providers import Q8Provider
+from q8rules.q8_0 import Q8Array
+from q8rules.rules import Q8Rule
+from q8rules.sharding import param_shardings
+
+
+def q8_rule(q8_paths: list[tuple[str, ...]]) -> Q8Rule:
+  """One rule matching exactly the modules that own the params at `q8_paths` (the module
+  path is the param path minus its leaf), with GGUF's float16 scales."""
+  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
+  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16)
+
+
+def uniform_across_layers(ckpt: Any, slots: Mapping[str, TensorSlot]) -> bool:
+  """Whether every block tensor has one GGUF type in all layers (so the blocks can be stacked)."""
+  types: dict[tuple[str, ...], set[Any]] = {}
+  for name, slot in slots.items():
+    if slot.layer is not None:
+      types.setdefault(slot.path[1:], set()).add(ckpt.tensor_type(name))
+  return all(len(t) == 1 for t in types.values())
+
+
+def _abstract_params(
+  model: nn.Module, config: TransformerConfig, tensors: StackedTensors, names: dict[str, Any]
+) -> Any:
+  """The param tree's shapes (`jax.eval_shape` of init: nothing allocated), each float leaf in
+  its file dtype."""
+  ids = jnp.zeros((1, 1), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.key(0), ids, init_cache(config, 1), 0)["params"]
+  by_path = {path: name for name, path in names.items()}
+
+  def file_dtype(path: tuple[Any, ...], leaf: Any) -> Any:
+    keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    name = by_path.get(keys)
+    if name is None or isinstance(leaf, Q8Array) or not isinstance(leaf, jax.ShapeDtypeStruct):
+      return leaf
+    spec = tensors.spec(name)
+    return leaf if isinstance(spec, Q8Array) else jax.ShapeDtypeStruct(leaf.shape, spec.dtype)
+
+  return jax.tree_util.tree_map_with_path(
+    file_dtype, params, is_leaf=lambda x: isinstance(x, Q8Array)
+  )
+
+
+def _place_on_mesh(abstract: Any, mesh: Any, config: TransformerConfig) -> Any:
+  """The abstract tree with each leaf carrying its NamedSharding under `tp_specs(config)`."""
+  shardings = param_shardings(abstract, mesh, tp_specs(config), strict=False)
+
+  def with_sharding(leaf: Any, s: Any) -> Any:
+    if isinstance(leaf, Q8Array):
+      return dataclasses.replace(
+        leaf,
+        q=jax.ShapeDtypeStruct(leaf.q.shape, leaf.q.dtype, sharding=s.q),
+        scale=jax.ShapeDtypeStruct(leaf.scale.shape, leaf.scale.dtype, sharding=s.scale),
+      )
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+
+  is_q8 = lambda x: isinstance(x, Q8Array)  # noqa: E731
+  return jax.tree_util.tree_map(with_sharding, abstract, shardings, is_leaf=is_q8)
+
+
+def _tokenizer(meta: Mapping[str, Any], path: str) -> Any:
+  """The file's tokenizer, or None with one warning saying why (the weights load either way)."""
+  if "tokenizer.ggml.model" not in meta:
+    warnings.warn(f"{path}: no tokenizer in the file; the model runs from token ids", stacklevel=3)
+    return None
+  from q8rules.llm.tokenizer import GGUFTokenizer
+
+  try:
+    return GGUFTokenizer.from_metadata(meta, path=path)
+  except (CheckpointError, ValueError, KeyError, TypeError) as e:
+    warnings.warn(
+      f"{path}: the tokenizer could not be built, so the model runs from token ids"
+      f" (.tokenizer is None): {e}",
+      stacklevel=3,
+    )
+    return None
+
+
+def load_gguf(
+  path: Any,
+  *,
+  dtype: Any = jnp.bfloat16,
+  mesh: Any = None,
+  dequantize_other: bool = False,
+  progress: bool | None = None,
+) -> GGUFModel:
+  """Load a llama.cpp GGUF model (arch `llama` or `qwen2`) to run in JAX.
+
+  Args:
+    path: the .gguf file, or the first part of a split set
+      (`name-00001-of-0000N.gguf`: all parts are opened).
+    dtype: activation dtype (bfloat16 or float32). Weights keep the file's
+      types: Q8_0 as Q8Arrays, F32 / F16 / BF16 as they are.
+    mesh: a `jax.sharding.Mesh` with an axis 'tp': each tensor goes from the
+      file straight to its shards (`TP_SPECS`: column-parallel q, k, v, gate,
+      up; row-parallel o, down; the rest replicated).
+    dequantize_other: load tensors of other quantized types (Q4_0, Q4_K, ...)
+      as float32, with a warning; by default they are refused.
+    progress: a tqdm bar over tensors (None: when stderr is a terminal).
+
+  Returns:
+    A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
+    file's tokenizer cannot be built: the weights never wait on the tokenizer.
+
+  Raises:
+    CheckpointError (naming the file and tensor; nothing is returned
+      half-loaded): unsupported arch or tensor type, a missing or unexpected
+      tensor, a shape that disagrees with the metadata, a truncated file, a
+      split set with a part missing.
+  """
+  ckpt = open_gguf(
+    path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
+  )
+  try:
+    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress)
+  finally:
+    ckpt.close()
+
+
+def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFModel:
+  meta = ckpt.metadata
+  shapes = {name: ckpt.gguf_shape(name) for name in ckpt}
+  embd = shapes.get("token_embd.weight")
+  if embd is None or len(embd) != 2:
+    raise CheckpointError(f"{ckpt.path}: tensor 'token_embd.weight' missing or not a matrix")
+  config = config_from_metadata(
+    meta,
+    path=str(ckpt.path),
+    vocab=embd[0],
+    tied_embeddings="output.weight" not in shapes,
+    rope_freq_factors="rope_freqs.weight" in shapes,
+    dtype=dtype,
+  )
+  check_tensors(ckpt.path, shapes, config)
+  if not uniform_across_layers(ckpt, tensor_slots(config)):
+    config = dataclasses.replace(config, scan_layers=False)
+  slots = tensor_slots(config)
+  other = [
+    f"{n!r}: {ckpt.tensor_type(n).name}"
+    for n in slots
+    if ckpt.tensor_type(n) != Q8_0 and ckpt.tensor_type(n) not in PLAIN_TYPES
+  ]
+  if other:
+    warnings.warn(
+      f"{ckpt.path}: {len(other)} tensor(s) of other quantized types are loaded as float32"
+      f" (dequantize_other=True): {', '.join(other[:8])}{' ...' if len(other) > 8 else ''}",
+      stacklevel=3,
+    )
+  q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
+  model: nn.Module = Transformer(config)
+  if q8_paths:
+    model = qwix.quantize_model(model, Q8Provider([q8_rule(q8_paths)]))
+  tensors = StackedTensors(ckpt, slots)
+  names = tensors.name_map(slots)
+  abstract = _abstract_params(model, config, tensors, names)
+  if mesh is not None:
+    abstract = _place_on_mesh(abstract, mesh, config)
+  params = ckpt_assign.assign(abstract, tensors, names, progress=progress)
+  tokenizer = _tokenizer(meta, str(ckpt.path))
+  return GGUFModel(ckpt.path, config, model, params, meta, tokenizer, mesh)
+
+
+__all__ = ["load_gguf", "q8_rule", "uniform_across_layers"]
