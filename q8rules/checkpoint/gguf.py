@@ -64,8 +64,9 @@ import ml_dtypes
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValue, GGUFValueType
 
-from q8rules.checkpoint._common import CheckpointError, listing, progress_iter
+from q8rules.checkpoint._common import CheckpointError, progress_iter, spec_of
 from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.tree_paths import listing
 
 Q8_0 = GGMLQuantizationType.Q8_0
 BLOCK_BYTES = 2 + BLOCK
@@ -581,11 +582,6 @@ class _Plan:
   nbytes: int
 
 
-def _spec_of(tensors: Mapping[str, Any], name: str) -> Any:
-  spec = getattr(tensors, "spec", None)
-  return spec(name) if callable(spec) else tensors[name]
-
-
 def _plan(path: Path, name: str, value: Any, layout: Layout) -> _Plan:
   what = f"{path}: tensor {name!r}"
   if isinstance(value, Q8Array):
@@ -811,7 +807,7 @@ def save(
   plans, errors = [], []
   for name in tensors:
     try:
-      plans.append(_plan(path, name, _spec_of(tensors, name), layout))
+      plans.append(_plan(path, name, spec_of(tensors, name)[0], layout))
     except CheckpointError as e:
       errors.append(str(e))
   if errors:
