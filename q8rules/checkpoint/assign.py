@@ -3,7 +3,7 @@
     ckpt = q8rules.checkpoint.gguf.load("model.gguf")
     params = assign(q8_params, ckpt, {"blk.0.ffn_up.weight": ("params", "layers_0", "up", "kernel")})
 
-Param paths follow `q8rules.checkpoint._common`: a tuple of str, one per dict
+Param paths follow `q8rules.tree_paths`: a tuple of str, one per dict
 key (or list index, or attribute name) from the root of the tree you pass,
 with the wrapper attributes `array` (qwix's `WithAux`) and `value` (Flax's
 boxed params) skipped. The Q8Array at
@@ -24,14 +24,13 @@ import numpy as np
 
 from q8rules.checkpoint._common import (
   CheckpointError,
-  ParamPath,
   flatten_params,
-  format_path,
-  listing,
   progress_iter,
   shape_dtype,
+  spec_of,
 )
 from q8rules.q8_0 import Q8Array
+from q8rules.tree_paths import ParamPath, listing, path_str
 
 NameMap = Mapping[str, "Sequence[str] | str"] | Callable[[str], "Sequence[str] | str | None"]
 """GGUF (or checkpoint) name -> param path; a callable may return None to skip a tensor."""
@@ -50,15 +49,6 @@ def _describe(x: Any) -> str:
     return f"Q8Array(q {q} {qd.name}, scale {s} {sd.name}, axis {x.axis % max(len(q), 1)})"
   shape, dtype = shape_dtype(x)
   return f"array {shape} {dtype.name}"
-
-
-def _spec(tensors: Mapping[str, Any], name: str) -> tuple[Any, Any]:
-  """(spec, value or None): a GGUFCheckpoint's spec without reading it, else the value."""
-  spec = getattr(tensors, "spec", None)
-  if callable(spec):
-    return spec(name), None
-  value = tensors[name]
-  return value, value
 
 
 def _mismatch(leaf: Any, spec: Any) -> str | None:
@@ -182,7 +172,7 @@ def assign(
   index: dict[ParamPath, int] = {}
   for i, (path, _) in enumerate(pairs):
     if path in index:
-      raise CheckpointError(f"two param leaves share the path {format_path(path)}")
+      raise CheckpointError(f"two param leaves share the path {path_str(path)}")
     index[path] = i
 
   problems: list[str] = []
@@ -198,20 +188,19 @@ def assign(
     path = _as_path(dest)
     i = index.get(path)
     if i is None:
-      problems.append(f"tensor {name!r} -> {format_path(path)}: no such param leaf")
+      problems.append(f"tensor {name!r} -> {path_str(path)}: no such param leaf")
       continue
     if i in claimed:
-      problems.append(f"tensors {claimed[i]!r} and {name!r} both go to {format_path(path)}")
+      problems.append(f"tensors {claimed[i]!r} and {name!r} both go to {path_str(path)}")
       continue
     claimed[i] = name
-    spec, value = _spec(tensors, name)
+    spec, value = spec_of(tensors, name)
     if value is not None:
       cached[name] = value
     why = _mismatch(pairs[i][1], spec)
     if why is not None:
       problems.append(
-        f"tensor {name!r} ({_describe(spec)}) -> {format_path(path)}"
-        f" ({_describe(pairs[i][1])}): {why}"
+        f"tensor {name!r} ({_describe(spec)}) -> {path_str(path)} ({_describe(pairs[i][1])}): {why}"
       )
       continue
     targets[i] = name
@@ -222,7 +211,7 @@ def assign(
         problems.append(
           f"{len(absent)} name(s) in the name map are not among the tensors:\n{listing(absent)}"
         )
-    missing = [format_path(p) for i, (p, _) in enumerate(pairs) if i not in claimed]
+    missing = [path_str(p) for i, (p, _) in enumerate(pairs) if i not in claimed]
     if missing:
       problems.append(f"{len(missing)} param leaf(s) get no tensor:\n{listing(missing)}")
     if left_over:
@@ -238,7 +227,7 @@ def assign(
   for i, name in progress_iter(
     list(targets.items()), total=len(targets), desc="assigning", progress=progress
   ):
-    what = f"tensor {name!r} -> {format_path(pairs[i][0])}"
+    what = f"tensor {name!r} -> {path_str(pairs[i][0])}"
     value = cached.pop(name) if name in cached else tensors[name]
     got = _mismatch(pairs[i][1], value)  # what was read must match what was announced
     if got is not None:

@@ -12,7 +12,7 @@ one tensor per array, named by its dotted path:
     `{"version": 1, "q8": {"layers_0.mlp.kernel": {"axis": 0, "dtype": "float32"}}}`.
 
 qwix `WithAux` and Flax boxed leaves are written without their wrapper (the
-param path convention of `q8rules.checkpoint._common` skips `.array` and
+param path convention of `q8rules.tree_paths` skips `.array` and
 `.value`); `load(path)` gives plain dicts, and `load(path, like=abstract_params)`
 puts them back into the model's param tree, wrappers included, ready for
 `apply` (`assign(like, assign.flatten(tree), lambda n: n)`, every shape checked).
@@ -38,13 +38,9 @@ import safetensors
 import safetensors.numpy
 
 from q8rules.checkpoint import assign as _assign
-from q8rules.checkpoint._common import (
-  WRAPPER_ATTRS,
-  CheckpointError,
-  is_q8,
-  progress_iter,
-)
+from q8rules.checkpoint._common import CheckpointError, is_q8, progress_iter
 from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.tree_paths import WRAPPER_ATTRS
 
 META_KEY = "__q8rules__"
 """Header metadata key of the Q8Arrays' static fields (JSON)."""

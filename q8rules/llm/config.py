@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from q8rules.checkpoint._common import CheckpointError
+from q8rules.checkpoint import CheckpointError
 from q8rules.models.transformer import TransformerConfig
 
 SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {

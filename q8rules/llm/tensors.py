@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from q8rules.checkpoint._common import CheckpointError, listing
+from q8rules.checkpoint import CheckpointError
 from q8rules.models.transformer import TransformerConfig
+from q8rules.tree_paths import listing
 
 
 class TensorSlot(NamedTuple):

@@ -1,0 +1,370 @@
+"""Reading: `load(path) -> GGUFCheckpoint`, a lazy mapping of a GGUF file's tensors.
+
+Q8_0 tensors are repacked into `Q8Array`s without dequantising: `q` and the
+float16 scales are copied out of the file's 34-byte blocks as they are. The
+layouts and tensor types are described in `q8rules.checkpoint.gguf`.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap as mmap_lib
+import os
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf as gguf_lib
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValue
+
+from q8rules.checkpoint._common import CheckpointError, progress_iter
+from q8rules.checkpoint.gguf.header import open_reader
+from q8rules.checkpoint.gguf.layouts import (
+  PLAIN_TYPES,
+  Q8_0,
+  Layout,
+  block_dtype,
+  check_layout,
+  check_scale_dtype,
+  dequantizable,
+  q8_shapes,
+  swap_last,
+)
+from q8rules.checkpoint.gguf.metadata import read_fields
+from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.tree_paths import listing
+
+
+class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
+  """Every tensor of a GGUF file by its GGUF name, repacked lazily when asked for.
+
+  The file is memory-mapped (by `gguf.GGUFReader`); opening reads only its
+  header, and `ckpt[name]` reads and repacks that one tensor, each time it is
+  asked for (nothing is cached: a file larger than memory can be walked
+  tensor by tensor). `repacked` counts the tensors materialised so far.
+
+  Values (see `q8rules.checkpoint.gguf` for layouts): a Q8_0 tensor is a
+  `Q8Array` (`q` int8, `scale` float16 or float32, numpy); any other tensor
+  a numpy array. Iteration follows the file's tensor order.
+
+  Attributes:
+    path: the file.
+    layout: 'kernel' or 'gguf'.
+    scale_dtype: float16 or float32, of Q8Array scales.
+    dtype: the static `dtype` of the Q8Arrays (what `dequantize` gives).
+    dequantize_other: whether other quantized types come back as float32.
+    progress: default of `load_all`'s progress bar (None: auto).
+    repacked: Counter of the tensor names materialised so far.
+  """
+
+  def __init__(
+    self,
+    path: Path,
+    reader: gguf_lib.GGUFReader,
+    *,
+    scale_dtype: np.dtype,
+    dequantize_other: bool,
+    layout: Layout,
+    dtype: np.dtype,
+    progress: bool | None,
+  ):
+    self.path = path
+    self.layout = layout
+    self.scale_dtype = scale_dtype
+    self.dtype = dtype
+    self.dequantize_other = dequantize_other
+    self.progress = progress
+    self.repacked: Counter[str] = Counter()
+    self._reader: gguf_lib.GGUFReader | None = reader
+    self._tensors = {t.name: t for t in reader.tensors}
+    self._byteorder = ">" if reader.endianess == gguf_lib.GGUFEndian.BIG else "<"
+    self._check_types()
+
+  def _check_types(self) -> None:
+    bad = []
+    for name, t in self._tensors.items():
+      qtype = t.tensor_type
+      if qtype == Q8_0 or qtype in PLAIN_TYPES:
+        continue
+      if not self.dequantize_other:
+        bad.append(f"{name!r}: {qtype.name}")
+      elif not dequantizable(qtype):
+        bad.append(f"{name!r}: {qtype.name} (gguf.quants cannot dequantize it)")
+    if bad:
+      hint = "" if self.dequantize_other else " (dequantize_other=True loads them as float32)"
+      raise CheckpointError(
+        f"{self.path}: {len(bad)} tensor(s) of types other than Q8_0, F32, F16, BF16,"
+        f" F64 and I8..I64{hint}:\n{listing(bad)}"
+      )
+
+  # ---- metadata ----
+
+  @functools.cached_property
+  def _fields(self) -> tuple[dict[str, Any], dict[str, GGUFValue]]:
+    return read_fields(self._live())
+
+  @property
+  def metadata(self) -> dict[str, Any]:
+    """The file's key-value fields as Python values (str, int, float, bool, lists).
+
+    E.g. `{'general.architecture': 'llama', 'llama.block_count': 32, ...}`;
+    the reader's `GGUF.*` pseudo-fields (version, counts) are left out.
+    """
+    return dict(self._fields[0])
+
+  @property
+  def typed_metadata(self) -> dict[str, GGUFValue]:
+    """The fields as `gguf.GGUFValue(value, type, sub_type)`: what `save` needs to write
+    them back with the same GGUF types (`save(..., metadata=ckpt.typed_metadata)`)."""
+    return dict(self._fields[1])
+
+  @property
+  def arch(self) -> str | None:
+    """`general.architecture`, e.g. 'llama' (None if the file has none)."""
+    return self._fields[0].get("general.architecture")
+
+  # ---- tensors ----
+
+  def _live(self) -> gguf_lib.GGUFReader:
+    if self._reader is None:
+      raise CheckpointError(f"{self.path}: the checkpoint is closed")
+    return self._reader
+
+  def _info(self, name: str) -> gguf_lib.ReaderTensor:
+    self._live()
+    try:
+      return self._tensors[name]
+    except KeyError:
+      raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._tensors)
+
+  def __len__(self) -> int:
+    return len(self._tensors)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._tensors
+
+  def tensor_type(self, name: str) -> GGMLQuantizationType:
+    """The tensor's GGUF type, e.g. `GGMLQuantizationType.Q8_0`."""
+    return self._info(name).tensor_type
+
+  def gguf_shape(self, name: str) -> tuple[int, ...]:
+    """The tensor's shape in numpy order as GGUFReader gives it (ggml's `ne` reversed)."""
+    return tuple(int(d) for d in reversed(self._info(name).shape.tolist()))
+
+  def raw(self, name: str) -> np.ndarray:
+    """The reader's view of the tensor's bytes in the file (uint8 blocks for quantized
+    types), valid while the checkpoint is open. For inspection; nothing is copied."""
+    return self._info(name).data
+
+  def release(self, name: str) -> None:
+    """Drop the file pages of tensor `name` from this process's memory (`madvise(DONTNEED)`
+    on the mapping; the page cache keeps them). Reading the tensor again maps them back.
+    Loading a file tensor by tensor and releasing each keeps peak memory near the size
+    of what was loaded instead of twice it. A no-op where mmap.madvise is unavailable."""
+    data = self._live().data
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap_lib, "MADV_DONTNEED"):
+      return
+    raw = self._info(name).data
+    start = raw.ctypes.data - data.ctypes.data + int(data.offset) % mmap_lib.ALLOCATIONGRANULARITY
+    page = mmap_lib.PAGESIZE
+    first = -(-start // page) * page  # whole pages inside the tensor only
+    end = (start + raw.nbytes) // page * page
+    if end > first:
+      mm.madvise(mmap_lib.MADV_DONTNEED, first, end - first)
+
+  def spec(self, name: str, *, layout: Layout | None = None) -> Q8Array | jax.ShapeDtypeStruct:
+    """Shape and dtype of `self[name]` without reading it.
+
+    Returns a `Q8Array` whose `q` and `scale` are `jax.ShapeDtypeStruct`s for a
+    Q8_0 tensor, else a `jax.ShapeDtypeStruct`.
+    """
+    layout = layout or self.layout
+    check_layout(layout)
+    t = self._info(name)
+    shape = self.gguf_shape(name)
+    if t.tensor_type == Q8_0:
+      q_shape, scale_shape, axis = q8_shapes(shape, layout)
+      return Q8Array(
+        q=jax.ShapeDtypeStruct(q_shape, np.int8),
+        scale=jax.ShapeDtypeStruct(scale_shape, self.scale_dtype),
+        axis=axis,
+        dtype=self.dtype,
+      )
+    dtype = PLAIN_TYPES.get(t.tensor_type, np.dtype(np.float32))
+    return jax.ShapeDtypeStruct(swap_last(shape) if layout == "kernel" else shape, dtype)
+
+  def __getitem__(self, name: str) -> Q8Array | np.ndarray:
+    return self.get_tensor(name)
+
+  def get_tensor(self, name: str, *, layout: Layout | None = None) -> Q8Array | np.ndarray:
+    """Read and repack one tensor (`self[name]`), optionally in another layout."""
+    layout = layout or self.layout
+    check_layout(layout)
+    t = self._info(name)
+    shape = self.gguf_shape(name)
+    try:
+      value = self._repack(t, shape, layout)
+    except CheckpointError:
+      raise
+    except Exception as e:
+      raise CheckpointError(
+        f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}): cannot read it:"
+        f" {type(e).__name__}: {e}"
+      ) from e
+    self.repacked[name] += 1
+    return value
+
+  def _repack(
+    self, t: gguf_lib.ReaderTensor, shape: tuple[int, ...], layout: Layout
+  ) -> Q8Array | np.ndarray:
+    qtype = t.tensor_type
+    if qtype == Q8_0:
+      return _repack_q8(t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype)
+    if qtype == GGMLQuantizationType.BF16:
+      bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
+      arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
+    elif qtype in PLAIN_TYPES:
+      arr = t.data.reshape(shape)
+    elif self.dequantize_other:
+      arr = np.asarray(gguf_lib.quants.dequantize(t.data, qtype), np.float32).reshape(shape)
+    else:  # refused when the file was opened; kept for safety
+      raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {qtype.name}")
+    return _owned(arr, layout)
+
+  def load_all(self, *, progress: bool | None = None) -> dict[str, Q8Array | np.ndarray]:
+    """Every tensor, repacked now, in file order (a tqdm bar when `progress`; None:
+    this checkpoint's `progress`, and auto when that is None too)."""
+    progress = self.progress if progress is None else progress
+    names = progress_iter(
+      self, total=len(self), desc=f"loading {self.path.name}", progress=progress
+    )
+    return {name: self[name] for name in names}
+
+  def close(self) -> None:
+    """Drop the file mapping (it is unmapped once no reader view is left). Arrays already
+    returned stay valid: they are copies."""
+    self._reader = None
+    self._tensors = {}
+    self.__dict__.pop("_fields", None)
+
+  def __enter__(self) -> GGUFCheckpoint:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return f"GGUFCheckpoint({str(self.path)!r}, {len(self)} tensors, layout={self.layout!r})"
+
+
+@jax.jit
+def _transpose_last_two(a: jax.Array) -> jax.Array:
+  """(..., R, C) -> (..., C, R) on the default device."""
+  return jnp.swapaxes(a, -1, -2)
+
+
+def _repack_q8(
+  data: np.ndarray,
+  shape: tuple[int, ...],
+  byteorder: str,
+  scale_dtype: np.dtype,
+  layout: Layout,
+  dtype: np.dtype,
+) -> Q8Array:
+  """34-byte blocks (the file's bytes) into a Q8Array, one copy each of q and d.
+
+  data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`.
+  """
+  rows, n_in = shape[:-1], shape[-1]
+  nb = n_in // BLOCK
+  blocks = data.reshape(-1).view(block_dtype(byteorder))
+  qs = blocks["qs"].reshape(*rows, nb, BLOCK)  # views of the mapping
+  d = blocks["d"].reshape(*rows, nb)
+  q_shape, scale_shape, axis = q8_shapes(shape, layout)
+  if layout == "kernel" and len(shape) >= 2:
+    lead, n_out = rows[:-1], rows[-1]
+    # Gather the values row by row (32-byte runs), then transpose in XLA's tiled kernel:
+    # numpy's element-wise transposing copy of int8 runs at a fraction of memory speed.
+    rows_k = np.empty((*lead, n_out, nb * BLOCK), np.int8)
+    np.copyto(rows_k.reshape(*lead, n_out, nb, BLOCK), qs)
+    q = np.asarray(_transpose_last_two(rows_k))
+    del rows_k
+    scale = np.empty(scale_shape, scale_dtype)
+    np.copyto(scale, np.swapaxes(d, -1, -2))
+  else:
+    q = np.empty((*rows, nb, BLOCK), np.int8)
+    np.copyto(q, qs)
+    scale = np.empty(scale_shape, scale_dtype)
+    np.copyto(scale, d)
+  return Q8Array(q=q.reshape(q_shape), scale=scale, axis=axis, dtype=dtype)
+
+
+def _owned(arr: np.ndarray, layout: Layout) -> np.ndarray:
+  """A native-byte-order copy of `arr` (numpy order) in `layout`."""
+  native = arr.dtype.newbyteorder("=")
+  src = np.swapaxes(arr, -1, -2) if layout == "kernel" and arr.ndim >= 2 else arr
+  out = np.empty(src.shape, native)
+  np.copyto(out, src)
+  return out
+
+
+def load(
+  path: str | os.PathLike[str],
+  *,
+  scale_dtype: Any = np.float16,
+  dequantize_other: bool = False,
+  layout: Layout = "kernel",
+  dtype: Any = np.float32,
+  progress: bool | None = None,
+) -> GGUFCheckpoint:
+  """Open a GGUF file as a lazy `Mapping[str, Q8Array | np.ndarray]` of its tensors.
+
+  Only the header is read now; it is checked (magic, each tensor's bytes lie
+  where its shape and type say, inside the file; every type supported), so a
+  bad file fails here, with the file and tensor named. Each tensor is read
+  and repacked when asked for.
+
+  Args:
+    path: the .gguf file.
+    scale_dtype: float16 (GGUF's own, default) or float32 (the same values,
+      widened exactly) for Q8Array scales.
+    dequantize_other: load tensors of other quantized types (Q4_0, Q6_K, ...)
+      as float32 numpy arrays through `gguf.quants.dequantize`; by default they
+      are refused, each named with its type.
+    layout: 'kernel' (default): Q8 matrices as (K=n_in, N=n_out) blocked along
+      axis 0 and every tensor of rank >= 2 with its last two axes swapped;
+      'gguf': numpy order as GGUFReader reports it. See `q8rules.checkpoint.gguf`.
+    dtype: the static `dtype` of the Q8Arrays (what `q8rules.dequantize` gives;
+      GGUF does not record it).
+    progress: default of `load_all`'s tqdm bar (None: on when more than 16
+      tensors and stderr is a terminal).
+
+  Returns:
+    A `GGUFCheckpoint`; `.metadata` / `.typed_metadata` / `.arch` hold the
+    key-value fields. Values are numpy (host) arrays.
+
+  Raises:
+    CheckpointError: not a GGUF file, a truncated or corrupt file, a tensor
+      whose byte count does not match its shape, an unsupported tensor type.
+    FileNotFoundError: no such file.
+  """
+  check_layout(layout)
+  reader = open_reader(Path(path))
+  return GGUFCheckpoint(
+    Path(path),
+    reader,
+    scale_dtype=check_scale_dtype(scale_dtype),
+    dequantize_other=dequantize_other,
+    layout=layout,
+    dtype=np.dtype(dtype),
+    progress=progress,
+  )

@@ -1,0 +1,149 @@
+"""Split GGUF files (llama.cpp's `gguf-split`: `model-00001-of-00003.gguf`, ...) as one checkpoint.
+
+Each part is a GGUF file with the keys `split.no` (0-based), `split.count` and
+`split.tensors.count` (tensors in all parts); the first part carries the
+model's metadata. `open_gguf(first_part)` opens every part (headers only, as
+`load` does) and checks the set is whole before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from q8rules.checkpoint._common import CheckpointError
+from q8rules.checkpoint.gguf.read import GGUFCheckpoint, load
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+"""llama.cpp's split file names (`llama_split_prefix`)."""
+
+
+class GGUFSplitCheckpoint(Mapping[str, Any]):
+  """The tensors of all parts of a split GGUF file by name (a lazy Mapping, like
+  `GGUFCheckpoint`); metadata from the first part, without the `split.*` keys."""
+
+  def __init__(self, parts: list[GGUFCheckpoint]):
+    self.parts = parts
+    self.path = parts[0].path
+    self._owner: dict[str, GGUFCheckpoint] = {}
+    for part in parts:
+      for name in part:
+        if name in self._owner:
+          raise CheckpointError(f"{part.path}: tensor {name!r} is also in {self._owner[name].path}")
+        self._owner[name] = part
+
+  @property
+  def metadata(self) -> dict[str, Any]:
+    return {k: v for k, v in self.parts[0].metadata.items() if not k.startswith("split.")}
+
+  @property
+  def arch(self) -> str | None:
+    return self.parts[0].arch
+
+  def _part(self, name: str) -> GGUFCheckpoint:
+    try:
+      return self._owner[name]
+    except KeyError:
+      raise KeyError(f"{self.path}: no tensor {name!r} in its {len(self.parts)} parts") from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._owner)
+
+  def __len__(self) -> int:
+    return len(self._owner)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._owner
+
+  def __getitem__(self, name: str) -> Any:
+    return self._part(name)[name]
+
+  def get_tensor(self, name: str, **kw: Any) -> Any:
+    return self._part(name).get_tensor(name, **kw)
+
+  def spec(self, name: str, **kw: Any) -> Any:
+    return self._part(name).spec(name, **kw)
+
+  def tensor_type(self, name: str) -> Any:
+    return self._part(name).tensor_type(name)
+
+  def gguf_shape(self, name: str) -> tuple[int, ...]:
+    return self._part(name).gguf_shape(name)
+
+  def raw(self, name: str) -> Any:
+    return self._part(name).raw(name)
+
+  def release(self, name: str) -> None:
+    self._part(name).release(name)
+
+  def close(self) -> None:
+    for part in self.parts:
+      part.close()
+
+  def __enter__(self) -> GGUFSplitCheckpoint:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+def open_gguf(
+  path: str | os.PathLike[str], **load_kwargs: Any
+) -> GGUFCheckpoint | GGUFSplitCheckpoint:
+  """Open a GGUF file, or every part of a split one given its first part.
+
+  Args:
+    path: a .gguf file; for a split set, any file named `*-00001-of-0000N.gguf`
+      (or whose metadata has `split.count` > 1) opens all N parts.
+    **load_kwargs: passed to `load` for each part.
+
+  Raises:
+    CheckpointError: a part missing (named), a part whose `split.no` or
+      `split.count` disagrees with its name, a tensor in two parts, a tensor
+      count different from `split.tensors.count`.
+  """
+  path = Path(path)
+  first = load(path, **load_kwargs)
+  count = int(first.metadata.get("split.count", 1))
+  if count <= 1:
+    return first
+  m = SPLIT_NAME.match(path.name)
+  if m is None or int(m["count"]) != count:
+    first.close()
+    raise CheckpointError(
+      f"{path}: metadata says it is one of {count} split parts, but its name is not"
+      f" '<name>-NNNNN-of-{count:05d}.gguf'"
+    )
+  names = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+  absent = [str(p) for p in names if not p.exists()]
+  if absent:
+    first.close()
+    raise CheckpointError(
+      f"{path}: split GGUF of {count} parts, {len(absent)} part(s) missing: {', '.join(absent)}"
+    )
+  parts = []
+  try:
+    for i, p in enumerate(names):
+      part = first if p == path else load(p, **load_kwargs)
+      parts.append(part)
+      no, n = int(part.metadata.get("split.no", -1)), int(part.metadata.get("split.count", -1))
+      if no != i or n != count:
+        raise CheckpointError(
+          f"{p}: split.no {no} of split.count {n}, but it is part {i} of {count} by its name"
+        )
+    merged = GGUFSplitCheckpoint(parts)
+    total = first.metadata.get("split.tensors.count")
+    if total is not None and int(total) != len(merged):
+      raise CheckpointError(
+        f"{path}: split.tensors.count is {total}, but the {count} parts hold {len(merged)} tensors"
+      )
+    return merged
+  except BaseException:
+    for part in parts:
+      part.close()
+    if first not in parts:
+      first.close()
+    raise
