@@ -28,18 +28,13 @@ import q8rules
 from q8rules.layout import Q8How, WeightLayout
 from q8rules.providers.qat import fake_quant, fake_quant_ste
 from q8rules.providers.serving import quantize_weight
+from tests._utils import rel_err
 
 pytestmark = pytest.mark.usefixtures(
   "float32_matmuls"
 )  # float references: float32 on every backend
 
 F32 = np.float32
-
-
-def rel_err(out, ref) -> float:
-  """||out - ref|| / ||ref|| in float64."""
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def tree_rel_errs(out, ref) -> dict[str, float]:
