@@ -55,12 +55,12 @@ sys.path.insert(0, str(ROOT))
 import qwix  # noqa: E402
 
 import q8rules  # noqa: E402
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
 from benchmarks.shapes import SQUARE  # noqa: E402
 from q8rules.timing import median_time  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = markers("cpu")
 HEADING = "## CPU (native kernel and XLA path)"
 L3_BYTES = 32 << 20
 ROTATE_BYTES = 8 * L3_BYTES  # weights cycled through per timing: far past the L3
@@ -212,15 +212,12 @@ def table(records: list[dict]) -> str:
 
 
 def section(body: str, header: str, command: str, rounds: int, calls: int) -> str:
-  return "\n".join(
+  return results_md.section(
+    "cpu",
+    HEADING,
+    header,
+    command,
     [
-      START,
-      HEADING,
-      "",
-      header,
-      "",
-      f"Command: `{command}`",
-      "",
       f"Each time: the least of {rounds} medians of {calls} calls, one round after another"
       " over the whole grid. Calls rotate through weight copies totalling >= 8x the 32 MiB L3"
       " (each call reads its weight from DRAM); every call is waited for. Bytes: the weight as"
@@ -228,7 +225,6 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
       " scales) plus x and y. Speeds are time ratios (> 1: that row is faster). Each product"
       " reads its weight once, so the Q8_0 bytes set a floor of about"
       " K * N * 1.0625 / read-bandwidth.",
-      "",
       "Reading it: q8 cpu (`implementation='cpu'`, the C++ XLA FFI kernel) reads each int8"
       " weight once and converts it in registers, for all m rows at once: at m = 1 it reads"
       " the Q8_0 bytes at 25-28 GB/s, about half the best read bandwidth seen, and is then"
@@ -243,10 +239,8 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
       " at m = 1 whatever the bandwidth is; see `docs/design.md` for the alternatives"
       " measured. This VM's memory bandwidth moves between runs (28-55 GB/s measured by this script within"
       " an hour), which moves the dense rows by up to 1.5x.",
-      "",
       body,
-      END,
-    ]
+    ],
   )
 
 

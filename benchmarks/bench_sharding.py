@@ -28,10 +28,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 sys.path.insert(0, str(ROOT))
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
 from benchmarks.shapes import LLAMA3_8B  # noqa: E402
 
-START, END = markers("tp")
 HEADING = "## Tensor parallel (CPU)"
 DEVICES = (1, 2, 4, 8)
 K, N = LLAMA3_8B.shape("q")
@@ -113,15 +113,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def section(rows: list[dict[str, Any]], header: str, command: str) -> str:
   plain = rows[0].get("plain_ms")
-  return "\n".join(
+  return results_md.section(
+    "tp",
+    HEADING,
+    header,
+    command,
     [
-      START,
-      HEADING,
-      "",
-      header,
-      "",
-      f"Command: `{command}`",
-      "",
       f"Column-parallel `x (1, {K}) @ W ({K}, {N})`, W Q8_0 split along N (`P(None, 'tp')`),"
       " x replicated, `q8rules.sharding.q8_matmul_sharded` on the XLA path under `jax.jit`;"
       " each device count in its own process with that many forced host devices. Median of"
@@ -130,10 +127,8 @@ def section(rows: list[dict[str, Any]], header: str, command: str) -> str:
       " float32 scales of the device's columns), and every count matches the float64"
       " reference."
       + (f" One device without `shard_map` (`q8_matmul`): {plain:.2f} ms." if plain else ""),
-      "",
       table(rows),
-      END,
-    ]
+    ],
   )
 
 

@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import q8rules  # noqa: E402
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
 from benchmarks.shapes import CPU_MATMUL, SQUARE  # noqa: E402
 from q8rules.kernels import cpu_native as cpu  # noqa: E402
 from q8rules.timing import call_times, median_time  # noqa: E402
@@ -409,16 +410,12 @@ def main() -> None:
   if args.no_write:
     return
   command = " ".join(["python", "benchmarks/bench_vs_llamacpp.py", *sys.argv[1:]])
-  start, end = markers(args.section)
-  text = "\n".join(
+  text = results_md.section(
+    args.section,
+    f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
+    header + f" Load average at the end: {load_average()}.",
+    command,
     [
-      start,
-      f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
-      "",
-      header + f" Load average at the end: {load_average()}.",
-      "",
-      f"Command: `{command}`",
-      "",
       f"Each time: the least of {rounds} per-round medians of >= {args.calls} calls, the three"
       " paths interleaved cell by cell (the 'fastest call' columns: the quickest single call of"
       " all rounds, less sensitive to other processes on a shared machine); calls rotate through weight copies totalling >= 2x the"
@@ -430,13 +427,10 @@ def main() -> None:
       " the op: 8-bit activations, integer dot products), run by ggml's CPU backend through ctypes"
       " on the libggml inside llama_cpp. q8 cpu keeps x in float32 (the fold's numerics); the last"
       " column is |y_llama.cpp - y_q8cpu| / |y_q8cpu|, mostly llama.cpp's 8-bit activations.",
-      "",
       body,
-      "",
       "Model level (tokens/s, decode at batch 1 and 128-token prefill on one Q8_0 GGUF file):"
       " see the `gguf` section (`benchmarks/bench_gguf.py`).",
-      end,
-    ]
+    ],
   )
   write_section(args.section, text)
   print("wrote benchmarks/RESULTS.md")
