@@ -4,7 +4,8 @@
     python benchmarks/bench_cpu.py --quick    # K = N = 4096 only, fewer calls
     python benchmarks/bench_cpu.py --no-write # print the table, leave RESULTS.md alone
 
-For K = N in {4096, 8192}, m in {1, 8, 64} rows and float32 / bfloat16
+For K = N in {4096, 8192} (the q and o projections of Llama-3-8B and Llama-3-70B,
+`benchmarks/shapes.py`), m in {1, 8, 64} rows and float32 / bfloat16
 activations x (m, K), times `y = x @ W` five ways:
 
   dense f32    `jnp.dot` with a float32 weight (x cast to float32)
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,25 +55,17 @@ sys.path.insert(0, str(ROOT))
 import qwix  # noqa: E402
 
 import q8rules  # noqa: E402
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
+from benchmarks.shapes import SQUARE  # noqa: E402
+from q8rules.timing import median_time  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START, END = markers("cpu")
 HEADING = "## CPU (native kernel and XLA path)"
 L3_BYTES = 32 << 20
 ROTATE_BYTES = 8 * L3_BYTES  # weights cycled through per timing: far past the L3
 PATHS = ("dense f32", "dense bf16", "Qwix int8", "q8 xla", "q8 cpu")
-
-
-def median_ms(fn: Callable, x: jax.Array, weights: list, calls: int) -> float:
-  """Median milliseconds of `calls` calls `fn(x, w)` rotating through `weights`, each waited for."""
-  times = []
-  for i in range(max(calls, len(weights))):
-    w = weights[i % len(weights)]
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x, w))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
+SIZES = [k for k, n in SQUARE.values()]  # K = N
 
 
 def warm_up(x: jax.Array, weights: dict[str, list]) -> None:
@@ -95,13 +87,7 @@ def read_bandwidth(calls: int = 7) -> float:
   )
   best = 0.0
   for fn in readers:
-    jax.block_until_ready(fn(a))
-    times = []
-    for _ in range(calls):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(a))
-      times.append(time.perf_counter() - start)
-    best = max(best, (1 << 30) / float(np.median(times)) / 1e9)
+    best = max(best, (1 << 30) / median_time(fn, a, reps=calls) / 1e9)
   del a
   return best
 
@@ -170,7 +156,9 @@ def run(sizes: list[int], rows: list[int], calls: int, rounds: int) -> tuple[lis
       if r == 0:
         warm_up(xs[cell], weights[k])
       for path in PATHS:
-        ms = median_ms(FUNCTIONS[path], xs[cell], weights[k][path], calls)
+        copies = weights[k][path]  # warmed up in round 0 by `warm_up`
+        reps = max(calls, len(copies))
+        ms = 1e3 * median_time(FUNCTIONS[path], xs[cell], warmup=0, reps=reps, rotate=copies)
         best[cell, path] = min(best[cell, path], ms)
     print(f"round {r + 1}/{rounds} done", flush=True)
   # The machine's bandwidth drifts: take the best of the probes at the start and the end and of
@@ -224,15 +212,12 @@ def table(records: list[dict]) -> str:
 
 
 def section(body: str, header: str, command: str, rounds: int, calls: int) -> str:
-  return "\n".join(
+  return results_md.section(
+    "cpu",
+    HEADING,
+    header,
+    command,
     [
-      START,
-      HEADING,
-      "",
-      header,
-      "",
-      f"Command: `{command}`",
-      "",
       f"Each time: the least of {rounds} medians of {calls} calls, one round after another"
       " over the whole grid. Calls rotate through weight copies totalling >= 8x the 32 MiB L3"
       " (each call reads its weight from DRAM); every call is waited for. Bytes: the weight as"
@@ -240,7 +225,6 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
       " scales) plus x and y. Speeds are time ratios (> 1: that row is faster). Each product"
       " reads its weight once, so the Q8_0 bytes set a floor of about"
       " K * N * 1.0625 / read-bandwidth.",
-      "",
       "Reading it: q8 cpu (`implementation='cpu'`, the C++ XLA FFI kernel) reads each int8"
       " weight once and converts it in registers, for all m rows at once: at m = 1 it reads"
       " the Q8_0 bytes at 25-28 GB/s, about half the best read bandwidth seen, and is then"
@@ -255,10 +239,8 @@ def section(body: str, header: str, command: str, rounds: int, calls: int) -> st
       " at m = 1 whatever the bandwidth is; see `docs/design.md` for the alternatives"
       " measured. This VM's memory bandwidth moves between runs (28-55 GB/s measured by this script within"
       " an hour), which moves the dense rows by up to 1.5x.",
-      "",
       body,
-      END,
-    ]
+    ],
   )
 
 
@@ -270,7 +252,7 @@ def main() -> None:
   parser.add_argument("--sizes", type=int, nargs="+", default=None, help="K = N values")
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="m values")
   args = parser.parse_args()
-  sizes = args.sizes or ([4096] if args.quick else [4096, 8192])
+  sizes = args.sizes or (SIZES[:1] if args.quick else SIZES)
   calls = args.calls or (8 if args.quick else 10)
   rounds = 2 if args.quick else 4
   now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

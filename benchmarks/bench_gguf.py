@@ -4,8 +4,8 @@ and CPU decode tokens/s (llama.cpp's on the same file is measured by
 
     python benchmarks/bench_gguf.py [--file /tmp/bench-q8_0.gguf] [--llama-cpp-python /work/llamacpp-venv/bin/python]
 
-The file (22 layers, dim 2048, ffn 5632, 32 heads / 4 KV heads, the tiny test
-vocabulary) is written once with random Q8_0 blocks (random int8 values and
+The file (TinyLlama-1.1B's shapes, `benchmarks/shapes.py`: 22 layers, dim 2048, ffn 5632,
+32 heads / 4 KV heads; the tiny test vocabulary) is written once with random Q8_0 blocks (random int8 values and
 float16 scales: valid Q8_0 data, no float weights needed). Each measurement runs
 in a fresh interpreter. Prints a markdown table.
 """
@@ -28,8 +28,21 @@ import numpy as np
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks.shapes import TINYLLAMA_1B  # noqa: E402
 
-CFG = dict(layers=22, dim=2048, ffn=5632, heads=32, kv_heads=4)
+MODEL = TINYLLAMA_1B  # its vocabulary aside: the file takes the tiny test file's
+GGUF_NAMES = {
+  "attn_norm": None,
+  "q": "attn_q",
+  "k": "attn_k",
+  "v": "attn_v",
+  "o": "attn_output",
+  "ffn_norm": None,
+  "gate": "ffn_gate",
+  "up": "ffn_up",
+  "down": "ffn_down",
+}
+"""A block's tensors in file order: `benchmarks/shapes.py`'s layer -> GGUF name (None: a norm)."""
 
 
 def make_file(path: Path) -> None:
@@ -37,22 +50,14 @@ def make_file(path: Path) -> None:
 
   tiny = gguf.GGUFReader(ROOT / "tests/data/gguf_models/tiny-llama-q8_0.gguf")
   rng = np.random.default_rng(0)
-  d, hd = CFG["dim"], CFG["dim"] // CFG["heads"]
+  d, hd = MODEL.dim, MODEL.head_dim
   vocab = len(tiny.fields["tokenizer.ggml.tokens"].contents())
   shapes = {"token_embd.weight": (vocab, d)}
-  for i in range(CFG["layers"]):
-    p = f"blk.{i}."
-    shapes |= {
-      p + "attn_norm.weight": (d,),
-      p + "attn_q.weight": (d, d),
-      p + "attn_k.weight": (CFG["kv_heads"] * hd, d),
-      p + "attn_v.weight": (CFG["kv_heads"] * hd, d),
-      p + "attn_output.weight": (d, d),
-      p + "ffn_norm.weight": (d,),
-      p + "ffn_gate.weight": (CFG["ffn"], d),
-      p + "ffn_up.weight": (CFG["ffn"], d),
-      p + "ffn_down.weight": (d, CFG["ffn"]),
-    }
+  for i in range(MODEL.layers):
+    for layer, name in GGUF_NAMES.items():
+      # GGUF's [N, K] of shapes.py's (K, N); a norm is (dim,)
+      shape = (d,) if name is None else MODEL.shape(layer)[::-1]
+      shapes[f"blk.{i}.{name or layer}.weight"] = shape
   shapes |= {"output_norm.weight": (d,), "output.weight": (vocab, d)}
   tmp = path.with_suffix(".tmp")
   w = gguf.GGUFWriter(tmp, "llama")
@@ -64,10 +69,10 @@ def make_file(path: Path) -> None:
     w.add_key_value(key, field.contents(), vt, sub)
   w.add_context_length(2048)
   w.add_embedding_length(d)
-  w.add_block_count(CFG["layers"])
-  w.add_feed_forward_length(CFG["ffn"])
-  w.add_head_count(CFG["heads"])
-  w.add_head_count_kv(CFG["kv_heads"])
+  w.add_block_count(MODEL.layers)
+  w.add_feed_forward_length(MODEL.ffn)
+  w.add_head_count(MODEL.heads)
+  w.add_head_count_kv(MODEL.kv_heads)
   w.add_rope_dimension_count(hd)
   w.add_layer_norm_rms_eps(1e-5)
   blk = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
@@ -210,7 +215,7 @@ def main() -> None:
       runs_theirs.append(run(args.llama_cpp_python, LLAMA_CPP, path))
   ours = {k: statistics.median(r[k] for r in runs_ours) for k in runs_ours[0]}
   rows = [
-    ("file", f"{size / 1e9:.3f} GB Q8_0 ({CFG['layers']} layers, dim {CFG['dim']})"),
+    ("file", f"{size / 1e9:.3f} GB Q8_0 ({MODEL.layers} layers, dim {MODEL.dim})"),
     ("read the file (page cache warm)", f"{read_s:.2f} s"),
     ("load_gguf", f"{ours['load_s']:.2f} s ({ours['load_s'] / read_s:.2f}x the read)"),
     (

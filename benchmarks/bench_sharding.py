@@ -1,6 +1,7 @@
 """Tensor-parallel Q8_0 on forced host CPU devices: time and bytes per device vs device count.
 
-A column-parallel product `x (1, K) @ W (K, N)`, K = N = 4096, W Q8_0 split
+A column-parallel product `x (1, K) @ W (K, N)`, K = N = 4096 (Llama-3-8B's q projection,
+`benchmarks/shapes.py`), W Q8_0 split
 along N over d = 1, 2, 4, 8 devices (`P(None, 'tp')`, x replicated), run by
 `q8rules.sharding.q8_matmul_sharded` on the XLA path. Each d runs in its own
 interpreter with `--xla_force_host_platform_device_count=d` (the count is fixed
@@ -19,22 +20,21 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 sys.path.insert(0, str(ROOT))
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
+from benchmarks.shapes import LLAMA3_8B  # noqa: E402
 
-START, END = markers("tp")
 HEADING = "## Tensor parallel (CPU)"
 DEVICES = (1, 2, 4, 8)
-K = N = 4096
+K, N = LLAMA3_8B.shape("q")
 
 
 def child(devices: int, calls: int) -> dict[str, Any]:
@@ -47,6 +47,7 @@ def child(devices: int, calls: int) -> dict[str, Any]:
 
   from q8rules import q8_matmul, quantize
   from q8rules.sharding import q8_matmul_sharded, shard_q8
+  from q8rules.timing import median_time
 
   assert jax.device_count() == devices, jax.device_count()
   rng = np.random.default_rng(0)
@@ -58,16 +59,6 @@ def child(devices: int, calls: int) -> dict[str, Any]:
     lambda x, w: q8_matmul_sharded(x, w, mesh, w_spec=P(None, "tp"), implementation="xla")
   )
 
-  def median_ms(fn, *args) -> float:
-    for _ in range(3):
-      jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
   y = f(x, w)
   wf = np.asarray(a.q, np.float64) * np.repeat(np.asarray(a.scale, np.float64), 32, axis=0)
   ref = np.asarray(x, np.float64) @ wf
@@ -78,7 +69,7 @@ def child(devices: int, calls: int) -> dict[str, Any]:
       per_device[s.device.id] = per_device.get(s.device.id, 0) + s.data.nbytes
   row = {
     "devices": devices,
-    "ms": median_ms(f, x, w),
+    "ms": 1e3 * median_time(f, x, w, warmup=3, reps=calls),
     "bytes_per_device": max(per_device.values()),
     "q_shard": list(w.q.addressable_shards[0].data.shape),
     "scale_shard": list(w.scale.addressable_shards[0].data.shape),
@@ -86,7 +77,7 @@ def child(devices: int, calls: int) -> dict[str, Any]:
   }
   if devices == 1:
     plain = jax.jit(lambda x, a: q8_matmul(x, a, implementation="xla"))
-    row["plain_ms"] = median_ms(plain, jnp.asarray(x), a)
+    row["plain_ms"] = 1e3 * median_time(plain, jnp.asarray(x), a, warmup=3, reps=calls)
   return row
 
 
@@ -122,15 +113,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def section(rows: list[dict[str, Any]], header: str, command: str) -> str:
   plain = rows[0].get("plain_ms")
-  return "\n".join(
+  return results_md.section(
+    "tp",
+    HEADING,
+    header,
+    command,
     [
-      START,
-      HEADING,
-      "",
-      header,
-      "",
-      f"Command: `{command}`",
-      "",
       f"Column-parallel `x (1, {K}) @ W ({K}, {N})`, W Q8_0 split along N (`P(None, 'tp')`),"
       " x replicated, `q8rules.sharding.q8_matmul_sharded` on the XLA path under `jax.jit`;"
       " each device count in its own process with that many forced host devices. Median of"
@@ -139,10 +127,8 @@ def section(rows: list[dict[str, Any]], header: str, command: str) -> str:
       " float32 scales of the device's columns), and every count matches the float64"
       " reference."
       + (f" One device without `shard_map` (`q8_matmul`): {plain:.2f} ms." if plain else ""),
-      "",
       table(rows),
-      END,
-    ]
+    ],
   )
 
 

@@ -9,7 +9,8 @@ Needs the `llama_cpp` package (llama-cpp-python, built for this CPU) in the same
 and q8rules; it builds nothing itself, and exits cleanly with a message when `llama_cpp` does
 not import.
 
-Kernel level. For each (K, N) in {4096^2, 8192^2, 4096x14336, 14336x4096} and m rows of x in
+Kernel level. For each (K, N) in {4096^2, 8192^2, 4096x14336, 14336x4096} (the q projections of
+Llama-3-8B and -70B, Llama-3-8B's up and down: `benchmarks/shapes.py`) and m rows of x in
 {1, 2, 4, 8, 16}, `y (m, N) = x (m, K) float32 @ W (K, N)` with W Q8_0 (int8 values, one
 float16 scale per 32 rows, as GGUF stores it), timed three ways on the same weights:
 
@@ -45,7 +46,6 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -57,11 +57,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import q8rules  # noqa: E402
-from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
+from benchmarks import results_md  # noqa: E402
+from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
+from benchmarks.shapes import CPU_MATMUL, SQUARE  # noqa: E402
 from q8rules.kernels import cpu_native as cpu  # noqa: E402
+from q8rules.timing import call_times, median_time  # noqa: E402
 
 HEADING = "## CPU: q8rules vs llama.cpp (Q8_0 matmul)"
-SHAPES = ((4096, 4096), (8192, 8192), (4096, 14336), (14336, 4096))
+SHAPES = tuple(CPU_MATMUL.values())
+QUICK_SHAPES = tuple(SQUARE.values())[:1]
 ROWS = (1, 2, 4, 8, 16)
 GGML_TYPE_F32 = 0
 GGML_TYPE_Q8_0 = 8
@@ -223,16 +227,6 @@ def ggml_blocks(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
   return out
 
 
-def median_ms(fn: Callable[[int], object], copies: int, calls: int) -> tuple[float, float]:
-  """Median and least ms of `max(calls, copies)` calls fn(i), i rotating over the copies."""
-  times = []
-  for i in range(max(calls, copies)):
-    start = time.perf_counter()
-    fn(i % copies)
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3, float(np.min(times)) * 1e3
-
-
 def threads_given() -> int:
   try:
     return len(os.sched_getaffinity(0))
@@ -257,12 +251,9 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
   for _ in range(50):
     jax.block_until_ready(jit_cpu(tiny_x, tiny_w))
     tiny_g(0, 1)
-  overhead = {
-    "q8 cpu": min(
-      median_ms(lambda i: jax.block_until_ready(jit_cpu(tiny_x, tiny_w)), 1, 200)[0]
-      for _ in range(3)
-    ),
-    "llama.cpp": min(median_ms(lambda i: tiny_g(0, 1), 1, 200)[0] for _ in range(3)),
+  overhead = {  # ms, the least of 3 medians of 200 calls
+    "q8 cpu": 1e3 * min(median_time(jit_cpu, tiny_x, tiny_w, warmup=0, reps=200) for _ in range(3)),
+    "llama.cpp": 1e3 * min(median_time(tiny_g, 0, 1, warmup=0, reps=200) for _ in range(3)),
   }
   tiny_g.close()
   print(f"per-call overhead (K=32, N=16, m=1): {overhead}", flush=True)
@@ -294,15 +285,15 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
       st = state[k, n]
       for m in rows:
         x, ours, gm, copies = st["x"][m], st["ours"], st["ggml"], st["copies"]
-        fns = {
-          "q8 cpu": lambda i, x=x, ours=ours: jax.block_until_ready(jit_cpu(x, ours[i])),
-          "q8 xla": lambda i, x=x, ours=ours: jax.block_until_ready(jit_xla(x, ours[i])),
+        fns = {  # call i: copy i
+          "q8 cpu": lambda i, x=x, ours=ours: jit_cpu(x, ours[i]),
+          "q8 xla": lambda i, x=x, ours=ours: jit_xla(x, ours[i]),
           "llama.cpp": lambda i, gm=gm, m=m: gm(i, m),
         }
         if r == 0:  # compile, check, and read every copy once
           for fn in fns.values():
             for i in range(copies):
-              fn(i)
+              jax.block_until_ready(fn(i))
           y_cpu = np.asarray(jit_cpu(x, ours[0]), np.float64)
           gm(0, m)
           y_ggml = gm.result(0, m).astype(np.float64)
@@ -313,7 +304,8 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
         for path in paths:
           # Let the other side's spinning threads (XLA's pool, ggml's OpenMP team) go to sleep.
           time.sleep(0.02)
-          ms, fastest = median_ms(fns[path], copies, calls)
+          times = call_times(fns[path], warmup=0, reps=max(calls, copies), rotate=range(copies))
+          ms, fastest = 1e3 * float(np.median(times)), 1e3 * min(times)
           best[k, n, m, path] = min(best.get((k, n, m, path), float("inf")), ms)
           least[k, n, m, path] = min(least.get((k, n, m, path), float("inf")), fastest)
     print(f"round {r + 1}/{rounds} done", flush=True)
@@ -393,7 +385,7 @@ def main() -> None:
   lib_dir = Path(llama_cpp.__file__).parent / "lib"
   g = Ggml(lib_dir)
   threads = args.threads or threads_given()
-  shapes = ((4096, 4096),) if args.quick else SHAPES
+  shapes = QUICK_SHAPES if args.quick else SHAPES
   rows = (1, 8) if args.quick else ROWS
   rounds = args.rounds or (2 if args.quick else 3)
   now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
@@ -418,16 +410,12 @@ def main() -> None:
   if args.no_write:
     return
   command = " ".join(["python", "benchmarks/bench_vs_llamacpp.py", *sys.argv[1:]])
-  start, end = markers(args.section)
-  text = "\n".join(
+  text = results_md.section(
+    args.section,
+    f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
+    header + f" Load average at the end: {load_average()}.",
+    command,
     [
-      start,
-      f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
-      "",
-      header + f" Load average at the end: {load_average()}.",
-      "",
-      f"Command: `{command}`",
-      "",
       f"Each time: the least of {rounds} per-round medians of >= {args.calls} calls, the three"
       " paths interleaved cell by cell (the 'fastest call' columns: the quickest single call of"
       " all rounds, less sensitive to other processes on a shared machine); calls rotate through weight copies totalling >= 2x the"
@@ -439,13 +427,10 @@ def main() -> None:
       " the op: 8-bit activations, integer dot products), run by ggml's CPU backend through ctypes"
       " on the libggml inside llama_cpp. q8 cpu keeps x in float32 (the fold's numerics); the last"
       " column is |y_llama.cpp - y_q8cpu| / |y_q8cpu|, mostly llama.cpp's 8-bit activations.",
-      "",
       body,
-      "",
       "Model level (tokens/s, decode at batch 1 and 128-token prefill on one Q8_0 GGUF file):"
       " see the `gguf` section (`benchmarks/bench_gguf.py`).",
-      end,
-    ]
+    ],
   )
   write_section(args.section, text)
   print("wrote benchmarks/RESULTS.md")

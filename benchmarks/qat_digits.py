@@ -40,13 +40,13 @@ import qwix
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import q8rules
-from q8rules.layout import WeightLayout
-from q8rules.providers.qat import fake_quant
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's q8rules, benchmarks
+import q8rules  # noqa: E402
 from benchmarks import results_md  # noqa: E402
 from benchmarks.results_md import markers  # noqa: E402
+from q8rules.layout import WeightLayout  # noqa: E402
+from q8rules.providers.qat import fake_quant  # noqa: E402
+from q8rules.timing import median_time, timed_call  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = markers("qat")
@@ -146,17 +146,6 @@ def evaluate(
   return acc, float(loss), np.asarray(logits)
 
 
-def median_seconds(fn: Callable, arg: Any, n: int) -> float:
-  """Median seconds of a jitted call (compiled first), dispatch included."""
-  jax.block_until_ready(fn(arg))
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(arg))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
 def step_times(
   steps: dict[str, Callable], params: Any, lr: float, x: np.ndarray, y: np.ndarray, n: int
 ) -> dict[str, float]:
@@ -167,10 +156,8 @@ def step_times(
     jax.block_until_ready(step(*state[k], x, y))
   for _ in range(n):
     for k, step in steps.items():
-      t = time.perf_counter()
-      new_params, opt_state, loss = step(*state[k], x, y)
-      jax.block_until_ready((new_params, loss))
-      times[k].append(time.perf_counter() - t)
+      (new_params, opt_state, _), seconds = timed_call(step, *state[k], x, y)
+      times[k].append(seconds)
       state[k] = (new_params, opt_state)
   return {k: statistics.median(v) for k, v in times.items()}
 
@@ -246,7 +233,7 @@ def run(
     ),
     "elementwise": jax.jit(lambda ws: [w * 1.0001 + 0.5 for w in ws]),
   }
-  alone_seconds = {k: median_seconds(f, kernels, timing_steps) for k, f in alone.items()}
+  alone_seconds = {k: median_time(f, kernels, reps=timing_steps) for k, f in alone.items()}
 
   def rel(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -16,6 +16,16 @@ def markers(name: str) -> tuple[str, str]:
   return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
+def section(name: str, heading: str, header: str, command: str, blocks: list[str]) -> str:
+  """Section `name`: its markers around `heading`, the run's `header` (date, machine,
+  versions), the command that wrote it, then `blocks` (paragraphs, tables), a blank line
+  between each."""
+  start, end = markers(name)
+  return "\n".join(
+    [start, heading, "", header, "", f"Command: `{command}`", "", "\n\n".join(blocks), end]
+  )
+
+
 def write_section(name: str, text: str, path: Path = RESULTS) -> None:
   """Replace section `name` of `path` by `text` (which carries the markers), or append it;
   every other section stays as it is."""

@@ -8,10 +8,8 @@ time of one decode step of each.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +18,12 @@ import qwix
 
 import q8rules
 from q8rules.models import Transformer, TransformerConfig, init_cache
+from q8rules.timing import median_time
 
 
 def tree_bytes(tree) -> int:
   """Bytes of every array leaf of a param tree (Q8 weights count int8 + scales)."""
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall time of `fn()` in ms, after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -114,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   print(report)
 
   pos = 8 + args.steps
-  t_float = median_ms(lambda: float_step(float_vars, tok_f, cache_f, pos), args.repeats)
-  t_q8 = median_ms(lambda: q8_step(q8_vars, tok_f, cache_q, pos), args.repeats)
+  t_float = 1e3 * median_time(float_step, float_vars, tok_f, cache_f, pos, reps=args.repeats)
+  t_q8 = 1e3 * median_time(q8_step, q8_vars, tok_f, cache_q, pos, reps=args.repeats)
   float_bytes, q8_bytes = tree_bytes(float_vars["params"]), tree_bytes(q8_params)
   moved_f, moved_q = report.float_bytes, report.q8_bytes
   print("\nWeights (whole param tree, embeddings and norms included):")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.q8_0 import BLOCK
+from q8rules.q8_0 import BLOCK, Q8Array, quantize
 
 
 def rel_err(out, ref) -> float:
@@ -18,6 +18,20 @@ def rel_err(out, ref) -> float:
   out = np.asarray(out, np.float64)
   ref = np.asarray(ref, np.float64)
   return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
+  """float32 weights of `shape` (never zero) whose magnitudes vary by row (10**-3 to 10**2,
+  a row being all but the last axis) and by element (a further 10**-1 to 10**1)."""
+  w = rng.standard_normal(shape).astype(np.float32)
+  w *= 10.0 ** rng.uniform(-3, 2, (*shape[:-1], 1))
+  w *= 10.0 ** rng.uniform(-1, 1, shape).astype(np.float32)
+  return w.astype(np.float32)
+
+
+def q8_weights(rng: np.random.Generator, k: int, n: int, scale_dtype=jnp.float32) -> Q8Array:
+  """`quantize(weights(rng, k, n))`: a Q8_0 weight (K, N), one `scale_dtype` scale per 32 rows."""
+  return quantize(weights(rng, k, n), scale_dtype=scale_dtype)
 
 
 def random_q8(

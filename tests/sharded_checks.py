@@ -32,10 +32,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import q8rules  # noqa: E402
 from q8rules import sharding  # noqa: E402
-from q8rules.q8_0 import BLOCK, Q8Array, quantize  # noqa: E402
+from q8rules.q8_0 import BLOCK, Q8Array  # noqa: E402
 from q8rules.sharding.product import shard_map_unchecked  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._utils import q8_weights as weights  # noqa: E402
 from tests._utils import rel_err  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -80,10 +81,6 @@ def check_holds_only_its_shard(a: jax.Array, full: np.ndarray, what: str) -> Non
 
 def compiled_text(fn: Callable, *args) -> str:
   return jax.jit(fn).lower(*args).compile().as_text()
-
-
-def weights(rng: np.random.Generator, k: int, n: int, scale_dtype=jnp.float32) -> Q8Array:
-  return quantize(rng.standard_normal((k, n)).astype(np.float32), scale_dtype=scale_dtype)
 
 
 # ---- the checks -------------------------------------------------------------------

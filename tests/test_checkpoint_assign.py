@@ -19,12 +19,7 @@ from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.checkpoint import safetensors as ckpt_st
 from q8rules.checkpoint.assign import assign, flatten
 from q8rules.q8_0 import Q8Array
-from tests._utils import rel_err, write_gguf
-
-
-def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
-  w = rng.standard_normal(shape).astype(np.float32)
-  return (w * 10.0 ** rng.uniform(-2, 1, (*shape[:-1], 1))).astype(np.float32)
+from tests._utils import rel_err, weights, write_gguf
 
 
 def blank_q8(k: int, n: int, scale_dtype=jnp.float32, dtype=jnp.float32) -> Q8Array:

@@ -18,15 +18,7 @@ import q8rules
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.q8_0 import BLOCK, Q8Array
-from tests._utils import write_gguf
-
-
-def weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
-  """float32 weights with magnitudes varying by row and by block (never zero)."""
-  w = rng.standard_normal(shape).astype(np.float32)
-  w *= 10.0 ** rng.uniform(-3, 2, (*shape[:-1], 1))
-  w *= 10.0 ** rng.uniform(-1, 1, shape).astype(np.float32)
-  return w.astype(np.float32)
+from tests._utils import weights, write_gguf
 
 
 def q8_bytes(w: np.ndarray) -> np.ndarray:
