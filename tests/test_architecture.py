@@ -1,11 +1,35 @@
-"""The package's shape: no import circle, one module picks the kernel, Qwix behind one shim."""
+"""The package's shape: floors that imports respect, no import circle, one module picks the
+kernel, Qwix behind one shim."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "q8rules"
+README = PACKAGE.parent / "README.md"
+
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+  ("format", ("q8rules.q8_0", "q8rules.tree_paths", "q8rules.timing", "q8rules._qwix")),
+  ("kernels", ("q8rules.kernels",)),
+  ("layout", ("q8rules.layout",)),
+  ("sharding", ("q8rules.sharding",)),
+  ("rules", ("q8rules.rules", "q8rules.report")),
+  ("providers", ("q8rules.providers",)),
+  ("core", ("q8rules",)),
+  ("checkpoints, models", ("q8rules.checkpoint", "q8rules.models")),
+  ("applications", ("q8rules.llm", "q8rules.demo", "q8rules.__main__")),
+]
+"""The floors, lowest first: a module imports only modules on its own floor or below (lazily
+or not). A name covers the module and everything under it (`q8rules`, the package's
+`__init__`, only itself); the longest name that covers a module places it. The README's
+Architecture section shows this table."""
+
+APPLICATIONS = ("q8rules.checkpoint", "q8rules.models", "q8rules.llm")
+"""What `import q8rules` must not load (nor gguf, safetensors, tokenizers)."""
 
 
 def module_name(path: Path) -> str:
@@ -52,6 +76,49 @@ def graph() -> dict[str, set[str]]:
         parent = parent.rsplit(".", 1)[0] if "." in parent else None
     edges[name] = targets
   return edges
+
+
+def direct_imports() -> dict[str, set[str]]:
+  """Module -> the q8rules modules its own import statements name (no implied parent packages)."""
+  mods = modules()
+  packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+  edges = {}
+  for name, tree in mods.items():
+    targets = set()
+    for m in imported(tree, name, name in packages, set(mods)):
+      while m not in mods and "." in m:
+        m = m.rsplit(".", 1)[0]
+      if m != name:
+        targets.add(m)
+    edges[name] = targets
+  return edges
+
+
+def floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]] = FLOORS) -> int:
+  """The index of the floor whose longest covering name covers `module`."""
+  best, where = -1, None
+  for i, (_, names) in enumerate(floors):
+    for n in names:
+      covers = module == n or (n != "q8rules" and module.startswith(n + "."))
+      if covers and len(n) > best:
+        best, where = len(n), i
+  if where is None:
+    raise AssertionError(f"{module} is on no floor: add it to FLOORS (and the README's table)")
+  return where
+
+
+def upward_imports(
+  edges: dict[str, set[str]], floors: list[tuple[str, tuple[str, ...]]] = FLOORS
+) -> list[str]:
+  """Every import from a floor to a higher one, as 'a (floor) -> b (floor)'."""
+  out = []
+  for a, targets in sorted(edges.items()):
+    fa = floor_of(a, floors)
+    for b in sorted(targets):
+      fb = floor_of(b, floors)
+      if fb > fa:
+        out.append(f"{a} ({floors[fa][0]}) -> {b} ({floors[fb][0]})")
+  return out
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -113,3 +180,54 @@ def test_one_module_picks_the_implementation():
         assert node.id not in ("DEFAULT_ORDER", "REGISTRY") or name == "q8rules.kernels", name
       if isinstance(node, ast.Attribute):
         assert node.attr not in ("DEFAULT_ORDER", "REGISTRY"), name
+
+
+def test_no_upward_import():
+  """Each module imports only its own floor or lower ones; every module is on a floor."""
+  assert upward_imports(direct_imports()) == []
+
+
+def test_floors_check_catches_a_violation():
+  """A deliberate upward import (the format importing the GGUF loader, lazily inside a
+  function) is reported, and so is a module on no floor."""
+  tree = ast.parse("def f():\n  from q8rules.llm import load_gguf\n")
+  edges = direct_imports()
+  found = imported(tree, "q8rules.q8_0", False, set(edges))
+  assert "q8rules.llm" in found
+  edges["q8rules.q8_0"] = edges["q8rules.q8_0"] | {"q8rules.llm"}
+  assert upward_imports(edges) == ["q8rules.q8_0 (format) -> q8rules.llm (applications)"]
+  try:
+    floor_of("q8rules.newthing")
+  except AssertionError as e:
+    assert "on no floor" in str(e)
+  else:
+    raise AssertionError("a module on no floor was accepted")
+
+
+def test_readme_shows_the_floors():
+  """The README's Architecture section lists the floors as FLOORS has them, top floor first."""
+  text = README.read_text()
+  block = re.search(r"<!-- floors -->\n```\n(.*?)```", text, re.S)
+  assert block, "README: no floors table (a ``` block after '<!-- floors -->')"
+  rows = [line.split("|") for line in block.group(1).strip().splitlines()]
+  shown = [(r[0].strip(), tuple(n.strip() for n in r[1].split(","))) for r in rows]
+  assert shown == [
+    (f, tuple(n.removeprefix("q8rules.") or "q8rules" for n in names))
+    for f, names in reversed(FLOORS)
+  ]
+
+
+def test_import_q8rules_loads_no_application():
+  """`import q8rules` loads the core only: no checkpoint/llm/models, no gguf, safetensors or
+  tokenizers (they load on first use of `q8rules.load_gguf` / `q8rules.checkpoint`)."""
+  code = (
+    "import sys, q8rules\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'safetensors',"
+    " 'tokenizers') or m.startswith(%r))\n"
+    "print(','.join(bad))\n"
+    "assert callable(q8rules.load_gguf) and 'q8rules.llm' in sys.modules\n"
+  ) % (APPLICATIONS,)
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+  )
+  assert out.stdout.strip() == "", out.stdout

@@ -9,7 +9,7 @@ define are the user's own, and its `# yours:` comment line lists them:
 Entries are comma-separated names, each optionally followed by a description in
 parentheses; an entry in quotes ('model-q8_0.gguf') is a file the block reads.
 `World` below supplies a small value for each: a two-layer
-`q8rules.models.llama.Decoder` plays the user's linen model, a small nnx MLP the
+`q8rules.models.Transformer` plays the user's linen model, a small nnx MLP the
 user's nnx model. A block that needs several devices says so in a comment
 ("# 4 devices ..."): it runs in a subprocess with that many forced host devices.
 
@@ -65,15 +65,25 @@ class World:
 
   @functools.cached_property
   def config(self):
-    from q8rules.models.llama import DecoderConfig
+    from q8rules.models import TransformerConfig
 
-    return DecoderConfig(vocab=128, dim=64, layers=1, heads=2, head_dim=32, ffn=128, max_len=16)
+    return TransformerConfig(
+      vocab=128,
+      dim=64,
+      layers=1,
+      heads=2,
+      kv_heads=1,
+      head_dim=32,
+      ffn=128,
+      context_length=16,
+      scan_layers=False,  # the user's model names its blocks layers_0, ...
+    )
 
   @functools.cached_property
   def model(self):
-    from q8rules.models.llama import Decoder
+    from q8rules.models import Transformer
 
-    return Decoder(self.config)
+    return Transformer(self.config)
 
   @functools.cached_property
   def key(self):
@@ -86,10 +96,10 @@ class World:
     import jax.numpy as jnp
     import numpy as np
 
-    from q8rules.models.llama import init_cache
+    from q8rules.models import init_cache
 
     tokens = np.random.default_rng(0).integers(0, self.config.vocab, (1, 8))
-    return (jnp.asarray(tokens, jnp.int32), init_cache(self.config), 0)
+    return (jnp.asarray(tokens, jnp.int32), init_cache(self.config, 16), 0)
 
   @functools.cached_property
   def float_params(self):
