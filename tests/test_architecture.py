@@ -223,10 +223,10 @@ def test_import_q8rules_loads_no_application():
   code = (
     "import sys, q8rules\n"
     "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'safetensors',"
-    " 'tokenizers') or m.startswith(%r))\n"
+    f" 'tokenizers') or m.startswith({APPLICATIONS!r}))\n"
     "print(','.join(bad))\n"
     "assert callable(q8rules.load_gguf) and 'q8rules.llm' in sys.modules\n"
-  ) % (APPLICATIONS,)
+  )
   out = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
   )

@@ -27,8 +27,7 @@ import qwix
 
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import assign as ckpt_assign
-from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0
-from q8rules.checkpoint.gguf import open_gguf
+from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
 from q8rules.llm.config import config_from_metadata
 from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.stacked import StackedTensors
