@@ -152,3 +152,25 @@ def test_split_set_with_a_part_missing(tmp_path):
   rewrite(tmp_path / "tiny.gguf", split_max_tensors=8)
   (tmp_path / "tiny-00002-of-00003.gguf").unlink()
   raises(tmp_path / "tiny-00001-of-00003.gguf", "1 part\\(s\\) missing", "tiny-00002-of-00003.gguf")
+
+
+def test_a_tokenizer_that_cannot_be_built_does_not_block_the_weights(tmp_path, capsys):
+  """An unknown tokenizer model: the model loads with `.tokenizer = None` and one warning
+  saying why; logits and generate take ids, equal to the file's own; the CLI takes --ids and
+  says so without them."""
+  from q8rules.llm.cli import main as cli
+
+  path = rewrite_to(tmp_path, meta={"tokenizer.ggml.model": "no-such-tokenizer"})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    m = load_gguf(path, dtype=jnp.float32)
+  said = [str(w.message) for w in caught if "tokenizer" in str(w.message)]
+  assert len(said) == 1 and "no-such-tokenizer" in said[0] and "token ids" in said[0], said
+  assert m.tokenizer is None
+  want = load_gguf(SRC, dtype=jnp.float32)
+  np.testing.assert_array_equal(m.logits(IDS), want.logits(IDS))
+  assert m.generate(IDS, 4) == want.generate(IDS, 4)
+  out = cli([str(path), "--ids", ",".join(map(str, IDS)), "--max-new-tokens", "3", "--no-progress"])
+  assert out["new_ids"] == want.generate(IDS, 3)
+  with pytest.raises(SystemExit, match="--ids"):
+    cli([str(path), "--prompt", "Hello", "--no-progress"])

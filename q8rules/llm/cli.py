@@ -22,7 +22,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m q8rules run", description=__doc__.splitlines()[0])
   p.add_argument("model", help="a .gguf file (or the first part of a split set)")
   p.add_argument("--prompt", default="Hello", help="text (needs the file's tokenizer)")
-  p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
+  p.add_argument(
+    "--ids",
+    "--prompt-ids",
+    dest="prompt_ids",
+    default=None,
+    help="comma-separated token ids instead of text (needed when the file's tokenizer"
+    " cannot be built: the weights load either way)",
+  )
   p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   p.add_argument("--seed", type=int, default=0)
@@ -53,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if args.prompt_ids is not None:
     ids = [int(i) for i in args.prompt_ids.split(",") if i.strip()]
   elif tok is None:
-    raise SystemExit(f"{args.model} has no supported tokenizer: pass --prompt-ids")
+    raise SystemExit(
+      f"{args.model}: the model loaded, but its tokenizer could not be built (the warning"
+      " above says why): pass token ids with --ids 1,2,3"
+    )
   else:
     ids = tok.encode(args.prompt)
   print(tok.decode(ids) if tok is not None else ids, end="", flush=True)
