@@ -20,8 +20,9 @@
    share of the measured bandwidth, time relative to the bf16 dot, and Qwix
    int8's time over it. `implementation=None` rows name what `resolve` picked.
 
-Writes markdown to --out (default benchmarks/RESULTS_GPU.md). Needs jax and
-numpy; Qwix, Flax (the model rows) optional.
+Writes markdown to --out (default benchmarks/RESULTS_GPU.md). Needs what
+`import q8rules` needs (jax, numpy, Flax, Qwix: gpu_check.sh installs the wheels
+gpu_wheels.sh fetched).
 """
 
 from __future__ import annotations
@@ -29,20 +30,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = 32
+sys.path.insert(0, str(ROOT))
+
+import q8rules  # noqa: E402
+from q8rules import kernels  # noqa: E402
+from q8rules.kernels import pallas_triton as triton  # noqa: E402
+from q8rules.q8_0 import BLOCK, Q8Array, dequantize_blocks  # noqa: E402
+
 DECODE_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
 DECODE_ROWS = (1, 8, 16)
 PREFILL_SHAPE = (4096, 14336)
@@ -59,37 +65,6 @@ TIMING_HEAD = [
   "| K | N | m | path | µs | MB moved | GB/s | of bandwidth | time / bf16 dot | Qwix int8 / this |",
   "|---|---|---|---|---|---|---|---|---|---|",
 ]
-
-
-def import_q8rules() -> types.SimpleNamespace:
-  """q8rules' kernels, and its model pieces where Qwix and Flax import. Where they do not, the
-  kernels (jax and numpy only) load alone and the model rows are skipped."""
-  sys.path.insert(0, str(ROOT))
-  full = True
-  try:
-    importlib.import_module("q8rules")
-  except ImportError as err:
-    print(f"note: `import q8rules` failed ({err}); loading q8rules.kernels alone")
-    full = False
-    for name in [n for n in sys.modules if n == "q8rules" or n.startswith("q8rules.")]:
-      del sys.modules[name]
-    package = types.ModuleType("q8rules")
-    package.__path__ = [str(ROOT / "q8rules")]
-    sys.modules["q8rules"] = package
-  return types.SimpleNamespace(
-    kernels=importlib.import_module("q8rules.kernels"),
-    triton=importlib.import_module("q8rules.kernels.pallas_triton"),
-    Q8Array=importlib.import_module("q8rules.q8_0").Q8Array,
-    q8rules=sys.modules["q8rules"] if full else None,
-  )
-
-
-def import_qwix():
-  try:
-    return importlib.import_module("qwix")
-  except Exception as err:  # not installed, or a jax it does not support
-    print(f"note: Qwix unavailable ({type(err).__name__}: {err}); its rows are skipped")
-    return None
 
 
 def operands(rng: np.random.Generator, m: int, k: int, n: int):
@@ -114,14 +89,14 @@ class CheckFailed(Exception):
   """A product disagreed with the float64 reference; carries the table rows."""
 
 
-def runnable(lib, m: int, k: int, n: int, dtype) -> list[str]:
+def runnable(m: int, k: int, n: int, dtype) -> list[str]:
   """Registered implementations that can run the product on this backend (not the reference,
   which is a yardstick)."""
-  names = [name for name in lib.kernels.IMPLEMENTATIONS if name != "reference"]
-  return [name for name in names if lib.kernels.why_not(name, m, k, n, dtype) is None]
+  names = [name for name in kernels.IMPLEMENTATIONS if name != "reference"]
+  return [name for name in names if kernels.why_not(name, m, k, n, dtype) is None]
 
 
-def check_correctness(lib, smoke: bool) -> list[str]:
+def check_correctness(smoke: bool) -> list[str]:
   """Table rows of errors against float64; raises CheckFailed on any over its tolerance."""
   rng = np.random.default_rng(20261130)
   cases = [(1, 4096, 4096), (16, 2048, 200), (5, 1056, 40), (128, 1056, 200)]
@@ -142,20 +117,18 @@ def check_correctness(lib, smoke: bool) -> list[str]:
 
   for m, k, n in cases:
     x, q, scale = operands(rng, m, k, n)
-    w = lib.Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
+    w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
     for dtype in (jnp.float32, jnp.bfloat16):
       xd = jnp.asarray(x, dtype)
       ref = reference64(np.asarray(xd.astype(jnp.float32)), q, scale)
-      for name in runnable(lib, m, k, n, dtype):
-        out = lib.kernels.q8_matmul(xd, w, implementation=name, preferred_element_type=jnp.float32)
-        rounds = lib.kernels.REGISTRY[name].rounds_weight and dtype != jnp.float32
+      for name in runnable(m, k, n, dtype):
+        out = kernels.q8_matmul(xd, w, implementation=name, preferred_element_type=jnp.float32)
+        rounds = kernels.REGISTRY[name].rounds_weight and dtype != jnp.float32
         record(m, k, n, dtype, name, out, ref, ROUNDED_TOLERANCE if rounds else TOLERANCE)
-      if m <= lib.triton.TILE_ROWS:  # the Triton form itself (interpreted off a GPU), any split
+      if m <= triton.TILE_ROWS:  # the Triton form itself (interpreted off a GPU), any split
         blocks = k // BLOCK
-        for splits in sorted(
-          {1, lib.triton.k_splits(k, n), *(s for s in (2, 3) if blocks % s == 0)}
-        ):
-          out = lib.kernels.q8_fold(xd, w.q, w.scale, backend="gpu", splits=splits)
+        for splits in sorted({1, triton.k_splits(k, n), *(s for s in (2, 3) if blocks % s == 0)}):
+          out = kernels.q8_fold(xd, w.q, w.scale, backend="gpu", splits=splits)
           record(m, k, n, dtype, f"Triton fold, {splits} K slices", out, ref, TOLERANCE)
   if failures:
     raise CheckFailed(rows)
@@ -223,21 +196,21 @@ class Timer:
       print(self.rows[-1], flush=True)
 
 
-def product_candidates(lib, qwix, k: int, n: int, m: int, rng, weights: dict):
+def product_candidates(k: int, n: int, m: int, rng, weights: dict, *, with_qwix: bool = True):
   """(path, fn, bytes) for one (m, K) x (K, N) bf16 product: the bf16 dot, Qwix int8 (tile 32,
   per channel), then every registered implementation that can run it, through `q8_matmul`."""
   if (k, n) not in weights:
     weights.clear()  # one shape's weights on the device at a time
     _, q_np, s_np = operands(rng, 1, k, n)
     q, s = jnp.asarray(q_np), jnp.asarray(s_np)
-    w = (q.astype(jnp.float32) * jnp.repeat(s, BLOCK, axis=0)).astype(jnp.bfloat16)
+    w = dequantize_blocks(q, s, jnp.bfloat16)
     qws = {}
-    if qwix is not None:
+    if with_qwix:
       for label, tiled in (("tile 32", {0: BLOCK}), ("per channel", None)):
         qws[label] = qwix.quantize(
           w, jnp.int8, channelwise_axes=(1,), tiled_axes=tiled, scale_dtype=jnp.float32
         )
-    weights[(k, n)] = (lib.Q8Array(q=q, scale=s), w, qws)
+    weights[(k, n)] = (Q8Array(q=q, scale=s), w, qws)
   wq8, w, qws = weights[(k, n)]
   x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), jnp.bfloat16)
   io = x.nbytes + m * n * 2
@@ -250,19 +223,19 @@ def product_candidates(lib, qwix, k: int, n: int, m: int, rng, weights: dict):
     )
     nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(qw)) + io
     out.append((f"Qwix int8 {label}", lambda qdot=qdot, qw=qw: qdot(x, qw), nbytes))
-  default = lib.kernels.resolve(m, k, n, jnp.bfloat16)
-  for name in runnable(lib, m, k, n, jnp.bfloat16):
-    f = jax.jit(lambda x, w, name=name: lib.kernels.q8_matmul(x, w, implementation=name))
+  default = kernels.resolve(m, k, n, jnp.bfloat16)
+  for name in runnable(m, k, n, jnp.bfloat16):
+    f = jax.jit(lambda x, w, name=name: kernels.q8_matmul(x, w, implementation=name))
     path = f"{name} (implementation=None)" if name == default else name
     out.append((path, lambda f=f: f(x, wq8), q8_bytes))
   return out
 
 
-def fold_variants(lib, k: int, n: int, m: int, rng, weights: dict):
+def fold_variants(k: int, n: int, m: int, rng, weights: dict):
   """(path, fn, bytes) for the Triton fold's tuning knobs around its defaults (N a multiple of
   every column tile tried, so no padding is timed)."""
   wq8, _, _ = weights[(k, n)]  # product_candidates put it there
-  tr = lib.triton
+  tr = triton
   x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), jnp.bfloat16)
   nbytes = wq8.q.nbytes + wq8.scale.nbytes + x.nbytes + m * n * 4
   blocks = k // BLOCK
@@ -289,17 +262,13 @@ def fold_variants(lib, k: int, n: int, m: int, rng, weights: dict):
   return out
 
 
-def model_rows(lib, timer: Timer, *, smoke: bool, deadline: float) -> list[str]:
+def model_rows(timer: Timer, *, smoke: bool, deadline: float) -> list[str]:
   """A Llama-3-8B-shaped decoder (8 layers, dim 4096, ffn 14336, vocab 32000; smoke: tiny),
   bf16 activations, bf16 params against Q8_0 with `implementation=None`: a decode step at
   batch 1 and 8 and a prefill of 512 tokens; what each product ran, from the report."""
-  if lib.q8rules is None:
-    return ["Skipped: q8rules' model side (Qwix, Flax) did not import."]
-  import qwix  # noqa: PLC0415  (present when q8rules imported)
+  from q8rules.models import Decoder, DecoderConfig, init_cache  # noqa: PLC0415  (an application)
 
-  from q8rules.models import Decoder, DecoderConfig, init_cache  # noqa: PLC0415
-
-  q8r = lib.q8rules
+  q8r = q8rules
   dims = (
     dict(layers=1, dim=128, ffn=256, vocab=512)
     if smoke
@@ -383,8 +352,6 @@ def main(argv: list[str] | None = None) -> int:
   if backend != "gpu" and not args.smoke:
     print(f"no GPU here (backend {backend!r}); run with --smoke to check the script on CPU")
     return 1
-  lib = import_q8rules()
-  qwix = import_qwix()
   device = jax.devices()[0]
   mode = "smoke, Pallas interpret mode" if backend != "gpu" else "Triton on device"
   header = [
@@ -401,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     "|---|---|---|---|---|---|---|---|",
   ]
   try:
-    correctness = check_correctness(lib, args.smoke)
+    correctness = check_correctness(args.smoke)
   except CheckFailed as failed:
     write_report(args.out, header, [correctness_head + failed.args[0], ["**ABORTED**"]])
     print("correctness FAILED: no timings taken")
@@ -424,23 +391,17 @@ def main(argv: list[str] | None = None) -> int:
       if time.perf_counter() > deadlines["decode"]:
         decode.skipped(k, n, m, "every path", "time budget")
         continue
-      decode.shape(
-        k, n, m, product_candidates(lib, qwix, k, n, m, rng, weights), deadlines["decode"]
-      )
+      decode.shape(k, n, m, product_candidates(k, n, m, rng, weights), deadlines["decode"])
   prefill = Timer(bandwidth, args.smoke)
   k, n = SMOKE_PREFILL_SHAPE if args.smoke else PREFILL_SHAPE
   for m in SMOKE_PREFILL_ROWS if args.smoke else PREFILL_ROWS:
     if time.perf_counter() > deadlines["prefill"]:
       prefill.skipped(k, n, m, "every path", "time budget")
       continue
-    prefill.shape(
-      k, n, m, product_candidates(lib, qwix, k, n, m, rng, weights), deadlines["prefill"]
-    )
+    prefill.shape(k, n, m, product_candidates(k, n, m, rng, weights), deadlines["prefill"])
   weights.clear()
   try:
-    model = model_rows(
-      lib, Timer(bandwidth, args.smoke), smoke=args.smoke, deadline=deadlines["model"]
-    )
+    model = model_rows(Timer(bandwidth, args.smoke), smoke=args.smoke, deadline=deadlines["model"])
   except Exception as err:  # report it, keep the rest
     model = [f"Failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}"]
     print(model[0])
@@ -450,9 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     if time.perf_counter() > deadlines["variants"]:
       variants.skipped(k, n, m, "fold variants", "time budget")
       continue
-    cands = product_candidates(lib, None, k, n, m, rng, weights)
+    cands = product_candidates(k, n, m, rng, weights, with_qwix=False)
     fold = [c for c in cands if c[0].startswith(("bf16", "fold"))]
-    variants.shape(k, n, m, fold + fold_variants(lib, k, n, m, rng, weights), deadlines["variants"])
+    variants.shape(k, n, m, fold + fold_variants(k, n, m, rng, weights), deadlines["variants"])
   rows_head = (
     f"Measured bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write of a {nbytes >> 20} MiB"
     " array). Median of batches of back-to-back calls. Bytes: what each must move (weight"

@@ -9,12 +9,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || true
+PY="${PYTHON:-python3}"
+# qwix (which `import q8rules` needs) and gguf (the tests'), from the wheels gpu_wheels.sh fetched
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/q8rules-site .whl/*.whl && export PYTHONPATH="/tmp/q8rules-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+if ! "$PY" -c "import qwix, gguf" 2>/dev/null; then
+  echo "gpu_check.sh: qwix or gguf is missing: run 'bash benchmarks/gpu_wheels.sh' where pip reaches" \
+    "PyPI and carry .whl/ to this machine" >&2
+  exit 1
+fi
 suite_log="$(mktemp)"
 smoke=0
 for a in "$@"; do [ "$a" = "--smoke" ] && smoke=1; done

@@ -291,11 +291,25 @@ def quantize(
   return Q8Array(q=q, scale=d.astype(scale_dtype), axis=axis, dtype=w.dtype)
 
 
-def expand_scale(a: Q8Array) -> jax.Array:
-  """The scale repeated over each block's 32 rows: float32 of `a.shape`."""
-  return jnp.repeat(a.scale.astype(jnp.float32), BLOCK, axis=a.axis)
+def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+  """`q * d` blocked along axis 0: the one Q8_0 dequantiser (the products' and `dequantize`'s).
+
+  Args:
+    q: int8 (K, ...), K a multiple of 32 (a whole weight, or a K-slice of whole blocks).
+    scale: float32 or float16 (K/32, ...), q's shape with the first axis divided by 32.
+    dtype: the result's dtype.
+
+  Returns:
+    (K, ...) in `dtype`: each value multiplied by its block's scale in float32, then cast.
+  """
+  k, rest = q.shape[0], tuple(q.shape[1:])
+  blocks = q.reshape(k // BLOCK, BLOCK, *rest).astype(jnp.float32)
+  w = blocks * scale.astype(jnp.float32).reshape(k // BLOCK, 1, *rest)
+  return w.reshape(k, *rest).astype(dtype)
 
 
 def dequantize(a: Q8Array) -> jax.Array:
   """`q * d` in float32, cast to `a.dtype`, of `a.shape`."""
-  return (a.q.astype(jnp.float32) * expand_scale(a)).astype(a.dtype)
+  q = jnp.moveaxis(a.q, a.axis, 0)
+  scale = jnp.moveaxis(a.scale, a.axis, 0)
+  return jnp.moveaxis(dequantize_blocks(q, scale, a.dtype), 0, a.axis)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import cpu_native, q8_matmul, resolve
-from q8rules.kernels.fold import TILE_ROWS, fold_applies, fold_reason, kernel_form, q8_fold
+from q8rules.kernels import cpu_native, fold, q8_matmul, resolve
+from q8rules.kernels.fold import TILE_ROWS, fold_applies, kernel_form, q8_fold
 from q8rules.kernels.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
 from q8rules.kernels.pallas_triton import blocks_per_step, fold_gpu, k_splits
+from q8rules.kernels.problem import Problem
 from q8rules.kernels.reference import q8_matmul_reference
 from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -32,6 +33,11 @@ TPU_CASES = [
   (1, 3072, 40),
 ]
 GPU_CASES = [(1, 1024, 40), (16, 2048, 128), (7, 3072, 200)]
+
+
+def problem(m: int, k: int, n: int, backend: str) -> Problem:
+  """The problem of an (m, K) x (K, N) product with bf16 activations on `backend`."""
+  return Problem.of(m, k, n, jnp.bfloat16, backend)
 
 
 def operands(rng: np.random.Generator, m: int, k: int, n: int, scale_dtype=np.float32):
@@ -228,15 +234,20 @@ def test_applies_and_reasons():
   assert fold_applies(1, 4096, 40, backend="tpu")  # a chip's 24 of 48 heads, one padded tile
   assert fold_applies(16, 8192, 28672, backend="gpu")
   assert fold_applies(8, 1024, 128, backend="cpu")  # the TPU form, interpreted
-  assert fold_reason(9, 4096, 4096, backend="tpu") == "m=9 > 8 tile rows"
-  assert fold_reason(64, 4096, 4096, backend="cpu") == "m=64 > 8 tile rows"
-  assert fold_reason(17, 4096, 4096, backend="gpu") == "m=17 > 16 tile rows"
-  assert fold_reason(16, 4096, 4096, backend="cuda") is None
-  assert fold_reason(1, 1000, 4096, backend="tpu") == "K=1000 not a multiple of 32"
-  assert fold_reason(0, 1024, 128, backend="tpu") is not None
+  assert fold.cannot(problem(9, 4096, 4096, "tpu")) == "m=9 > 8 tile rows"
+  assert fold.cannot(problem(64, 4096, 4096, "cpu")) == "m=64 > 8 tile rows"
+  assert fold.cannot(problem(17, 4096, 4096, "gpu")) == "m=17 > 16 tile rows"
+  assert fold.cannot(problem(16, 4096, 4096, "cuda")) is None
+  assert fold.slower(problem(16, 4096, 4096, "cuda")) is None
+  assert fold.cannot(problem(1, 1000, 4096, "tpu")) == "K=1000 not a multiple of 32"
+  assert fold.cannot(problem(0, 1024, 128, "tpu")) is not None
+  # On CPU the fold only interprets: it can run, and `implementation=None` passes it over.
+  assert fold.cannot(problem(8, 1024, 128, "cpu")) is None
+  assert "interpret" in fold.slower(problem(8, 1024, 128, "cpu"))
   # Too few columns: x re-read for 8 outputs costs more than a dense bf16 weight.
   assert not fold_applies(8, 1024, 8, backend="tpu")
-  assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
+  assert fold.cannot(problem(8, 1024, 8, "tpu")) is None
+  assert "column tiles" in fold.slower(problem(8, 1024, 8, "tpu"))
   # float32 rows on GPU: 16 rows x 4 bytes over 64-column tiles re-read x too often.
   assert fold_applies(16, 4096, 4096, backend="gpu", itemsize=2)
   assert not fold_applies(16, 4096, 4096, backend="gpu", itemsize=4)
@@ -291,7 +302,7 @@ def test_forced_fold_runs_past_the_bytes_rule(rng):
   'fold' still runs it, correctly."""
   x, q, scale = operands(rng, 8, 1024, 8)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
-  assert "column tiles" in fold_reason(8, 1024, 8, backend="tpu")
+  assert "column tiles" in fold.slower(problem(8, 1024, 8, "tpu"))
   assert resolve(8, 1024, 8, backend="tpu") == "xla_dequant"
   y = q8_matmul(x, w, implementation="fold")
   assert rel_err(y, reference64(x, q, scale)) <= 1e-6
@@ -303,7 +314,7 @@ def test_rejects_k_not_whole_blocks(rng):
   scale = rng.uniform(0.01, 0.1, (31, 128)).astype(np.float32)
   with pytest.raises(ValueError, match="K=1000 not a multiple of 32"):
     q8_fold(x, q, scale, backend="tpu")
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="q8_matmul: K=1000 not a multiple of 32"):
     q8_matmul(x, Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale)), implementation="fold")
 
 
@@ -315,10 +326,12 @@ def test_rejects_bad_dtypes_and_shapes(rng):
     q8_fold(x.astype(np.int32), q, scale)
   with pytest.raises(TypeError, match="scales"):
     q8_fold(x, q, jnp.asarray(scale, jnp.bfloat16))
-  with pytest.raises(ValueError, match="does not contract with K=1024"):
+  with pytest.raises(ValueError, match="do not contract with a weight of K=1024"):
     q8_fold(rng.standard_normal((2, 2048)).astype(np.float32), q, scale)
   with pytest.raises(ValueError, match="scale shape"):
     q8_fold(x, q, scale[:, :64])
+  with pytest.raises(ValueError, match=r"q8_fold: x must be \(m, K\), got shape \(1024,\)"):
+    q8_fold(x[0], q, scale)
   with pytest.raises(ValueError, match="column tile"):
     fold_tpu(x, q[:, :40], scale[:, :40], interpret=True)
   with pytest.raises(ValueError, match="power of two"):

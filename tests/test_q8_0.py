@@ -10,7 +10,7 @@ import pytest
 from gguf.quants import quantize as gguf_quantize
 
 import q8rules
-from q8rules.q8_0 import BLOCK
+from q8rules.q8_0 import BLOCK, dequantize_blocks
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -112,6 +112,25 @@ def test_dequantize_roundtrip(rng):
   # bfloat16 weights dequantise to bfloat16
   ab = q8rules.quantize(jnp.asarray(w, jnp.bfloat16))
   assert q8rules.dequantize(ab).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_dequantize_blocks_is_q_times_d_in_float32(rng, dtype):
+  """The one dequantiser: each value times its block's scale, correctly rounded to float32
+  (the float64 product is exact), then cast to `dtype`; a K-slice of whole blocks gives those rows; more axes after K ride along; a scale
+  that does not fit the blocks is an error, not a broadcast."""
+  q = rng.integers(-127, 128, (96, 3, 5), dtype=np.int8)
+  for scale_dtype in (np.float32, np.float16):
+    d = rng.uniform(0.01, 2.0, (3, 3, 5)).astype(scale_dtype)
+    out = dequantize_blocks(jnp.asarray(q), jnp.asarray(d), dtype)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = q.astype(np.float64) * np.repeat(d.astype(np.float64), BLOCK, axis=0)  # exact
+    want = np.asarray(jnp.asarray(ref.astype(np.float32), dtype), np.float64)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), want)
+    rows = dequantize_blocks(jnp.asarray(q[32:64]), jnp.asarray(d[1:2]), dtype)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(out[32:64]))
+  with pytest.raises(TypeError):  # one scale row for two blocks
+    dequantize_blocks(jnp.asarray(q[:64]), jnp.asarray(d[:1]))
 
 
 def test_zero_block_gives_zero_scale():

@@ -196,12 +196,16 @@ def test_default_chunk_is_a_block_multiple():
 
 
 @pytest.mark.parametrize(
-  "xs,qs,ss",
-  [((2, 64), (32, 8), (1, 8)), ((2, 64), (64, 8), (1, 8)), ((2, 48), (48, 8), (1, 8))],
+  "xs,qs,ss,match",
+  [
+    ((2, 64), (32, 8), (1, 8), r"activations of shape \(2, 64\) do not contract .* K=32"),
+    ((2, 64), (64, 8), (1, 8), r"scale shape \(1, 8\) does not match values \(64, 8\)"),
+    ((2, 48), (48, 8), (1, 8), "K=48 not a multiple of 32"),
+  ],
 )
-def test_mismatched_shapes_raise(xs, qs, ss):
+def test_mismatched_shapes_raise(xs, qs, ss, match):
+  """The implementations trust their operands: `q8_matmul` checks them, naming itself."""
   x = jnp.ones(xs, jnp.float32)
-  q = jnp.ones(qs, jnp.int8)
-  s = jnp.ones(ss, jnp.float32)
-  with pytest.raises(ValueError, match="do not fit"):
-    q8_matmul_xla(x, q, s)
+  w = Q8Array(jnp.ones(qs, jnp.int8), jnp.ones(ss, jnp.float32))
+  with pytest.raises(ValueError, match="q8_matmul: " + match):
+    q8rules.q8_matmul(x, w, implementation="xla")

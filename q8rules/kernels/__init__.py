@@ -1,10 +1,11 @@
 """One product, several implementations, one switch: `q8_matmul(x, w, implementation=None)`.
 
 The registry and the only function that picks an implementation (`resolve`) are
-in `api.py`; each implementation is a file named for what it is:
-`pallas_mosaic_tpu.py` and `pallas_triton.py` (the fold's two forms, wrapped by
-`fold.py`), `cpu_native.py` (+ `cpu/q8_gemv.cc`), `xla_chunked.py`, `xla_dequant.py`,
-`reference.py`.
+in `api.py`; what a product is (its operand check, its `Problem`, the platforms) in
+`problem.py`; each implementation is a module named for what it is, with its own
+`cannot`, `slower` and `run`: `fold.py` (over `pallas_mosaic_tpu.py` and
+`pallas_triton.py`, the fold's two forms), `cpu_native.py` (+ `cpu/q8_gemv.cc`),
+`xla_chunked.py`, `xla_dequant.py`, `reference.py`.
 """
 
 from q8rules.kernels.api import (
@@ -23,7 +24,7 @@ from q8rules.kernels.api import (
   why_not,
 )
 from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks
-from q8rules.kernels.fold import fold_applies, fold_reason, q8_fold
+from q8rules.kernels.fold import fold_applies, q8_fold
 
 __all__ = [
   "CPU_MAX_ROWS",
@@ -37,7 +38,6 @@ __all__ = [
   "check_operands",
   "export_checks",
   "fold_applies",
-  "fold_reason",
   "platform_of",
   "q8_fold",
   "q8_matmul",

@@ -1,11 +1,12 @@
 """The one place that decides which Q8_0 product implementation runs, and `q8_matmul`.
 
-A registry of implementations (tokamax's model): each says where it cannot run
-(`cannot`) and where `implementation=None` passes it over for a faster one
-(`slower`). `resolve` is the only function that picks; `q8_matmul`, the per-shard
-product, `Q8Rule` validation and the report all call it. The choice is made
-again when the product is lowered, per platform (`q8_product_p`), so one
-`jax.export` artifact runs the right kernel on CPU, GPU and TPU.
+A registry of implementations (tokamax's model), one module each (`MODULES`): each says
+where it cannot run (`cannot`), where `implementation=None` passes it over for a faster
+one (`slower`), and runs the product on checked operands (`run`). `resolve` is the only
+function that picks; `q8_matmul`, the per-shard product, `Q8Rule` validation and the
+report all call it. Operands are checked once, here (`check_operands`, from `problem`).
+The choice is made again when the product is lowered, per platform (`q8_product_p`), so
+one `jax.export` artifact runs the right kernel on CPU, GPU and TPU.
 """
 
 from __future__ import annotations
@@ -13,58 +14,44 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from q8rules.kernels import cpu_native, fold
+from q8rules.kernels import cpu_native, fold, reference, xla_chunked, xla_dequant
 from q8rules.kernels._bilinear import bilinear_product
-from q8rules.kernels.reference import q8_matmul_reference
-from q8rules.kernels.xla_chunked import q8_matmul_xla
-from q8rules.kernels.xla_dequant import q8_matmul_dequant
-from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.kernels.cpu_native import CPU_MAX_ROWS
+from q8rules.kernels.problem import (
+  ACTIVATION_DTYPES,
+  PLATFORM_OF,
+  PLATFORMS,
+  Problem,
+  check_operands,
+  platform_of,
+)
+from q8rules.q8_0 import Q8Array
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-"""The platforms `resolve` knows ('cuda' and 'rocm' are 'gpu')."""
-
-_PLATFORM_OF = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 _LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-
-CPU_MAX_ROWS = 16
-"""The most activation rows for which `implementation=None` runs the native CPU kernel on CPU
-(past that XLA's GEMM is faster; benchmarks/RESULTS.md)."""
-
-ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 ImplementationArg = str | Sequence[str] | None
 """`implementation=`: None (the best for the platform and shape), a name, or names tried in order."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
-  """One product `(m, K) @ (K, N)` on a platform; `itemsize`: bytes of an activation value."""
-
-  m: int
-  k: int
-  n: int
-  itemsize: int
-  platform: str
-
-
-@dataclasses.dataclass(frozen=True)
 class Implementation:
-  """One way to compute `x2d (m, K) @ (q (K, N) int8 * scale (K/32, N))` -> (m, N) float32.
+  """One way to compute `x2d (m, K) @ (q (K, N) int8 * scale (K/32, N))` -> (m, N) float32:
+  an implementation module's `NAME`, `SUMMARY`, `cannot`, `slower`, `run` and `ROUNDS_WEIGHT`.
 
   Attributes:
     name: what `implementation=` calls it.
     summary: one line for docs and errors.
     cannot: why it cannot run a problem (None: it can).
     slower: why `implementation=None` passes it over for the next one (None: pick it).
-    run: `run(x2d, q, scale, platform, interpret)` -> (m, N) float32.
+    run: `run(x2d, q, scale, platform, interpret)` -> (m, N) float32, on checked operands.
     rounds_weight: True when bf16/f16 activations meet the weight rounded to their dtype
       (the product within that dtype's accuracy of float64); False when every product
       is exact and only float32 accumulation rounds.
@@ -77,88 +64,19 @@ class Implementation:
   run: Callable[[jax.Array, jax.Array, jax.Array, str, bool | None], jax.Array]
   rounds_weight: bool = False
 
-
-def _never(p: Problem) -> None:
-  del p
-
-
-def _cpu_cannot(p: Problem) -> str | None:
-  if p.platform != "cpu":
-    return f"the native CPU kernel runs on the CPU only, not {p.platform}"
-  if not cpu_native.available():
-    return f"the native CPU kernel is unavailable here: {cpu_native.unavailable_reason()}"
-  return None
+  @classmethod
+  def of(cls, module: ModuleType) -> Implementation:
+    """The implementation an implementation module defines."""
+    return cls(
+      module.NAME, module.SUMMARY, module.cannot, module.slower, module.run, module.ROUNDS_WEIGHT
+    )
 
 
-def _cpu_slower(p: Problem) -> str | None:
-  if p.m > CPU_MAX_ROWS:
-    return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
-  return None
+MODULES = (fold, cpu_native, xla_chunked, xla_dequant, reference)
+"""The implementation modules, each with `NAME`, `SUMMARY`, `ROUNDS_WEIGHT`, `cannot`, `slower`
+and `run`."""
 
-
-def _fold_cannot(p: Problem) -> str | None:
-  return fold.fold_shape_reason(p.m, p.k, p.n, backend=p.platform)
-
-
-def _fold_slower(p: Problem) -> str | None:
-  if p.platform == "cpu":
-    return "on CPU the fold runs only in Pallas interpret mode"
-  return fold.fold_reason(p.m, p.k, p.n, backend=p.platform, itemsize=p.itemsize)
-
-
-def _dequant_slower(p: Problem) -> str | None:
-  if p.platform == "cpu":
-    return "on CPU the cache-sized scan ('xla') is faster (docs/design.md)"
-  return None
-
-
-def _run_fold(x2d, q, scale, platform: str, interpret: bool | None) -> jax.Array:
-  interpret = platform == "cpu" if interpret is None else interpret
-  return fold.q8_fold(x2d, q, scale, backend=platform, interpret=interpret)
-
-
-REGISTRY: dict[str, Implementation] = {
-  impl.name: impl
-  for impl in (
-    Implementation(
-      "fold",
-      "the Pallas fold (Mosaic TPU, Triton GPU; interpret mode on CPU), decode-shaped products",
-      _fold_cannot,
-      _fold_slower,
-      _run_fold,
-    ),
-    Implementation(
-      "cpu",
-      "the native CPU kernel (C++ through XLA's FFI, built on first use)",
-      _cpu_cannot,
-      _cpu_slower,
-      lambda x2d, q, scale, platform, interpret: cpu_native.q8_matmul_cpu(x2d, q, scale),
-    ),
-    Implementation(
-      "xla",
-      "K-chunked dequantise-and-dot in plain XLA, every shape and backend",
-      _never,
-      _never,
-      lambda x2d, q, scale, platform, interpret: q8_matmul_xla(x2d, q, scale),
-    ),
-    Implementation(
-      "xla_dequant",
-      "the weight dequantised into the activations' dtype in large pieces, one dot each"
-      " (many-row products on GPU and TPU)",
-      _never,
-      _dequant_slower,
-      lambda x2d, q, scale, platform, interpret: q8_matmul_dequant(x2d, q, scale),
-      rounds_weight=True,
-    ),
-    Implementation(
-      "reference",
-      "dequantise the whole weight, then one dot (the yardstick; slow)",
-      _never,
-      lambda p: "the reference is for tests",
-      lambda x2d, q, scale, platform, interpret: q8_matmul_reference(x2d, q, scale),
-    ),
-  )
-}
+REGISTRY: dict[str, Implementation] = {m.NAME: Implementation.of(m) for m in MODULES}
 """Every implementation, by name."""
 
 IMPLEMENTATIONS = tuple(REGISTRY)
@@ -171,14 +89,6 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 """What `implementation=None` tries, in order, per platform; the last always applies. On GPU
 and TPU the fold takes decode shapes and the dequantise-then-dot the rest (provisional until
 measured on the devices: docs/design.md, "GPU dispatch")."""
-
-
-def platform_of(backend: str | None = None) -> str:
-  """'cpu', 'gpu' or 'tpu' for a backend or platform name (None: `jax.default_backend()`)."""
-  name = (backend or jax.default_backend()).lower()
-  if name not in _PLATFORM_OF:
-    raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_PLATFORM_OF)}")
-  return _PLATFORM_OF[name]
 
 
 def check_implementation(
@@ -202,7 +112,7 @@ def why_not(
 ) -> str | None:
   """Why implementation `name` cannot run an (m, K) x (K, N) product on `backend` (None: it can)."""
   check_implementation(name)
-  p = Problem(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+  p = Problem.of(m, k, n, dtype, backend)
   return REGISTRY[name].cannot(p)
 
 
@@ -229,7 +139,7 @@ def resolve(
       each one's reason.
   """
   check_implementation(implementation)
-  p = Problem(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+  p = Problem.of(m, k, n, dtype, backend)
   if implementation is None:
     for name in DEFAULT_ORDER[p.platform]:
       impl = REGISTRY[name]
@@ -247,33 +157,6 @@ def resolve(
     f"implementation={implementation!r} cannot run ({p.m}, {p.k}) x ({p.k}, {p.n}) on"
     f" {p.platform}: {'; '.join(reasons)}; use 'xla', which runs every shape"
   )
-
-
-def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None:
-  """Raise a clear error when x (..., K) and the Q8_0 weight (K, N) do not fit together."""
-  if not isinstance(w, Q8Array):
-    raise TypeError(f"{what}: the weight must be a Q8Array, got {type(w).__name__}")
-  if w.ndim != 2 or w.axis != 0:
-    raise ValueError(
-      f"{what}: the weight must be 2-D (K, N) blocked along axis 0, got shape"
-      f" {w.shape} blocked along axis {w.axis}"
-    )
-  if np.dtype(w.q.dtype) != np.dtype(np.int8):
-    raise TypeError(f"{what}: Q8_0 values must be int8, got {w.q.dtype}")
-  if np.dtype(w.scale.dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
-    raise TypeError(f"{what}: Q8_0 scales must be float32 or float16, got {w.scale.dtype}")
-  k, n = w.shape
-  if k % BLOCK or tuple(w.scale.shape) != (k // BLOCK, n):
-    raise ValueError(
-      f"{what}: scale shape {tuple(w.scale.shape)} does not match values {w.shape}"
-      f" (expected ({k // BLOCK}, {n}) with K a multiple of {BLOCK})"
-    )
-  if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
-    raise TypeError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
-  if x.ndim < 1 or x.shape[-1] != k:
-    raise ValueError(
-      f"{what}: activations of shape {tuple(x.shape)} do not contract with a weight of K={k} rows"
-    )
 
 
 # ---- the product, dispatched when it is lowered ----------------------------------------
@@ -305,7 +188,7 @@ def _impl(x2d, q, scale, **params):
 for _lp in _LOWERING_PLATFORMS:
   mlir.register_lowering(
     q8_product_p,
-    mlir.lower_fun(functools.partial(_run_on, _PLATFORM_OF[_lp]), multiple_results=False),
+    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
     platform=_lp,
   )
 
@@ -380,6 +263,8 @@ __all__ = [
   "CPU_MAX_ROWS",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
+  "MODULES",
+  "PLATFORMS",
   "REGISTRY",
   "Implementation",
   "ImplementationArg",

@@ -30,7 +30,16 @@ import jax.numpy as jnp
 import jaxlib
 
 from q8rules.kernels._bilinear import bilinear_product
-from q8rules.q8_0 import BLOCK
+from q8rules.kernels.problem import Problem
+
+NAME = "cpu"
+SUMMARY = "the native CPU kernel (C++ through XLA's FFI, built on first use)"
+ROUNDS_WEIGHT = False
+"""Every product is exact; only the float32 accumulation rounds."""
+
+CPU_MAX_ROWS = 16
+"""The most activation rows for which `implementation=None` runs the native CPU kernel on CPU
+(past that XLA's GEMM is faster; benchmarks/RESULTS.md)."""
 
 TARGET = "q8rules_q8_gemv"
 """The FFI target name the kernel is registered under (CPU platform)."""
@@ -184,20 +193,38 @@ def q8_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   Returns:
     (M, N) float32, accumulated in float32 per 32-row block.
 
+  The operands are trusted (`q8_matmul` checks them: `problem.check_operands`).
+
   Raises:
     RuntimeError: the kernel is unavailable here (`unavailable_reason()`).
-    ValueError: the shapes do not fit.
   """
   m, k = x.shape
   n = q.shape[1]
-  if q.shape[0] != k or tuple(scale.shape) != (k // BLOCK, n) or k % BLOCK:
-    raise ValueError(
-      f"q8_matmul_cpu: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
-      f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
-    )
   if not available():
     raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
   x = x.astype(jnp.float32)
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), jnp.float32)
   return _product_diff(x, q, scale)
+
+
+def cannot(p: Problem) -> str | None:
+  """Why the native kernel cannot run `p`: not on the CPU, or not built here (None: it can)."""
+  if p.platform != "cpu":
+    return f"the native CPU kernel runs on the CPU only, not {p.platform}"
+  if not available():
+    return f"the native CPU kernel is unavailable here: {unavailable_reason()}"
+  return None
+
+
+def slower(p: Problem) -> str | None:
+  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows."""
+  if p.m > CPU_MAX_ROWS:
+    return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
+  return None
+
+
+def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):
+  """The registry's call: `q8_matmul_cpu(x2d, q, scale)`, (m, N) float32."""
+  del platform, interpret
+  return q8_matmul_cpu(x2d, q, scale)

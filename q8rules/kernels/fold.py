@@ -17,6 +17,9 @@ zero scales (N=40, a tensor-parallel chip's share of heads, becomes one tile of
 128 on TPU), so the pad's sums land only in the result's pad, which is sliced
 off. Padding copies the weight on each call: keep N a multiple of the tile
 (128 on TPU, 64 on GPU) for weights that are served often.
+
+As one of `kernels.api`'s implementations the module gives `cannot` (the shape; on GPU, a
+device too old for Triton), `slower` (the bytes rule; always on CPU) and `run`.
 """
 
 from __future__ import annotations
@@ -28,15 +31,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.kernels import pallas_mosaic_tpu, pallas_triton
-from q8rules.q8_0 import BLOCK
+from q8rules.kernels.problem import Problem, check_operands, platform_of
+from q8rules.q8_0 import BLOCK, Q8Array, dequantize_blocks
+
+NAME = "fold"
+SUMMARY = "the Pallas fold (Mosaic TPU, Triton GPU; interpret mode on CPU), decode-shaped products"
+ROUNDS_WEIGHT = False
+"""Every product is exact; only the float32 accumulation rounds."""
 
 TILE_ROWS = {"tpu": pallas_mosaic_tpu.TILE_ROWS, "gpu": pallas_triton.TILE_ROWS}
 """Rows one fold call takes, per kernel form: TPU 8, GPU 16."""
 
-_FORMS = {"tpu": "tpu", "cpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+_FORM_OF = {"tpu": "tpu", "cpu": "tpu", "gpu": "gpu"}  # per platform; the CPU interprets TPU's
+_KERNELS = {"tpu": pallas_mosaic_tpu, "gpu": pallas_triton}
 _DENSE_BYTES = 2.0  # a bf16 weight value
 _Q8_BYTES = 1.125  # an int8 value plus 1/32 of an f32 scale
-_X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def kernel_form(backend: str | None = None) -> str:
@@ -45,15 +54,14 @@ def kernel_form(backend: str | None = None) -> str:
   backend: 'tpu', 'gpu' ('cuda', 'rocm'), 'cpu' (the TPU form, interpreted) or
   None for `jax.default_backend()`.
   """
-  backend = (backend or jax.default_backend()).lower()
-  if backend not in _FORMS:
-    raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(_FORMS)}")
-  return _FORMS[backend]
+  return _FORM_OF[platform_of(backend)]
 
 
-def _column_tiles(n: int, form: str) -> int:
-  module = pallas_mosaic_tpu if form == "tpu" else pallas_triton
-  return -(-n // module.column_tile(n))
+def padded_columns(n: int, form: str, block_n: int | None = None) -> int:
+  """N rounded up to a whole number of the form's column tiles (`block_n`, default the
+  form's `column_tile(N)`)."""
+  tn = block_n or _KERNELS[form].column_tile(n)
+  return -(-n // tn) * tn
 
 
 def _shape_reason(m: int, k: int, n: int, form: str) -> str | None:
@@ -70,38 +78,14 @@ def _shape_reason(m: int, k: int, n: int, form: str) -> str | None:
   return None
 
 
-def fold_shape_reason(m: int, k: int, n: int, *, backend: str | None = None) -> str | None:
-  """Why the fold kernel cannot take an (m, K) x (K, N) product on `backend` at all, or None:
-  the shape, or (GPU) a device older than the Triton form needs."""
-  form = kernel_form(backend)
-  if form == "gpu" and (reason := pallas_triton.device_reason()):
-    return reason
-  return _shape_reason(m, k, n, form)
-
-
-def fold_reason(
-  m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2
-) -> str | None:
-  """Why the fold does not apply to an (m, K) x (K, N) product; None when it does.
-
-  Args:
-    m, k, n: rows of activations, contraction size, columns of the weight.
-    backend: 'tpu' (8 tile rows), 'gpu'/'cuda'/'rocm' (16), 'cpu' (the TPU
-      form, interpreted: 8) or None for `jax.default_backend()`.
-    itemsize: bytes of an activation value (2 for bf16, 4 for float32).
-
-  Returns:
-    e.g. 'm=64 > 8 tile rows', 'K=1000 not a multiple of 32', or None.
-  """
-  form = kernel_form(backend)
-  reason = fold_shape_reason(m, k, n, backend=backend)
-  if reason:
-    return reason
-  tiles = _column_tiles(n, form)
-  fold_bytes = m * k * itemsize * tiles + k * n * _Q8_BYTES
-  if form == "gpu" and (splits := pallas_triton.k_splits(k, n)) > 1:
-    fold_bytes += 8 * splits * m * n  # the f32 partials, written and read
-  dense_bytes = k * n * _DENSE_BYTES
+def _bytes_reason(p: Problem) -> str | None:
+  """Why the fold moves more bytes than a dense bf16 weight for `p` (None: it moves fewer)."""
+  form = _FORM_OF[p.platform]
+  tiles = padded_columns(p.n, form) // _KERNELS[form].column_tile(p.n)
+  fold_bytes = p.m * p.k * p.itemsize * tiles + p.k * p.n * _Q8_BYTES
+  if form == "gpu" and (splits := pallas_triton.k_splits(p.k, p.n)) > 1:
+    fold_bytes += 8 * splits * p.m * p.n  # the f32 partials, written and read
+  dense_bytes = p.k * p.n * _DENSE_BYTES
   if fold_bytes > dense_bytes:
     return (
       f"the fold moves {fold_bytes:.0f} bytes (x re-read over {tiles} column tiles)"
@@ -110,11 +94,30 @@ def fold_reason(
   return None
 
 
+def cannot(p: Problem) -> str | None:
+  """Why the fold kernel cannot take `p` at all, or None: the shape (m over the form's tile
+  rows, K not whole blocks, nothing to fold), or (GPU) a device older than Triton needs."""
+  if p.platform == "gpu" and (reason := pallas_triton.device_reason()):
+    return reason
+  return _shape_reason(p.m, p.k, p.n, _FORM_OF[p.platform])
+
+
+def slower(p: Problem) -> str | None:
+  """Why `implementation=None` passes the fold over for `p`: on CPU it only interprets; else
+  when it moves more bytes than a dense bf16 weight (m*K*itemsize*column_tiles + K*N*1.125,
+  plus the GPU form's f32 partials, against K*N*2)."""
+  if p.platform == "cpu":
+    return "on CPU the fold runs only in Pallas interpret mode"
+  return _bytes_reason(p)
+
+
 def fold_applies(m: int, k: int, n: int, *, backend: str | None = None, itemsize: int = 2) -> bool:
-  """Whether the fold runs an (m, K) x (K, N) product on `backend` (see `fold_reason`):
-  m up to a tile's rows (TPU 8, GPU 16), whole Q8_0 blocks of K, and no more
-  bytes moved than a dense bf16 weight."""
-  return fold_reason(m, k, n, backend=backend, itemsize=itemsize) is None
+  """Whether the fold suits an (m, K) x (K, N) product on `backend` ('tpu', 'gpu', 'cuda',
+  'rocm', 'cpu' (the TPU form, interpreted), None: `jax.default_backend()`) with activations
+  of `itemsize` bytes: m up to a tile's rows (TPU 8, GPU 16), whole Q8_0 blocks of K, and no
+  more bytes moved than a dense bf16 weight (see `cannot` and `slower`)."""
+  p = Problem(int(m), int(k), int(n), int(itemsize), platform_of(backend))
+  return cannot(p) is None and _bytes_reason(p) is None
 
 
 def _run_kernel(
@@ -122,9 +125,8 @@ def _run_kernel(
 ) -> jax.Array:
   """The kernel on N padded to whole column tiles: (m, N) float32."""
   n = q.shape[1]
-  module = pallas_mosaic_tpu if form == "tpu" else pallas_triton
-  tn = block_n or module.column_tile(n)
-  pad = module.padded_columns(n, tn) - n
+  tn = block_n or _KERNELS[form].column_tile(n)
+  pad = padded_columns(n, form, tn) - n
   if pad:  # zero values and zero scales: the pad's sums stay in the pad
     q = jnp.pad(q, ((0, 0), (0, pad)))
     scale = jnp.pad(scale, ((0, 0), (0, pad)))
@@ -155,9 +157,8 @@ def _fold_bwd(form, block_n, splits, interpret, res, dy):
   m, k = x2d.shape
   n = q.shape[1]
   hi = jax.lax.Precision.HIGHEST
+  dx = jnp.dot(dy, dequantize_blocks(q, scale).T, precision=hi).astype(x2d.dtype)
   qb = q.astype(jnp.float32).reshape(k // BLOCK, BLOCK, n)
-  w = (qb * scale.astype(jnp.float32)[:, None, :]).reshape(k, n)
-  dx = jnp.dot(dy, w.T, precision=hi).astype(x2d.dtype)
   xb = x2d.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   block_dots = jnp.einsum("rbi,bin->rbn", xb, qb, precision=hi)
   dscale = jnp.einsum("rbn,rn->bn", block_dots, dy, precision=hi).astype(scale.dtype)
@@ -169,26 +170,12 @@ _fold.defvjp(_fold_fwd, _fold_bwd)
 _fold_jit = jax.jit(_fold, static_argnums=(3, 4, 5, 6))
 
 
-def check_fold_operands(x2d: jax.Array, q: jax.Array, scale: jax.Array) -> None:
-  """Raise TypeError/ValueError unless x2d (m, K), q (K, N) int8, scale (K/32, N) fit."""
-  if np.dtype(x2d.dtype) not in _X_DTYPES:
-    raise TypeError(f"q8_fold: activations must be float32, bfloat16 or float16, got {x2d.dtype}")
-  if np.dtype(q.dtype) != np.dtype(np.int8):
-    raise TypeError(f"q8_fold: Q8_0 values must be int8, got {q.dtype}")
-  if np.dtype(scale.dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
-    raise TypeError(f"q8_fold: Q8_0 scales must be float32 or float16, got {scale.dtype}")
-  if x2d.ndim != 2 or q.ndim != 2:
-    raise ValueError(f"q8_fold: x must be (m, K) and q (K, N), got {x2d.shape} and {q.shape}")
-  k, n = q.shape
-  if x2d.shape[1] != k:
-    raise ValueError(f"q8_fold: x of shape {tuple(x2d.shape)} does not contract with K={k} rows")
-  if k % BLOCK:
-    raise ValueError(f"q8_fold: K={k} not a multiple of {BLOCK}")
-  if tuple(scale.shape) != (k // BLOCK, n):
-    raise ValueError(
-      f"q8_fold: scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)}"
-      f" (expected {(k // BLOCK, n)})"
-    )
+def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):
+  """The registry's call: x2d (m, K) @ (q (K, N) int8 * scale (K/32, N)) -> (m, N) float32,
+  with the form of `platform` ('cpu', 'gpu', 'tpu'; operands and shape already checked);
+  `interpret` None: on CPU only."""
+  interpret = platform == "cpu" if interpret is None else interpret
+  return _fold_jit(x2d, q, scale, _FORM_OF[platform], None, None, bool(interpret))
 
 
 def q8_fold(
@@ -221,7 +208,9 @@ def q8_fold(
   not on the bytes rule of `fold_applies`, which is advice on speed.
   """
   form = kernel_form(backend)
-  check_fold_operands(x2d, q, scale)
+  check_operands(x2d, Q8Array(q=q, scale=scale), what="q8_fold")
+  if x2d.ndim != 2:
+    raise ValueError(f"q8_fold: x must be (m, K), got shape {tuple(x2d.shape)}")
   reason = _shape_reason(x2d.shape[0], q.shape[0], q.shape[1], form)
   if reason:
     raise ValueError(f"q8_fold ({form} form): {reason}")
@@ -233,11 +222,15 @@ def q8_fold(
 
 
 __all__ = [
+  "NAME",
+  "ROUNDS_WEIGHT",
+  "SUMMARY",
   "TILE_ROWS",
-  "check_fold_operands",
-  "fold_shape_reason",
-  "kernel_form",
-  "q8_fold",
+  "cannot",
   "fold_applies",
-  "fold_reason",
+  "kernel_form",
+  "padded_columns",
+  "q8_fold",
+  "run",
+  "slower",
 ]

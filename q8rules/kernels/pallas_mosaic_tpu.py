@@ -80,12 +80,6 @@ def column_tile(n: int) -> int:
   return LANES
 
 
-def padded_columns(n: int, block_n: int | None = None) -> int:
-  """N rounded up to a whole number of column tiles."""
-  tn = block_n or column_tile(n)
-  return -(-n // tn) * tn
-
-
 def _fold_kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, precision, unroll):
   """One (column tile, K step) of the fold.
 
@@ -195,4 +189,4 @@ def fold_tpu(
   return out[:m]
 
 
-__all__ = ["TILE_ROWS", "MAX_BLOCK_K", "block_k", "column_tile", "fold_tpu", "padded_columns"]
+__all__ = ["TILE_ROWS", "MAX_BLOCK_K", "block_k", "column_tile", "fold_tpu"]

@@ -145,12 +145,6 @@ def column_tile(n: int) -> int:
   return BLOCK_N
 
 
-def padded_columns(n: int, block_n: int | None = None) -> int:
-  """N rounded up to a whole number of column tiles."""
-  tn = block_n or column_tile(n)
-  return -(-n // tn) * tn
-
-
 def _fold_kernel(x_ref, q_ref, s_ref, o_ref, *, rows, group, precision):
   """One column tile of one K slice.
 
@@ -249,6 +243,5 @@ __all__ = [
   "column_tile",
   "fold_gpu",
   "k_splits",
-  "padded_columns",
   "sm_count",
 ]

@@ -15,7 +15,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from q8rules.q8_0 import BLOCK
+from q8rules.kernels.problem import Problem
+from q8rules.q8_0 import BLOCK, dequantize_blocks
+
+NAME = "xla"
+SUMMARY = "K-chunked dequantise-and-dot in plain XLA, every shape and backend"
+ROUNDS_WEIGHT = False
+"""Every product is exact; only the float32 accumulation rounds."""
 
 CHUNK_BYTES = 8 << 20
 """Bytes of the float32 chunk one scan step dequantises (see `default_chunk`)."""
@@ -44,21 +50,11 @@ def _chunk_rows(k: int, chunk: int) -> int:
   return max(BLOCK, min(chunk, k) // BLOCK * BLOCK)
 
 
-def _dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
-  """`q * d` for rows of a Q8_0 weight: q (r, N) int8, scale (r/32, N) -> (r, N) float32."""
-  r, n = q.shape
-  w = q.reshape(r // BLOCK, BLOCK, n).astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]
-  return w.reshape(r, n)
-
-
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x (M, r) float32 @ w (r, N) float32 -> (M, N) float32, full float32 precision."""
-  return jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-
 def _rows_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  """x (M, r) float32 @ dequantised rows q (r, N) int8 / scale (r/32, N) -> (M, N) float32."""
-  return _dot(x, _dequantize_rows(q, scale))
+  """x (M, r) float32 @ dequantised rows q (r, N) int8 / scale (r/32, N) -> (M, N) float32,
+  at full float32 precision."""
+  w = dequantize_blocks(q, scale)
+  return jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 def q8_matmul_xla(
@@ -77,23 +73,13 @@ def q8_matmul_xla(
 
   Returns:
     (M, N) float32, accumulated in float32.
+
+  The operands are trusted (`q8_matmul` checks them: `problem.check_operands`).
   """
-  m, k, n = check_parts(x, q, scale, what="q8_matmul_xla")
-  c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
-  return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
-
-
-def check_parts(x: jax.Array, q: jax.Array, scale: jax.Array, *, what: str) -> tuple[int, int, int]:
-  """(M, K, N) of x (M, K), q (K, N) and scale (K/32, N); a ValueError naming `what` when
-  they do not fit or K is not whole Q8_0 blocks."""
   m, k = x.shape
   n = q.shape[1]
-  if q.shape[0] != k or scale.shape != (k // BLOCK, n) or k % BLOCK:
-    raise ValueError(
-      f"{what}: x {x.shape}, q {q.shape} and scale {scale.shape} do not fit"
-      f" (expected q (K, N), scale (K/32, N), K a multiple of {BLOCK})"
-    )
-  return m, k, n
+  c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
+  return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
 
 
 def scan_row_chunks(
@@ -125,3 +111,19 @@ def scan_row_chunks(
       x[:, main:], q[main:], scale[main // BLOCK :]
     )
   return acc
+
+
+def cannot(p: Problem) -> None:
+  """The XLA scan runs every problem."""
+  del p
+
+
+def slower(p: Problem) -> None:
+  """Nothing is faster everywhere: the XLA scan is where `implementation=None` ends."""
+  del p
+
+
+def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):
+  """The registry's call: `q8_matmul_xla(x2d, q, scale)`, (m, N) float32."""
+  del platform, interpret
+  return q8_matmul_xla(x2d, q, scale)

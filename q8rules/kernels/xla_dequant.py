@@ -19,8 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels.xla_chunked import check_parts, scan_row_chunks
-from q8rules.q8_0 import BLOCK
+from q8rules.kernels.problem import Problem
+from q8rules.kernels.xla_chunked import scan_row_chunks
+from q8rules.q8_0 import BLOCK, dequantize_blocks
+
+NAME = "xla_dequant"
+SUMMARY = (
+  "the weight dequantised into the activations' dtype in large pieces, one dot each"
+  " (many-row products on GPU and TPU)"
+)
+ROUNDS_WEIGHT = True
+"""bf16/f16 activations meet the weight rounded to their dtype: the product is within that
+dtype's accuracy of float64."""
 
 PIECE_BYTES = 512 << 20
 """The most bytes of dequantised weight one piece holds (K is cut into pieces of whole
@@ -46,9 +56,7 @@ def piece_rows(k: int, n: int, itemsize: int, budget: int = PIECE_BYTES) -> int:
 
 def _piece_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """x (M, r) @ (q (r, N) int8 * scale (r/32, N)) dequantised into x's dtype -> (M, N) f32."""
-  r, n = q.shape
-  w = q.reshape(r // BLOCK, BLOCK, n).astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
-  w = w.reshape(r, n).astype(x.dtype)
+  w = dequantize_blocks(q, scale, x.dtype)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   return jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
@@ -67,8 +75,10 @@ def q8_matmul_dequant(
 
   Returns:
     (M, N) float32, accumulated in float32.
+
+  The operands are trusted (`q8_matmul` checks them: `problem.check_operands`).
   """
-  _, k, n = check_parts(x, q, scale, what="q8_matmul_dequant")
+  k, n = q.shape
   dt = dequant_dtype(x.dtype)
   x = x.astype(dt)
   c = piece_rows(k, n, dt.itemsize, piece_bytes)
@@ -77,4 +87,33 @@ def q8_matmul_dequant(
   return scan_row_chunks(x, q, scale, c, _piece_product)
 
 
-__all__ = ["PIECE_BYTES", "dequant_dtype", "piece_rows", "q8_matmul_dequant"]
+def cannot(p: Problem) -> None:
+  """Dequantising in pieces runs every problem."""
+  del p
+
+
+def slower(p: Problem) -> str | None:
+  """On CPU `implementation=None` keeps the cache-sized scan."""
+  if p.platform == "cpu":
+    return "on CPU the cache-sized scan ('xla') is faster (docs/design.md)"
+  return None
+
+
+def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):
+  """The registry's call: `q8_matmul_dequant(x2d, q, scale)`, (m, N) float32."""
+  del platform, interpret
+  return q8_matmul_dequant(x2d, q, scale)
+
+
+__all__ = [
+  "NAME",
+  "PIECE_BYTES",
+  "ROUNDS_WEIGHT",
+  "SUMMARY",
+  "cannot",
+  "dequant_dtype",
+  "piece_rows",
+  "q8_matmul_dequant",
+  "run",
+  "slower",
+]
