@@ -266,7 +266,11 @@ def model_rows(timer: Timer, *, smoke: bool, deadline: float) -> list[str]:
   """A Llama-3-8B-shaped decoder (8 layers, dim 4096, ffn 14336, vocab 32000; smoke: tiny),
   bf16 activations, bf16 params against Q8_0 with `implementation=None`: a decode step at
   batch 1 and 8 and a prefill of 512 tokens; what each product ran, from the report."""
-  from q8rules.models import Decoder, DecoderConfig, init_cache  # noqa: PLC0415  (an application)
+  from q8rules.models import (  # noqa: PLC0415  (an application)
+    Transformer,
+    TransformerConfig,
+    init_cache,
+  )
 
   q8r = q8rules
   dims = (
@@ -275,30 +279,41 @@ def model_rows(timer: Timer, *, smoke: bool, deadline: float) -> list[str]:
     else dict(layers=8, dim=4096, ffn=14336, vocab=32000)
   )
   prefill = 16 if smoke else 512
-  config = DecoderConfig(
-    **dims, heads=dims["dim"] // 128, head_dim=128, max_len=prefill + 8, dtype=jnp.bfloat16
+  heads = dims["dim"] // 128
+  config = TransformerConfig(
+    **dims,
+    heads=heads,
+    kv_heads=max(1, heads // 4),  # Llama 3's grouped-query attention: 4 query heads a KV head
+    head_dim=128,
+    context_length=prefill + 8,
+    dtype=jnp.bfloat16,
   )
   lines = [
-    f"Decoder: {dims['layers']} layers, dim {dims['dim']}, ffn {dims['ffn']}, vocab"
-    f" {dims['vocab']}, {config.heads} heads of 128; bf16 activations; decode step at position"
+    f"Transformer: {dims['layers']} layers, dim {dims['dim']}, ffn {dims['ffn']}, vocab"
+    f" {dims['vocab']}, {config.heads} heads of 128 ({config.kv_heads} KV); bf16 activations;"
+    " decode step at position"
     f" {prefill}; median of {timer.batches} x {timer.calls} calls.",
     "",
     "| batch | tokens | params | ms | tokens/s | Q8_0 time / bf16 time | products ran |",
     "|---|---|---|---|---|---|---|",
   ]
-  model = Decoder(config)
+  model = Transformer(config)
   provider = q8r.Q8Provider([q8r.Q8Rule()])
   q8_model = qwix.quantize_model(model, provider)
   one = jnp.zeros((1, 1), jnp.int32)
-  float_vars = jax.jit(model.init)(jax.random.key(0), one, init_cache(config), 0)
-  abstract = jax.eval_shape(q8_model.init, jax.random.key(0), one, init_cache(config), 0)
+  float_vars = jax.jit(model.init)(
+    jax.random.key(0), one, init_cache(config, config.context_length), 0
+  )
+  abstract = jax.eval_shape(
+    q8_model.init, jax.random.key(0), one, init_cache(config, config.context_length), 0
+  )
   q8_vars = {"params": jax.jit(q8r.quantize_params)(float_vars["params"], abstract["params"])}
   float_step, q8_step = jax.jit(model.apply), jax.jit(q8_model.apply)
   for batch, tokens in ((1, 1), (8, 1), (1, prefill)):
     if time.perf_counter() > deadline:
       lines.append(f"| {batch} | {tokens} | (skipped: time budget) | | | | |")
       continue
-    cache = init_cache(config, batch)
+    cache = init_cache(config, config.context_length, batch)
     prompt = jnp.zeros((batch, tokens), jnp.int32)
     pos = 0 if tokens > 1 else prefill
     reps = dict(calls=timer.calls, batches=timer.batches)
