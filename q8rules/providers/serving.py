@@ -44,6 +44,7 @@ from q8rules.providers._common import RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
 from q8rules.q8_0 import Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
+from q8rules.tree_paths import listing, path_str
 
 
 def quantize_weight(
@@ -334,10 +335,9 @@ def _as_dict(params: Any) -> Any:
   )
 
 
-def _listing(paths: Any, limit: int = 20) -> str:
-  names = sorted("/".join(map(str, p)) for p in paths)
-  more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-  return ", ".join(names[:limit]) + more
+def _names(paths: Any) -> str:
+  """Param paths (tuples of keys), sorted, as an indented listing."""
+  return listing(sorted(path_str(p) for p in paths))
 
 
 def quantize_params(
@@ -376,13 +376,13 @@ def quantize_params(
     problems = []
     if missing:
       problems.append(
-        f"the float params lack {len(missing)} param(s) of the quantized model: {_listing(missing)}"
+        f"the float params lack {len(missing)} param(s) of the quantized model:\n{_names(missing)}"
       )
     if extra:
       problems.append(
-        f"{len(extra)} float param(s) are not in the quantized model's params: {_listing(extra)}"
+        f"{len(extra)} float param(s) are not in the quantized model's params:\n{_names(extra)}"
       )
-    raise ValueError("quantize_params: " + "; ".join(problems))
+    raise ValueError("quantize_params: " + "\n".join(problems))
   quantized = {}
   for path, param in flat.items():
     abs_param = found[path]
@@ -390,7 +390,7 @@ def quantize_params(
       continue
     abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
-      name = "/".join(map(str, path))
+      name = path_str(path)
       param = jnp.asarray(param)
       traced = isinstance(param, jax.core.Tracer)
       if not traced:  # checked once, here: a clear ValueError, not a run-time callback per layer
