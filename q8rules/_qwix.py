@@ -1,25 +1,49 @@
 """Every Qwix name q8rules uses, imported from one place (tested with qwix 0.1.8).
 
 Public names come from `qwix`; the rest are the few internals a provider built
-on `qwix.PtqProvider` needs (the param container `WithAux`, the param swap
-`create_quantized_param`, and Flax helpers that find the module being run and
-the param an operand is). A Qwix upgrade that moves them breaks this file only.
+on `qwix.PtqProvider` needs, each behind a named function here: the param
+container `WithAux`, the param swap (`quantize_param`), the rule and op id of
+the op being intercepted (`current_rule_and_op_id`), the provider's rules and
+whether its first run is done, the names of Qwix's own interceptions
+(`PLUMBING_INTERCEPTIONS`), and Flax helpers that find the module being run and
+the param an operand is. A Qwix upgrade that moves them breaks this file only.
 """
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from qwix import PtqProvider, QuantizationProvider, QuantizationRule, quantize_model
 from qwix._src import interception as _interception
-from qwix._src.providers import ptq as _ptq
 from qwix._src.utils import flax_util as _flax_util
 
-WithAux = _ptq.WithAux
+try:  # Qwix after 0.1.8: the boxed param and its swap moved out of ptq.py
+  from qwix._src.providers import boxed_param as _boxed
+except ImportError:  # qwix 0.1.8
+  from qwix._src.providers import ptq as _boxed
+
+WithAux = _boxed.WithAux
 """Qwix's param container: `WithAux(array, how)`; the `how` rides in the tree as static data."""
 
-create_quantized_param = _ptq.create_quantized_param
-"""Swap a float param of the current module for `WithAux(quantize(value, how), how)`."""
+GET_CURRENT_RULE = "qwix._src.qconfig.get_current_rule"
+"""The interception every Qwix provider installs so Qwix's own ops can ask for their rule."""
+
+PALLAS_CALL = "jax.experimental.pallas.pallas_call"
+"""The interception that turns interception off inside Pallas kernels."""
+
+PLUMBING_INTERCEPTIONS = frozenset(
+  {
+    "flax.linen.Module.param",
+    "flax.linen.dtypes.promote_dtype",
+    "flax.nnx.nn.dtypes.promote_dtype",
+    GET_CURRENT_RULE,
+    PALLAS_CALL,
+  }
+)
+"""Interceptions of `qwix.PtqProvider` that are not products (param creation, dtype promotion,
+rule lookup, Pallas): a provider keeps them as Qwix has them."""
 
 find_param = _flax_util.find_param
 """The name of the current module's param an operand is ('' or None when it is not one)."""
@@ -47,17 +71,55 @@ def is_with_aux(x: Any) -> bool:
   return isinstance(unbox(x), WithAux)
 
 
+def current_rule_and_op_id(
+  provider: QuantizationProvider, op: str
+) -> tuple[QuantizationRule | None, str]:
+  """The rule (of `provider`'s, the first matching the current module path and `op`, or None)
+  and the op id ('dot_general0', counted per module) of the op `provider` is intercepting.
+
+  Counts the op: call once per intercepted op."""
+  return provider._get_current_rule_and_op_id(op)
+
+
+def provider_rules(provider: QuantizationProvider) -> Sequence[QuantizationRule]:
+  """The rules `provider` matches ops against, in order (as `current_rule_and_op_id` returns
+  them)."""
+  return provider._rules
+
+
+def initial_run_complete(provider: QuantizationProvider) -> bool:
+  """Whether a model run through `provider` has returned once (`get_unused_rules` is final)."""
+  return provider._initial_run_complete
+
+
+def quantize_param(name: str, value: Any, how: Any, quantize: Callable[[Any, Any], Any]) -> WithAux:
+  """Swap the current module's float param `name` (`value`) for `WithAux(quantize(value, how),
+  how)` and return that (unboxed); Qwix keeps the param's Flax metadata.
+
+  Raises ValueError (Qwix's) when a linen module is applied, not initialised, with a float
+  param."""
+  return _boxed.create_quantized_param(
+    name, value, how, _qarray_module=types.SimpleNamespace(quantize=quantize)
+  )
+
+
 __all__ = [
+  "GET_CURRENT_RULE",
+  "PALLAS_CALL",
+  "PLUMBING_INTERCEPTIONS",
   "PtqProvider",
   "QuantizationProvider",
   "QuantizationRule",
   "WithAux",
-  "create_quantized_param",
   "current_module_path",
+  "current_rule_and_op_id",
   "find_param",
   "get_attribute",
   "get_value_from_path",
+  "initial_run_complete",
   "is_with_aux",
+  "provider_rules",
   "quantize_model",
+  "quantize_param",
   "unbox",
 ]

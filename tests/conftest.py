@@ -1,4 +1,9 @@
-"""The `rng` fixture: fresh random data per test, seeded from its id (helpers: tests/_utils.py)."""
+"""The `rng` fixture: fresh random data per test, seeded from its id (helpers: tests/_utils.py).
+
+Before any test module imports JAX, the CPU backend is given `HOST_DEVICES` devices, so the
+multi-device tests (tests/test_sharding_mesh.py, tests/test_llm_gguf_mesh.py) run in this
+process; everything else runs on the first (the default device), as with one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,11 @@ import zlib
 import jax
 import numpy as np
 import pytest
+
+HOST_DEVICES = 8
+"""CPU devices in the test process (`jax_num_cpu_devices`; the CPU backend starts later)."""
+
+jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
 
 
 @pytest.fixture

@@ -231,3 +231,51 @@ def test_import_q8rules_loads_no_application():
     [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
   )
   assert out.stdout.strip() == "", out.stdout
+
+
+def qwix_private_uses(tree: ast.Module, private: set[str]) -> list[str]:
+  """Where `tree` reaches into Qwix: an attribute or keyword named like one of Qwix's private
+  members (`private`), or a string naming a `qwix._src` object."""
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and node.attr in private:
+      found.append(f"line {node.lineno}: .{node.attr}")
+    elif isinstance(node, ast.keyword) and node.arg in private:
+      found.append(f"line {node.value.lineno}: {node.arg}=")
+    elif (
+      isinstance(node, ast.Constant)
+      and isinstance(node.value, str)
+      and node.value.startswith("qwix._src")
+    ):
+      found.append(f"line {node.lineno}: {node.value!r}")
+  return found
+
+
+def test_qwix_private_members_only_in_the_shim():
+  """Outside q8rules/_qwix.py nothing uses a private member of Qwix's providers (the set taken
+  from the installed Qwix's classes and instances) or names a `qwix._src` object in a string."""
+  import qwix
+
+  private = set()
+  for cls in (qwix.PtqProvider, qwix.QtProvider, qwix.QuantizationProvider):
+    names = set(dir(cls)) | set(vars(cls([])))
+    private |= {n for n in names if n.startswith("_") and not n.startswith("__")}
+  assert {"_get_current_rule_and_op_id", "_rules", "_initial_run_complete"} <= private
+  assert "_qarray_module" in private
+  violation = ast.parse(
+    "rule, op_id = self._get_current_rule_and_op_id('einsum')\n"
+    "create_quantized_param(name, value, how, _qarray_module=m)\n"
+    "PLUMBING = {'qwix._src.qconfig.get_current_rule'}\n"
+    "self._record(rule)\n"  # a q8rules name: not Qwix's
+  )
+  assert sorted(f.split(":")[0] for f in qwix_private_uses(violation, private)) == [
+    "line 1",
+    "line 2",
+    "line 3",
+  ]
+  uses = {
+    name: found
+    for name, tree in modules().items()
+    if name != "q8rules._qwix" and (found := qwix_private_uses(tree, private))
+  }
+  assert not uses, uses

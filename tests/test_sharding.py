@@ -1,20 +1,9 @@
-"""Tensor-parallel Q8_0 (`q8rules.sharding`).
-
-The products on a mesh need several devices, which JAX only fakes on a CPU
-host when `--xla_force_host_platform_device_count` is set before it starts:
-they run in one subprocess (`tests/sharded_checks.py`, 8 devices), once per
-session, and each check is reported here as its own test. Spec translation
-and the errors for bad splits need no devices and run in this process, on
-`AbstractMesh`es.
+"""Tensor-parallel Q8_0 (`q8rules.sharding`) without devices: spec translation and the errors
+for bad splits, on `AbstractMesh`es. The products on several devices are in
+tests/test_sharding_mesh.py.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,54 +15,6 @@ from jax.sharding import PartitionSpec as P
 from q8rules import sharding
 from q8rules.layout import WeightLayout
 from q8rules.q8_0 import quantize
-
-SCRIPT = Path(__file__).with_name("sharded_checks.py")
-CHECKS = [
-  "column_parallel",
-  "row_parallel",
-  "megatron_mlp",
-  "data_and_tensor_parallel",
-  "fold_width_40",
-  "rules_linen_xla_partitioned",
-  "rules_linen_shard_products",
-  "rules_nnx",
-  "qwix_user_shard_map",
-]
-
-
-@pytest.fixture(scope="module")
-def sharded_results(tmp_path_factory) -> dict:
-  """Run every check once on 8 forced host devices; {check: {status, detail, seconds}}."""
-  out = tmp_path_factory.mktemp("sharded") / "results.json"
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run(
-    [sys.executable, str(SCRIPT), str(out)],
-    env=env,
-    cwd=SCRIPT.parent.parent,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  if proc.returncode or not out.exists():
-    pytest.fail(f"sharded_checks.py failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-  return json.loads(out.read_text())
-
-
-def test_the_script_runs_every_check(sharded_results):
-  assert sorted(sharded_results) == sorted(CHECKS)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_sharded(sharded_results, name):
-  result = sharded_results[name]
-  if result["status"] == "skip":
-    pytest.skip(result["detail"])
-  assert result["status"] == "ok", result["detail"]
-
 
 # ---- no devices needed -------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """The provider's mesh context: `shard_products(mesh, specs)` makes `Q8Provider` run each
-matched product per shard (`q8rules.sharding.product`), and `provider_product` is its hook.
+matched product per shard. `plan_product` only plans (the specs of the activation, the
+(K, N) matrix and the output); `q8rules.sharding.product.run_sharded` runs;
+`provider_product` is the provider's hook that does both.
 
 Without the context, a weight whose type carries an explicit mesh (sharding in
 types) is split the same way; otherwise XLA's own partitioning applies.
@@ -22,7 +24,7 @@ from q8rules._qwix import WithAux, current_module_path, find_param
 from q8rules.layout import ProductLayout, WeightLayout
 from q8rules.q8_0 import Q8Array
 from q8rules.sharding.params import SpecTable
-from q8rules.sharding.product import local_product, place, shard_map_unchecked, type_spec
+from q8rules.sharding.product import run_sharded, type_spec
 from q8rules.sharding.specs import (
   AnyMesh,
   SpecKey,
@@ -98,66 +100,86 @@ def _leading_axis(axes: tuple[int, ...], shape: tuple[int, ...]) -> int:
   return next((a for a in axes if shape[a] > 1), axes[0])
 
 
-def provider_product(
-  lhs: jax.Array,
-  weight: Q8Array,
-  layout: ProductLayout,
-  *,
-  operand: Any = None,
-  implementation: kernels.ImplementationArg = None,
-  interpret: bool | None = None,
-) -> tuple[jax.Array, str] | None:
-  """The provider's hook: a matched product run per shard, or None to run it unsharded.
+Split = tuple[AnyMesh, tuple[Any, ...], tuple[Any, ...]]
+"""A product's split: the mesh, the float weight's spec entries, the activation rows' entries
+(one per `layout.lhs_free` axis)."""
 
-  The weight's split comes from the `shard_products` context (the float spec of the
-  param `operand` is, through `layout.weight`), else from the weight's type
-  when its mesh has explicit axes. Each device flattens its own slice of the
-  activation to (m, K_local) (the activation view is per chip: nothing is
-  gathered), runs its product, adds row-parallel partial sums in float32
-  (`psum`) and puts its (m, N_local) back into the op's output shape.
 
-  Args:
-    lhs: the activation as the op got it (any rank).
-    weight: the (K_padded, N) Q8Array.
-    layout: the product's layout (`q8rules.layout.ProductLayout`).
-    operand: the weight operand as the intercepted op got it (the param, or
-      `WithAux`): its param path is looked up in `shard_products`'s specs.
-    implementation, interpret: the rule's; None picks per shard.
+def _context_split(
+  plan: MeshPlan | None, param_path: str | None, layout: ProductLayout
+) -> Split | None:
+  """The split `shard_products` gives the param at `param_path`, or None."""
+  if plan is None or param_path is None:
+    return None
+  float_spec = SpecTable(plan.specs).lookup(param_path)
+  if float_spec is None:
+    return None
+  entries = spec_entries(float_spec, len(layout.weight.shape), param_path)
+  batch = (plan.batch,) + (None,) * (len(layout.lhs_free) - 1) if layout.lhs_free else ()
+  return plan.mesh, entries, batch
 
-  Returns:
-    The op's output in lhs's dtype, split along the weight's N axes (on the
-    output axis of the weight's split free axis), and the implementation each
-    shard ran (`kernels.resolve` of the shard's shape); or None when nothing
-    splits the weight (XLA's own partitioning, if any, applies then).
-  """
+
+def _typed_split(lhs: jax.Array, weight: Q8Array, layout: ProductLayout) -> Split | None:
+  """The split in the Q8 values' type (a mesh with explicit axes), or None: K's and N's entries
+  go on the leading axes of the float weight's contracted and free axes; the activation rows
+  keep the split in the activation's type."""
+  typed = type_spec(weight.q)
+  if typed is None:
+    return None
   wl = layout.weight
-  plan = current_plan()
-  mesh: AnyMesh | None = None
-  float_entries: tuple[Any, ...] | None = None
+  k_entry, n_entry = spec_entries(typed, 2, "weight")
+  entries: list[Any] = [None] * len(wl.shape)
+  entries[_leading_axis(wl.contract, wl.shape)] = k_entry
+  entries[_leading_axis(wl.free, wl.shape)] = n_entry
   batch: tuple[Any, ...] = (None,) * len(layout.lhs_free)
-  param_path = current_param_path(operand) if plan is not None else None
-  if plan is not None and param_path is not None:
-    float_spec = SpecTable(plan.specs).lookup(param_path)
-    if float_spec is not None:
-      mesh = plan.mesh
-      float_entries = spec_entries(float_spec, len(wl.shape), param_path)
-      if layout.lhs_free:
-        batch = (plan.batch,) + batch[1:]
-  if float_entries is None:
-    typed = type_spec(weight.q)
-    if typed is None:
-      return None
-    mesh = jax.typeof(weight.q).sharding.mesh
-    k_entry, n_entry = spec_entries(typed, 2, "weight")
-    entries = [None] * len(wl.shape)
-    entries[_leading_axis(wl.contract, wl.shape)] = k_entry
-    entries[_leading_axis(wl.free, wl.shape)] = n_entry
-    float_entries = tuple(entries)
-    lhs_typed = type_spec(lhs)
-    if lhs_typed is not None:
-      lhs_entries = spec_entries(lhs_typed, lhs.ndim, "activation")
-      batch = tuple(lhs_entries[a] for a in layout.lhs_free)
-  assert mesh is not None
+  lhs_typed = type_spec(lhs)
+  if lhs_typed is not None:
+    lhs_entries = spec_entries(lhs_typed, lhs.ndim, "activation")
+    batch = tuple(lhs_entries[a] for a in layout.lhs_free)
+  return jax.typeof(weight.q).sharding.mesh, tuple(entries), batch
+
+
+def _lhs_entries(
+  layout: ProductLayout, float_entries: tuple[Any, ...], batch: tuple[Any, ...], ndim: int
+) -> list[Any]:
+  """The activation's spec entries: rows by `batch`, contracted axes like the weight's."""
+  entries: list[Any] = [None] * ndim
+  for a, e in zip(layout.lhs_free, batch, strict=True):
+    entries[a] = e
+  for wa, la in zip(layout.weight.contract, layout.lhs_contract, strict=True):
+    entries[la] = float_entries[wa]
+  return entries
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductPlan:
+  """How one matched product runs per shard (`q8rules.sharding.product.run_sharded`)."""
+
+  mesh: AnyMesh
+  lhs_spec: P
+  kn: P
+  """The (K, N) matrix's spec (q and scale alike)."""
+  out_spec: P
+  local: ProductLayout
+  """The product's layout on one device's shards."""
+
+
+def plan_product(
+  lhs: jax.Array, weight: Q8Array, layout: ProductLayout, operand: Any = None
+) -> ProductPlan | None:
+  """How a matched product splits: from the `shard_products` context (the float spec of the
+  param `operand` is, through `layout.weight`), else from the weight's type when its mesh has
+  explicit axes; None when nothing splits the weight.
+
+  Activation rows split along mesh axes the weight does not use, and only when every
+  activation axis divides evenly (else the activation rows stay whole)."""
+  wl = layout.weight
+  context = current_plan()
+  param_path = current_param_path(operand) if context is not None else None
+  split = _context_split(context, param_path, layout) or _typed_split(lhs, weight, layout)
+  if split is None:
+    return None
+  mesh, float_entries, batch = split
   what = param_path or f"Q8 weight {wl.shape}"
   kn = q8_spec_for_layout(wl, P(*float_entries), what=what)
   if kn[0] is None and kn[1] is None:
@@ -175,35 +197,71 @@ def provider_product(
       )
     local_shape[a] //= d
   local = dataclasses.replace(layout, weight=WeightLayout(tuple(local_shape), wl.contract, wl.free))
-  lhs_entries = [None] * lhs.ndim
-  for a, e in zip(layout.lhs_free, batch, strict=True):
-    lhs_entries[a] = e
-  for wa, la in zip(wl.contract, layout.lhs_contract, strict=True):
-    lhs_entries[la] = float_entries[wa]
-  for size, e in zip(lhs.shape, lhs_entries, strict=True):
-    if size % devices_along(mesh, e, what):
-      batch = ()  # an activation axis does not split: keep it whole
-  if not batch:
-    lhs_entries = [None] * lhs.ndim
-    for wa, la in zip(wl.contract, layout.lhs_contract, strict=True):
-      lhs_entries[la] = float_entries[wa]
+  lhs_entries = _lhs_entries(layout, float_entries, batch, lhs.ndim)
+  divides = [
+    size % devices_along(mesh, e, what) == 0 for size, e in zip(lhs.shape, lhs_entries, strict=True)
+  ]
+  if not all(divides):  # an activation axis does not split: keep the rows whole
+    lhs_entries = _lhs_entries(layout, float_entries, (None,) * len(batch), lhs.ndim)
   pre = [lhs_entries[a] for a in layout.lhs_free] + [float_entries[a] for a in wl.free]
   out_spec = P(*(pre[i] for i in layout.out_perm))
-  lhs_spec = P(*lhs_entries)
-  k_axes = mesh_axes(kn[0])
-  ran: list[str] = []
-
-  def per_shard(lhs_local: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    x2d = local.lhs_matrix(lhs_local)
-    ran.append(kernels.resolve(*x2d.shape, q.shape[1], x2d.dtype, None, implementation))
-    y2d = local_product(x2d, q, scale, implementation, interpret)
-    if k_axes:  # row-parallel: float32 partial sums, added before the cast
-      y2d = jax.lax.psum(y2d, k_axes)
-    return local.output(y2d.astype(lhs_local.dtype), tuple(lhs_local.shape))
-
-  f = shard_map_unchecked(per_shard, mesh, in_specs=(lhs_spec, kn, kn), out_specs=out_spec)
-  y = f(place(lhs, mesh, lhs_spec), place(weight.q, mesh, kn), place(weight.scale, mesh, kn))
-  return y, ran[0]
+  return ProductPlan(mesh, P(*lhs_entries), kn, out_spec, local)
 
 
-__all__ = ["MeshPlan", "current_param_path", "current_plan", "provider_product", "shard_products"]
+def provider_product(
+  lhs: jax.Array,
+  weight: Q8Array,
+  layout: ProductLayout,
+  *,
+  operand: Any = None,
+  implementation: kernels.ImplementationArg = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, str] | None:
+  """The provider's hook: a matched product run per shard as `plan_product` splits it, or
+  None to run it unsharded.
+
+  Each device flattens its own slice of the activation to (m, K_local) (the
+  activation view is per chip: nothing is gathered), runs its product, adds
+  row-parallel partial sums in float32 (`psum`) and puts its (m, N_local) back
+  into the op's output shape (`q8rules.sharding.product.run_sharded`).
+
+  Args:
+    lhs: the activation as the op got it (any rank).
+    weight: the (K_padded, N) Q8Array.
+    layout: the product's layout (`q8rules.layout.ProductLayout`).
+    operand: the weight operand as the intercepted op got it (the param, or
+      `WithAux`): its param path is looked up in `shard_products`'s specs.
+    implementation, interpret: the rule's; None picks per shard.
+
+  Returns:
+    The op's output in lhs's dtype, split along the weight's N axes (on the
+    output axis of the weight's split free axis), and the implementation the
+    shards ran (chosen from the shard's shape); or None when nothing splits the
+    weight (XLA's own partitioning, if any, applies then).
+  """
+  plan = plan_product(lhs, weight, layout, operand)
+  if plan is None:
+    return None
+  return run_sharded(
+    lhs,
+    weight,
+    plan.mesh,
+    x_spec=plan.lhs_spec,
+    w_spec=plan.kn,
+    out_spec=plan.out_spec,
+    to_matrix=plan.local.lhs_matrix,
+    from_matrix=plan.local.output,
+    implementation=implementation,
+    interpret=interpret,
+  )
+
+
+__all__ = [
+  "MeshPlan",
+  "ProductPlan",
+  "current_param_path",
+  "current_plan",
+  "plan_product",
+  "provider_product",
+  "shard_products",
+]

@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules._qwix import QuantizationProvider, is_with_aux
-from q8rules.layout import (
-  ProductLayout,
-  WeightLayout,
-  from_dot_general,
-  from_einsum,
-)
+from q8rules._qwix import QuantizationProvider, current_rule_and_op_id, is_with_aux
+from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
 from q8rules.providers import lookup
-from q8rules.providers._common import RecordingProvider, jnp_dot_dimension_numbers, op_where
+from q8rules.providers._common import (
+  Product,
+  RecordingProvider,
+  jnp_dot_dimension_numbers,
+  op_where,
+)
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
 
@@ -119,60 +119,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       "jax.numpy.take": self.take,
     }
 
-  # ---- the intercepted ops -------------------------------------------------
-
-  def dot_general(
-    self,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dimension_numbers: jax.lax.DotDimensionNumbers,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    *,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`lax.dot_general` with a matched weight `rhs` fake-quantised."""
-    rule, op_id = self._get_current_rule_and_op_id("dot_general")
-    fq = self._maybe_fake_quant(
-      rule, op_id, lhs, rhs, lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers)
-    )
-    return jax.lax.dot_general(
-      lhs,
-      fq,
-      dimension_numbers,
-      precision=matched_precision(precision, lhs, fq is not rhs),
-      preferred_element_type=preferred_element_type,
-      out_sharding=out_sharding,
-    )
-
-  def einsum(
-    self,
-    einsum_str: str,
-    *operands: jax.Array,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`jnp.einsum` with a matched weight (the second of two operands) fake-quantised."""
-    rule, op_id = self._get_current_rule_and_op_id("einsum")
-    if len(operands) == 2:
-      lhs, rhs = operands
-      fq = self._maybe_fake_quant(
-        rule, op_id, lhs, rhs, lambda shape: from_einsum(einsum_str, lhs.ndim, shape)
-      )
-      precision = matched_precision(precision, lhs, fq is not rhs)
-      operands = (lhs, fq)
-    else:
-      self._record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
-    return jnp.einsum(
-      einsum_str,
-      *operands,
-      precision=precision,
-      preferred_element_type=preferred_element_type,
-      _dot_general=_dot_general,
-      out_sharding=out_sharding,
-    )
+  # ---- the intercepted ops (dot_general and einsum: RecordingProvider's) -------
 
   def dot(
     self,
@@ -183,22 +130,30 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     out_sharding: Any = None,
   ) -> jax.Array:
     """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
-    rule, op_id = self._get_current_rule_and_op_id("dot_general")
+
+    def run(weight: Any, precision: Any) -> jax.Array:
+      return jnp.dot(
+        a,
+        weight,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+      )
+
     dims = jnp_dot_dimension_numbers(a.ndim, b.ndim)
-    fq = self._maybe_fake_quant(
-      rule, op_id, a, b, lambda shape: from_dot_general(a.ndim, shape, dims)
-    )
-    return jnp.dot(
+    return self._serve_op(
+      "dot_general",
       a,
-      fq,
-      precision=matched_precision(precision, a, fq is not b),
-      preferred_element_type=preferred_element_type,
-      out_sharding=out_sharding,
+      b,
+      lambda shape: from_dot_general(a.ndim, shape, dims),
+      precision,
+      preferred_element_type,
+      run,
     )
 
   def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
     """`jnp.take` from a matched table's Q8_0 round trip (what serving looks up; `lookup.py`)."""
-    rule, op_id = self._get_current_rule_and_op_id(lookup.OP)
+    rule, op_id = current_rule_and_op_id(self, lookup.OP)
     if is_with_aux(a):
       raise TypeError(
         f"{op_where(op_id)}: got a Q8 (serving) table; Q8QatProvider trains float params"
@@ -230,6 +185,15 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     return jnp.take(fake_quant_ste(a, layout, scale_dtype.name), indices, axis=axis, **kwargs)
 
   # ---- the fake quant ------------------------------------------------------
+
+  def _serve(self, product: Product) -> jax.Array:
+    """The product on the matched float weight's Q8_0 round trip (at float32's precision for
+    float32 activations, see `matched_precision`), or as it is."""
+    fq = self._maybe_fake_quant(
+      product.rule, product.op_id, product.lhs, product.rhs, product.make_layout
+    )
+    matched = fq is not product.rhs
+    return product.run(fq, matched_precision(product.precision, product.lhs, matched))
 
   def _maybe_fake_quant(
     self,

@@ -24,27 +24,28 @@ from flax import nnx
 
 from q8rules import kernels
 from q8rules._qwix import (
+  PLUMBING_INTERCEPTIONS,
   PtqProvider,
   WithAux,
-  create_quantized_param,
   current_module_path,
+  current_rule_and_op_id,
   find_param,
   get_attribute,
   get_value_from_path,
+  quantize_param,
   unbox,
 )
 from q8rules.layout import (
   ProductLayout,
   Q8How,
   UnsupportedProduct,
-  from_dot_general,
-  from_einsum,
 )
 from q8rules.providers import lookup
-from q8rules.providers._common import RecordingProvider, op_where
+from q8rules.providers._common import Product, RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
 from q8rules.q8_0 import Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
+from q8rules.tree_paths import listing, path_str
 
 
 def quantize_weight(
@@ -72,12 +73,9 @@ def quantize_weight(
   )
 
 
-class _Q8Quantizer:
-  """Stands in for qwix's qarray module in `ptq.create_quantized_param`."""
-
-  @staticmethod
-  def quantize(value: jax.Array, how: Q8How) -> Q8Array:
-    return quantize_weight(value, how, name=current_module_path() or "(top module)")
+def _quantize_in_module(value: jax.Array, how: Q8How) -> Q8Array:
+  """`quantize_weight` of a param of the module being run (named by the module's path)."""
+  return quantize_weight(value, how, name=current_module_path() or "(top module)")
 
 
 class Q8Provider(RecordingProvider, PtqProvider):
@@ -100,15 +98,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
   )
   """The Qwix interceptions this provider serves (jnp.dot goes through dot_general)."""
 
-  PLUMBING = frozenset(
-    {
-      "flax.linen.Module.param",
-      "flax.linen.dtypes.promote_dtype",
-      "flax.nnx.nn.dtypes.promote_dtype",
-      "qwix._src.qconfig.get_current_rule",
-      "jax.experimental.pallas.pallas_call",
-    }
-  )
+  PLUMBING = PLUMBING_INTERCEPTIONS
   """Qwix interceptions that are not products: kept as `qwix.PtqProvider` has them."""
 
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
@@ -125,7 +115,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     op = name.rsplit(".", 1)[-1]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-      rule, op_id = self._get_current_rule_and_op_id(op)
+      rule, op_id = current_rule_and_op_id(self, op)
       weight = args[1] if len(args) > 1 else None
       shape = tuple(weight.shape) if weight is not None and find_param(weight) else None
       self._record(
@@ -140,78 +130,12 @@ class Q8Provider(RecordingProvider, PtqProvider):
 
     return run
 
-  # ---- the intercepted ops -------------------------------------------------
-
-  def dot_general(
-    self,
-    lhs: jax.Array,
-    rhs: jax.Array | WithAux,
-    dimension_numbers: jax.lax.DotDimensionNumbers,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    *,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    rule, op_id = self._get_current_rule_and_op_id("dot_general")
-
-    def as_float() -> jax.Array:
-      return jax.lax.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-
-    return self._product(
-      rule,
-      op_id,
-      lhs,
-      rhs,
-      lambda shape: from_dot_general(lhs.ndim, shape, dimension_numbers),
-      as_float,
-      preferred_element_type,
-    )
-
-  def einsum(
-    self,
-    einsum_str: str,
-    *operands: jax.Array,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    rule, op_id = self._get_current_rule_and_op_id("einsum")
-
-    def as_float() -> jax.Array:
-      return jnp.einsum(
-        einsum_str,
-        *operands,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        _dot_general=_dot_general,
-        out_sharding=out_sharding,
-      )
-
-    if len(operands) != 2:
-      self._record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
-      return as_float()
-    lhs, rhs = operands
-    return self._product(
-      rule,
-      op_id,
-      lhs,
-      rhs,
-      lambda shape: from_einsum(einsum_str, lhs.ndim, shape),
-      as_float,
-      preferred_element_type,
-    )
+  # ---- the intercepted ops (dot_general, einsum: RecordingProvider's; jnp.dot: Qwix's,
+  # through dot_general) ------------------------------------------------------
 
   def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
     """`jnp.take`: a lookup in a table a rule serves reads its Q8_0 values (`lookup.py`)."""
-    rule, op_id = self._get_current_rule_and_op_id(lookup.OP)
+    rule, op_id = current_rule_and_op_id(self, lookup.OP)
     table = unbox(a)
     if isinstance(table, WithAux) and isinstance(table.how, Q8How):
       how, weight = table.how, table.array
@@ -234,7 +158,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     ):
       name, layout = matched
       how = Q8How(layout, np.dtype(rule.scale_dtype).name, np.dtype(a.dtype).name)
-      weight = create_quantized_param(name, a, how, _qarray_module=_Q8Quantizer).array
+      weight = quantize_param(name, a, how, _quantize_in_module).array
     else:
       return jnp.take(a, indices, axis=axis, **kwargs)
     rows = math.prod(jnp.shape(indices))
@@ -265,16 +189,58 @@ class Q8Provider(RecordingProvider, PtqProvider):
 
   # ---- the product ---------------------------------------------------------
 
-  def _product(
+  def _serve(self, product: Product) -> jax.Array:
+    """The op as a Q8_0 product when its operand is a Q8 weight or a float weight the rule
+    matched (per shard when a mesh splits the weight), else as it is; recorded either way."""
+    rule, op_id, lhs, rhs = product.rule, product.op_id, product.lhs, product.rhs
+    preferred_element_type = product.preferred_element_type
+    served = self._served_weight(rule, op_id, rhs, product.make_layout)
+    if served is None:
+      return product.run(rhs, product.precision)
+    how, weight, layout = served
+    where = op_where(op_id)
+    options = {
+      "implementation": rule.implementation if rule is not None else None,
+      "interpret": rule.interpret if rule is not None else None,
+    }
+    try:
+      layout.check_lhs(tuple(lhs.shape))
+      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard
+      ran = provider_product(lhs, weight, layout, operand=rhs, **options)
+      if ran is None:
+        y2d, path = kernels.run_product(
+          layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
+        )
+        ran = layout.output(y2d, tuple(lhs.shape)), path
+    except (TypeError, ValueError, NotImplementedError) as e:
+      raise type(e)(f"{where}: {e}") from e
+    y, path = ran
+    m = math.prod(lhs.shape[a] for a in layout.lhs_free)
+    k, k_pad, n = layout.weight.k, layout.weight.k_padded, layout.weight.n
+    self._record(
+      rule,
+      op_id,
+      path,
+      weight_shape=layout.weight.shape,
+      m=int(m),
+      k=k,
+      n=n,
+      float_bytes=k * n * np.dtype(how.dtype).itemsize,
+      q8_bytes=weight.nbytes,
+      note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
+    )
+    return y.astype(preferred_element_type or lhs.dtype)
+
+  def _served_weight(
     self,
     rule: Q8Rule | None,
     op_id: str,
-    lhs: jax.Array,
     rhs: Any,
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
-    as_float: Callable[[], jax.Array],
-    preferred_element_type: Any,
-  ) -> jax.Array:
+  ) -> tuple[Q8How, Q8Array, ProductLayout] | None:
+    """The Q8 weight a product runs on: `rhs` itself when it is one (its layout checked against
+    the product's), else the matched float weight `rhs` quantized (the param swapped for its Q8
+    form); None when the op stays float."""
     where = op_where(op_id)
     if isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How):  # a Q8 weight
       how, weight = rhs.how, rhs.array
@@ -290,57 +256,16 @@ class Q8Provider(RecordingProvider, PtqProvider):
     elif matched := self._match_float_weight(rule, op_id, rhs, make_layout):  # a float weight
       name, layout = matched
       how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
-      weight = create_quantized_param(name, rhs, how, _qarray_module=_Q8Quantizer).array
+      weight = quantize_param(name, rhs, how, _quantize_in_module).array
     else:
-      return as_float()
-
-    try:
-      layout.check_lhs(tuple(lhs.shape))
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from e
-    m = math.prod(lhs.shape[a] for a in layout.lhs_free)
+      return None
     k_pad, n = layout.weight.k_padded, layout.weight.n
     if tuple(weight.q.shape) != (k_pad, n):
       raise ValueError(
         f"{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight"
         f" layout ({k_pad}, {n})"
       )
-    implementation = rule.implementation if rule is not None else None
-    interpret = rule.interpret if rule is not None else None
-    try:  # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard
-      sharded = provider_product(
-        lhs, weight, layout, operand=rhs, implementation=implementation, interpret=interpret
-      )
-      if sharded is not None:
-        y, path = sharded
-      else:
-        path = kernels.resolve(m, k_pad, n, lhs.dtype, None, implementation)
-        x2d = layout.lhs_matrix(lhs)
-        y2d = kernels.q8_matmul(
-          x2d,
-          weight,
-          implementation=implementation,
-          interpret=interpret,
-          preferred_element_type=preferred_element_type,
-        )
-        y = layout.output(y2d, tuple(lhs.shape))
-    except (TypeError, ValueError, NotImplementedError) as e:
-      raise type(e)(f"{where}: {e}") from e
-    out_dtype = preferred_element_type or lhs.dtype
-    k = layout.weight.k
-    self._record(
-      rule,
-      op_id,
-      path,
-      weight_shape=layout.weight.shape,
-      m=int(m),
-      k=k,
-      n=n,
-      float_bytes=k * n * np.dtype(how.dtype).itemsize,
-      q8_bytes=weight.nbytes,
-      note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
-    )
-    return y.astype(out_dtype)
+    return how, weight, layout
 
 
 def _quantize_stacked(w: jax.Array, how: Q8How, name: str, *, check_finite: bool) -> Q8Array:
@@ -386,10 +311,9 @@ def _as_dict(params: Any) -> Any:
   )
 
 
-def _listing(paths: Any, limit: int = 20) -> str:
-  names = sorted("/".join(map(str, p)) for p in paths)
-  more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-  return ", ".join(names[:limit]) + more
+def _names(paths: Any) -> str:
+  """Param paths (tuples of keys), sorted, as an indented listing."""
+  return listing(sorted(path_str(p) for p in paths))
 
 
 def quantize_params(
@@ -428,13 +352,13 @@ def quantize_params(
     problems = []
     if missing:
       problems.append(
-        f"the float params lack {len(missing)} param(s) of the quantized model: {_listing(missing)}"
+        f"the float params lack {len(missing)} param(s) of the quantized model:\n{_names(missing)}"
       )
     if extra:
       problems.append(
-        f"{len(extra)} float param(s) are not in the quantized model's params: {_listing(extra)}"
+        f"{len(extra)} float param(s) are not in the quantized model's params:\n{_names(extra)}"
       )
-    raise ValueError("quantize_params: " + "; ".join(problems))
+    raise ValueError("quantize_params: " + "\n".join(problems))
   quantized = {}
   for path, param in flat.items():
     abs_param = found[path]
@@ -442,7 +366,7 @@ def quantize_params(
       continue
     abs_param = unbox(abs_param)
     if isinstance(abs_param, WithAux) and isinstance(abs_param.how, Q8How):
-      name = "/".join(map(str, path))
+      name = path_str(path)
       param = jnp.asarray(param)
       traced = isinstance(param, jax.core.Tracer)
       if not traced:  # checked once, here: a clear ValueError, not a run-time callback per layer

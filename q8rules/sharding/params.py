@@ -25,18 +25,7 @@ from q8rules.sharding.specs import (
   q8_spec_for_layout,
   spec_entries,
 )
-
-
-def key_str(k: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-  """A pytree path (jax keys or plain names) as 'a/b/c'."""
-  return "/".join(key_str(k) for k in path)
+from q8rules.tree_paths import param_path, path_str
 
 
 @dataclasses.dataclass
@@ -117,7 +106,7 @@ def _nnx_q8_params(module: Any) -> dict[tuple[str, ...], Any]:
   found: dict[tuple[str, ...], Any] = {}
   for path, node in nnx.iter_graph(module):
     if is_q8_param(node):
-      found[tuple(str(p) for p in path)] = node
+      found[param_path(path)] = node
   return found
 
 
@@ -188,12 +177,12 @@ def shard_params(
   table = SpecTable(specs)
 
   def one(path: tuple[Any, ...], leaf: Any) -> Any:
-    keys = tuple(key_str(k) for k in path)
+    keys = param_path(path)
     if len(keys) > 2 and keys[-2] == "array" and keys[:-2] in q8:
-      name = "/".join(keys[:-2])
+      name = path_str(keys[:-2])
       spec = q8_param_spec(q8[keys[:-2]], table.lookup(name), mesh, name)
     else:
-      name = "/".join(keys)
+      name = path_str(keys)
       spec = _float_param_spec(leaf, table.lookup(name), mesh, name)
     return jax.device_put(leaf, NamedSharding(mesh, spec))
 

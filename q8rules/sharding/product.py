@@ -3,7 +3,9 @@
 Column-parallel products leave the output split along N; row-parallel ones add
 their float32 partial sums over the K mesh axes (`psum`) before the cast. The
 fold is a custom call XLA cannot partition, so it must run per shard; each
-shard resolves its implementation from its own shape (`kernels.resolve`).
+shard resolves its implementation from its own shape (`kernels.run_product`).
+`run_sharded` is the one runner; `q8_matmul_sharded` (x (..., K) @ W) and the
+provider's products (`q8rules.providers.mesh`) only plan its specs.
 """
 
 from __future__ import annotations
@@ -36,28 +38,6 @@ def shard_map_unchecked(
   return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def local_product(
-  x2d: jax.Array,
-  q: jax.Array,
-  scale: jax.Array,
-  implementation: kernels.ImplementationArg,
-  interpret: bool | None,
-) -> jax.Array:
-  """One device's product on its shards: x2d (m, K_local) @ (q, scale) -> (m, N_local) float32.
-
-  The implementation is picked from the shard's own shape; the fold pads this
-  shard's N to its column tile (zero values and scales) and slices the pad off:
-  per shard, never a global pad.
-  """
-  return kernels.q8_matmul(
-    x2d,
-    Q8Array(q, scale),
-    implementation=implementation,
-    interpret=interpret,
-    preferred_element_type=jnp.float32,
-  )
-
-
 def type_spec(a: Any) -> P | None:
   """The spec in `a`'s type when its mesh has explicit axes (sharding in types), else None."""
   try:
@@ -78,6 +58,69 @@ def place(a: jax.Array, mesh: AnyMesh, spec: P) -> jax.Array:
   if current is not None and spec_entries(current, a.ndim, "x") == spec_entries(spec, a.ndim, "x"):
     return a
   return jax.sharding.reshard(a, NamedSharding(mesh, spec))
+
+
+def run_sharded(
+  x: jax.Array,
+  w: Q8Array,
+  mesh: AnyMesh,
+  *,
+  x_spec: P,
+  w_spec: P,
+  out_spec: P,
+  to_matrix: Callable[[jax.Array], jax.Array] | None = None,
+  from_matrix: Callable[[jax.Array, tuple[int, ...]], jax.Array] | None = None,
+  implementation: kernels.ImplementationArg = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, str]:
+  """The one sharded product: each device multiplies the shards it holds, in `shard_map`.
+
+  Each device views its slice of x as (m, K_local) (`to_matrix`; nothing is
+  gathered), runs `kernels.run_product` on it and its (K_local, N_local) weight
+  shard (the implementation picked from the shard's own shape), adds row-parallel
+  float32 partial sums over `w_spec`'s K mesh axes (`psum`), casts to x's dtype
+  and puts its (m, N_local) back into its output shard (`from_matrix`). The fold
+  pads a shard's N to its column tile and slices the pad off: per shard, never a
+  global pad.
+
+  Args:
+    x: the activation, any rank, placed by `x_spec` (its contracted axes split like
+      the weight's K).
+    w: the (K, N) Q8Array (q int8, scale float32/float16 (K/32, N)).
+    mesh: a `Mesh`, or under jit the `AbstractMesh` of an explicitly sharded array.
+    x_spec, w_spec, out_spec: validated PartitionSpecs of x, the (K, N) matrix (for q
+      and scale alike) and the output.
+    to_matrix: a device's x shard -> (m, K_local) (default: `reshape(-1, K_local)`).
+    from_matrix: (m, N_local) in x's dtype and the x shard's shape -> the output shard
+      (default: `reshape(*x_shard.shape[:-1], N_local)`).
+    implementation, interpret: as `kernels.q8_matmul`, per shard.
+
+  Returns:
+    The output, split by `out_spec`, and the implementation the shards ran.
+  """
+  k_axes = mesh_axes(tuple(w_spec)[0])
+  ran: list[str] = []
+
+  def per_shard(x_local: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    x2d = to_matrix(x_local) if to_matrix else x_local.reshape(-1, q.shape[0])
+    y2d, name = kernels.run_product(
+      x2d,
+      Q8Array(q, scale),
+      implementation=implementation,
+      interpret=interpret,
+      preferred_element_type=jnp.float32,
+    )
+    ran.append(name)
+    if k_axes:  # row-parallel: float32 partial sums, added before the cast
+      y2d = jax.lax.psum(y2d, k_axes)
+    y2d = y2d.astype(x_local.dtype)
+    if from_matrix:
+      return from_matrix(y2d, tuple(x_local.shape))
+    return y2d.reshape(*x_local.shape[:-1], q.shape[1])
+
+  f = shard_map_unchecked(per_shard, mesh, in_specs=(x_spec, w_spec, w_spec), out_specs=out_spec)
+  y = f(place(x, mesh, x_spec), place(w.q, mesh, w_spec), place(w.scale, mesh, w_spec))
+  return y, ran[0]
 
 
 def q8_matmul_sharded(
@@ -134,24 +177,18 @@ def q8_matmul_sharded(
         f"q8_matmul_sharded: x of shape {tuple(x.shape)}: an axis of size {size} does not"
         f" split over {d} devices ({e!r})"
       )
-  x_spec, out_spec = P(*xs), P(*out_entries)
-  k_axes = mesh_axes(k_entry)
-  n = w.shape[1]
-
-  def per_shard(x_local: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    lead = x_local.shape[:-1]
-    y = local_product(x_local.reshape(-1, q.shape[0]), q, scale, implementation, interpret)
-    if k_axes:  # row-parallel: float32 partial sums, added before the cast
-      y = jax.lax.psum(y, k_axes)
-    return y.astype(x_local.dtype).reshape(*lead, q.shape[1])
-
-  x = place(x, mesh, x_spec)
-  q = place(w.q, mesh, w_spec)
-  scale = place(w.scale, mesh, w_spec)
-  f = shard_map_unchecked(per_shard, mesh, in_specs=(x_spec, w_spec, w_spec), out_specs=out_spec)
-  y = f(x, q, scale)
-  assert y.shape == (*x.shape[:-1], n), (y.shape, x.shape, n)
+  y, _ = run_sharded(
+    x,
+    w,
+    mesh,
+    x_spec=P(*xs),
+    w_spec=w_spec,
+    out_spec=P(*out_entries),
+    implementation=implementation,
+    interpret=interpret,
+  )
+  assert y.shape == (*x.shape[:-1], w.shape[1]), (y.shape, x.shape, w.shape)
   return y
 
 
-__all__ = ["local_product", "place", "q8_matmul_sharded", "shard_map_unchecked", "type_spec"]
+__all__ = ["place", "q8_matmul_sharded", "run_sharded", "shard_map_unchecked", "type_spec"]
