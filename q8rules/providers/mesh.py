@@ -114,7 +114,16 @@ def _context_split(
   float_spec = SpecTable(plan.specs).lookup(param_path)
   if float_spec is None:
     return None
-  entries = spec_entries(float_spec, len(layout.weight.shape), param_path)
+  entries = tuple(float_spec)
+  extra = len(entries) - len(layout.weight.shape)
+  if extra > 0:  # a param stacked by nn.scan: inside the scan the weight is one layer's slice
+    if any(e is not None for e in entries[:extra]):
+      raise ValueError(
+        f"{param_path}: PartitionSpec {float_spec} splits the stacked layer axis; each scan"
+        " step multiplies one layer, so the layer axis must stay whole (None)"
+      )
+    entries = entries[extra:]
+  entries = spec_entries(P(*entries), len(layout.weight.shape), param_path)
   batch = (plan.batch,) + (None,) * (len(layout.lhs_free) - 1) if layout.lhs_free else ()
   return plan.mesh, entries, batch
 
