@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
-
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.kernels import lowering_context as lowering_for  # noqa: F401 (tests import it here)
 from q8rules.q8_0 import BLOCK, Q8Array, quantize
 
 
@@ -79,16 +77,3 @@ def write_gguf(path, tensors: dict, kv: dict | None = None, arch: str = "llama")
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-
-
-def lowering_for(platforms: Sequence[str]) -> contextlib.AbstractContextManager:
-  """The context a lowering for `platforms` needs on a host without their devices.
-
-  jax >= 0.11 lowers a Triton kernel only for a known GPU: with none attached, an abstract
-  one (an H200) is named through an abstract mesh. jax 0.10 needs nothing."""
-  abstract_device = getattr(jax.sharding, "AbstractDevice", None)
-  if "cuda" not in platforms or abstract_device is None or jax.default_backend() == "gpu":
-    return contextlib.nullcontext()
-  device = abstract_device(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  return jax.sharding.use_abstract_mesh(mesh)

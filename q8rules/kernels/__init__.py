@@ -23,7 +23,7 @@ from q8rules.kernels.api import (
   run_product,
   why_not,
 )
-from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks
+from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks, lowering_context
 from q8rules.kernels.fold import fold_applies, q8_fold
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
   "check_operands",
   "export_checks",
   "fold_applies",
+  "lowering_context",
   "platform_of",
   "q8_fold",
   "q8_matmul",
