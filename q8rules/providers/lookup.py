@@ -15,6 +15,7 @@ give its module a rule whose `op_names` leaves 'take' out.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -61,8 +62,8 @@ def take_q8(
     layout: `lookup_layout(table.shape, axis)`.
     ids: integer indices into the looked-up axis (any shape).
     dtype: the float dtype of the result (the table's own).
-    mode: as `jnp.take`'s: None or 'fill' gives NaN for an index out of range,
-      'clip' clamps it, 'wrap' wraps it.
+    mode: as `jnp.take`'s: None or 'fill' counts a negative id from the end and gives
+      NaN for one out of range, 'clip' clamps every id into [0, N), 'wrap' wraps it.
 
   Returns:
     (K, *ids.shape) for a lookup along axis 1, (*ids.shape, K) along axis 0, in `dtype`.
@@ -72,7 +73,9 @@ def take_q8(
   if mode == "wrap":
     flat = jnp.mod(flat, n)
   inside = (flat >= -n) & (flat < n)
-  flat = jnp.clip(jnp.where(flat < 0, flat + n, flat), 0, n - 1)
+  if mode != "clip":  # as jnp.take: negative ids count from the end, except when clipping
+    flat = jnp.where(flat < 0, flat + n, flat)
+  flat = jnp.clip(flat, 0, n - 1)
   cols = Q8Array(jnp.take(weight.q, flat, axis=1), jnp.take(weight.scale, flat, axis=1))
   values = dequantize(cols)[: layout.k]
   if mode in (None, "fill"):
@@ -81,10 +84,21 @@ def take_q8(
   return values if layout.free == (1,) else jnp.moveaxis(values, 0, -1)
 
 
-def lookup_bytes(layout: WeightLayout, rows: int, scale_itemsize: int, float_itemsize: int):
-  """(float bytes, Q8_0 bytes) a lookup of `rows` entries reads: int8 values and their scales."""
+def record_fields(
+  layout: WeightLayout, indices: Any, scale_itemsize: int, float_itemsize: int
+) -> dict[str, Any]:
+  """The `OpRecord` fields of a lookup of `indices`: its table's shape, M x K x N (M the entries
+  looked up), and the bytes it reads as float and as Q8_0 (int8 values and their scales)."""
+  rows = math.prod(jnp.shape(indices))
   k_pad = layout.k_padded
-  return rows * layout.k * float_itemsize, rows * (k_pad + (k_pad // BLOCK) * scale_itemsize)
+  return dict(
+    weight_shape=layout.shape,
+    m=rows,
+    k=layout.k,
+    n=layout.n,
+    float_bytes=rows * layout.k * float_itemsize,
+    q8_bytes=rows * (k_pad + (k_pad // BLOCK) * scale_itemsize),
+  )
 
 
 __all__ = [
@@ -92,7 +106,7 @@ __all__ = [
   "PATH",
   "UnsupportedLookup",
   "check_lookup_kwargs",
-  "lookup_bytes",
   "lookup_layout",
+  "record_fields",
   "take_q8",
 ]

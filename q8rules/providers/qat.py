@@ -167,21 +167,8 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       return jnp.take(a, indices, axis=axis, **kwargs)
     _, layout = matched
     scale_dtype = np.dtype(rule.scale_dtype)
-    rows = math.prod(jnp.shape(indices))
-    float_bytes, q8_bytes = lookup.lookup_bytes(
-      layout, rows, scale_dtype.itemsize, np.dtype(a.dtype).itemsize
-    )
-    self._record(
-      rule,
-      op_id,
-      FAKE_QUANT,
-      weight_shape=layout.shape,
-      m=rows,
-      k=layout.k,
-      n=layout.n,
-      float_bytes=float_bytes,
-      q8_bytes=q8_bytes,
-    )
+    fields = lookup.record_fields(layout, indices, scale_dtype.itemsize, a.dtype.itemsize)
+    self._record(rule, op_id, FAKE_QUANT, **fields)
     return jnp.take(fake_quant_ste(a, layout, scale_dtype.name), indices, axis=axis, **kwargs)
 
   # ---- the fake quant ------------------------------------------------------

@@ -161,20 +161,9 @@ class Q8Provider(RecordingProvider, PtqProvider):
       weight = quantize_param(name, a, how, _quantize_in_module).array
     else:
       return jnp.take(a, indices, axis=axis, **kwargs)
-    rows = math.prod(jnp.shape(indices))
-    float_bytes, q8_bytes = lookup.lookup_bytes(
-      layout, rows, np.dtype(weight.scale.dtype).itemsize, np.dtype(how.dtype).itemsize
-    )
+    scale_size, float_size = np.dtype(weight.scale.dtype).itemsize, np.dtype(how.dtype).itemsize
     self._record(
-      rule,
-      op_id,
-      lookup.PATH,
-      weight_shape=layout.shape,
-      m=rows,
-      k=layout.k,
-      n=layout.n,
-      float_bytes=float_bytes,
-      q8_bytes=q8_bytes,
+      rule, op_id, lookup.PATH, **lookup.record_fields(layout, indices, scale_size, float_size)
     )
     return lookup.take_q8(weight, layout, indices, how.dtype, kwargs.get("mode"))
 
