@@ -58,26 +58,6 @@ def imported(tree: ast.Module, name: str, is_package: bool, known: set[str]) -> 
   return {m for m in out if m == "q8rules" or m.startswith("q8rules.")}
 
 
-def graph() -> dict[str, set[str]]:
-  mods = modules()
-  packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
-  edges = {}
-  for name, tree in mods.items():
-    targets = set()
-    for m in imported(tree, name, name in packages, set(mods)):
-      while m not in mods and "." in m:
-        m = m.rsplit(".", 1)[0]
-      if m != name:
-        targets.add(m)
-      # importing a submodule runs its parent packages' __init__ first
-      parent = m.rsplit(".", 1)[0] if "." in m else None
-      while parent and parent != name and not name.startswith(parent + "."):
-        targets.add(parent)
-        parent = parent.rsplit(".", 1)[0] if "." in parent else None
-    edges[name] = targets
-  return edges
-
-
 def direct_imports() -> dict[str, set[str]]:
   """Module -> the q8rules modules its own import statements name (no implied parent packages)."""
   mods = modules()
@@ -91,6 +71,18 @@ def direct_imports() -> dict[str, set[str]]:
       if m != name:
         targets.add(m)
     edges[name] = targets
+  return edges
+
+
+def graph() -> dict[str, set[str]]:
+  """`direct_imports`, plus the parent packages each import runs first (their `__init__`)."""
+  edges = direct_imports()
+  for name, targets in edges.items():
+    for m in list(targets):
+      parent = m.rsplit(".", 1)[0] if "." in m else None
+      while parent and parent != name and not name.startswith(parent + "."):
+        targets.add(parent)
+        parent = parent.rsplit(".", 1)[0] if "." in parent else None
   return edges
 
 
