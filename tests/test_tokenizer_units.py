@@ -76,6 +76,16 @@ def test_spm_special_tokens_and_flags():
   assert tok.decode([1, *plain, 2], special=True) == "<s> <s></s>"
 
 
+def test_end_of_generation_texts_become_control_tokens():
+  # llama.cpp makes "<|im_end|>" a control token (and end-of-generation) whatever its type
+  tok = GGUFTokenizer.from_metadata(spm_meta({**SPM, "<|im_end|>": 0}, types={"<|im_end|>": 4}))
+  end = tok.vocab.token_to_id["<|im_end|>"]
+  assert end in tok.eog_ids and 2 in tok.eog_ids
+  assert end not in tok.encode("a<|im_end|>")
+  assert tok.encode("a<|im_end|>", parse_special=True)[-1] == end
+  assert tok.decode([end]) == "" and tok.decode([end], special=True) == "<|im_end|>"
+
+
 def test_phi3_strips_spaces_after_special_tokens():
   base = spm_meta(SPM, types={"<|u|>": 4})
   phi3 = GGUFTokenizer.from_metadata({**base, "general.name": "Phi3"})

@@ -32,8 +32,10 @@ def _decode_bytes(text: str) -> bytes:
 def piece(vocab: Vocab, tid: int, *, special: bool) -> bytes:
   """The bytes token `tid` stands for (llama.cpp's `token_to_piece`, lstrip 0)."""
   attr, text = vocab.attrs[tid], vocab.tokens[tid]
+  if attr & (UNKNOWN | CONTROL) and not special:
+    return b""
   if attr & (UNKNOWN | CONTROL | USER_DEFINED):
-    return text.encode() if special or attr & USER_DEFINED else b""
+    return text.encode()
   if attr & NORMAL:
     if vocab.kind != "bpe" or vocab.escape_whitespaces:
       return text.replace("\u2581", " ").encode()
