@@ -9,8 +9,7 @@ does; Gemma 4 style: '<0xXX>'). Words repeat, so their ids are cached.
 
 from __future__ import annotations
 
-import heapq
-
+from q8rules.llm.tokenizer.merges import merge_pairs
 from q8rules.llm.tokenizer.split import pre_split
 from q8rules.llm.tokenizer.vocab import Vocab
 
@@ -19,33 +18,7 @@ _CACHE_WORDS = 1 << 16
 
 def merge(word: str, ranks: dict[str, int]) -> list[str]:
   """`word`'s pieces after llama.cpp's BPE merges (`ranks`: 'left right' -> rank)."""
-  texts = list(word)
-  n = len(texts)
-  if n < 2:
-    return texts
-  prev = list(range(-1, n - 1))
-  nxt = [*range(1, n), -1]
-  heap: list[tuple[int, int, int, str]] = []
-
-  def push(left: int, right: int) -> None:
-    if left >= 0 and right >= 0:
-      rank = ranks.get(texts[left] + " " + texts[right])
-      if rank is not None:
-        heapq.heappush(heap, (rank, left, right, texts[left] + texts[right]))
-
-  for i in range(1, n):
-    push(i - 1, i)
-  while heap:
-    _, left, right, joined = heapq.heappop(heap)
-    if not texts[left] or not texts[right] or texts[left] + texts[right] != joined:
-      continue  # outdated: one side was merged since
-    texts[left], texts[right] = joined, ""
-    nxt[left] = nxt[right]
-    if nxt[right] >= 0:
-      prev[nxt[right]] = left
-    push(prev[left], left)
-    push(left, nxt[left])
-  return [t for t in texts if t]
+  return merge_pairs(word, lambda left, right: ranks.get(left + " " + right))
 
 
 class BPE:

@@ -53,6 +53,24 @@ class _Segment:
     self.prev = end
     return n
 
+  def digits(self, pos: int, most: int) -> int:
+    """`\\p{N}{1,most}` tokens over the run of numbers at pos; the run's end."""
+    ini = pos
+    while self.f(pos) & NUMBER:
+      pos += 1
+      if pos - ini >= most:
+        self.add(pos)
+        ini = pos
+    self.add(pos)
+    return pos
+
+  def non_word(self, pos: int, word: int) -> int:
+    """The end of ` ?[^<word>]+` at pos (`word`: the flags that end it)."""
+    pos += self.text[pos] == " "
+    while not self.f(pos) & word and self.f(pos):
+      pos += 1
+    return pos
+
   def newlines(self, pos: int) -> int:
     """pos moved past a run of '\\r' / '\\n'."""
     while self.c(pos) in ("\r", "\n"):
@@ -103,9 +121,7 @@ def split_gpt2(text: str, offsets: Sequence[int]) -> list[int]:
           break
       else:
         if not f2 & (WHITESPACE | LETTER | NUMBER) and f2:
-          pos += space
-          while not s.f(pos) & (WHITESPACE | LETTER | NUMBER) and s.f(pos):
-            pos += 1
+          pos = s.non_word(pos, WHITESPACE | LETTER | NUMBER)
         else:
           pos = s.whitespace(pos, newline_runs=False)
         s.add(pos)
@@ -133,18 +149,9 @@ def _llama3_like(max_digits: int, marks: bool) -> Splitter:
             pos += 1
           s.add(pos)
         elif f & NUMBER:  # \p{N}{1,max_digits}
-          ini = pos
-          while s.f(pos) & NUMBER:
-            pos += 1
-            if pos - ini >= max_digits:
-              s.add(pos)
-              ini = pos
-          s.add(pos)
+          pos = s.digits(pos, max_digits)
         elif not (s.f(pos + 1) if c == " " else f) & other and f:
-          pos += c == " "  # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
-          while not s.f(pos) & other and s.f(pos):
-            pos += 1
-          s.add(s.newlines(pos))
+          s.add(s.newlines(s.non_word(pos, other)))  # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
           pos = s.prev
         else:
           pos = s.whitespace(pos, newline_runs=True)
@@ -191,20 +198,11 @@ def split_kimi_k2(text: str, offsets: Sequence[int]) -> list[int]:
         s.add(pos)
         continue
       if f & NUMBER:
-        ini = pos
-        while s.f(pos) & NUMBER:
-          pos += 1
-          if pos - ini >= 3:
-            s.add(pos)
-            ini = pos
-        s.add(pos)
+        pos = s.digits(pos, 3)
         continue
       f2 = s.f(pos + 1) if c == " " else f
       if not f2 & (WHITESPACE | LETTER | NUMBER) and f2:
-        pos += c == " "
-        while not s.f(pos) & (WHITESPACE | LETTER | NUMBER) and s.f(pos):
-          pos += 1
-        pos = s.newlines(pos)
+        pos = s.newlines(s.non_word(pos, WHITESPACE | LETTER | NUMBER))
       else:
         pos = s.whitespace(pos, newline_runs=True)
       s.add(pos)
