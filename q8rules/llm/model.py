@@ -60,6 +60,8 @@ class GGUFModel:
     tokenizer: a `GGUFTokenizer` when the file's tokenizer could be built, else None
       (`logits` and `generate` take token ids either way).
     mesh: the device mesh the params are sharded over, or None.
+    bytes_read: bytes of tensor data this process read from the file at load (on a mesh
+      over several processes, its own shards' and the replicated tensors').
   """
 
   path: Any
@@ -69,6 +71,7 @@ class GGUFModel:
   metadata: dict[str, Any]
   tokenizer: Any = None
   mesh: Any = None
+  bytes_read: int = 0
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
