@@ -10,6 +10,7 @@ this process read from the file, its peak RSS. Scenarios:
   tp      mesh ('tp',) over every device
   dp_tp   mesh ('dp', 'tp') = (processes, devices per process): each process one replica
   tp_dp   mesh ('dp', 'tp') = (devices per process, processes): tp across the processes
+  die=N   process N exits at once; the others load and run, which must fail, not hang
   error=P load the GGUF file P on the mesh ('tp',) over every device, which cannot split it:
           OUT_DIR/error-<process>.txt holds the error's message
 
@@ -19,6 +20,7 @@ A line `READY <process>` on stdout follows `jax.distributed.initialize`.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -65,6 +67,15 @@ def main(argv: list[str]) -> None:
       mesh = jax.sharding.Mesh(devices.reshape(nproc, LOCAL_DEVICES), ("dp", "tp"))
     elif scenario == "tp_dp":  # tp across the processes, dp within each
       mesh = jax.sharding.Mesh(devices.reshape(nproc, LOCAL_DEVICES).T, ("dp", "tp"))
+    elif scenario.startswith("die="):  # process N exits; the others go on into collectives
+      if pid == int(scenario.removeprefix("die=")):
+        print(f"DYING {pid}", flush=True)
+        os._exit(3)
+      mesh = jax.make_mesh((devices.size,), ("tp",), devices=list(devices))
+      m = load_gguf(path, dtype=jnp.float32, mesh=mesh)
+      for _ in range(1000):  # a collective per step: fails once the peer is gone
+        m.logits(IDS)
+      raise SystemExit(f"process {pid}: ran on while process {scenario} was gone")
     elif scenario.startswith("error="):
       mesh = jax.make_mesh((devices.size,), ("tp",), devices=list(devices))
       try:

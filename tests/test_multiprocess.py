@@ -84,9 +84,12 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(path: Path, out: Path, scenarios: list[str]) -> list[str]:
-  """Start the processes, wait for all; on a failure or a hang, kill the rest and fail with
-  every process's output. Returns their stdouts."""
+def start_processes(
+  path: Path, out: Path, scenarios: list[str]
+) -> tuple[list[int], list[str], float]:
+  """Start the processes and wait for all: when one fails, the others get `PEER_GRACE_S` to
+  exit, then are killed, as they are after `TIMEOUT_S` in all. Returns their exit codes (None:
+  killed), their output and the seconds from the first failure to the last exit (0: none)."""
   port = free_port()
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)
@@ -101,6 +104,7 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> list[str]:
         )
       )
   start, failed_at = time.monotonic(), None
+  codes: list[int | None] = [None] * PROCESSES
   try:
     while any(p.poll() is None for p in procs):
       now = time.monotonic()
@@ -108,21 +112,26 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> list[str]:
         failed_at = now
       if now - start > TIMEOUT_S or (failed_at is not None and now - failed_at > PEER_GRACE_S):
         break
-      time.sleep(0.5)
+      time.sleep(0.25)
+    codes = [p.poll() for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.wait()
-  texts = [log.read_text() for log in logs]
-  codes = [p.returncode for p in procs]
-  if any(codes):
+  after = time.monotonic() - failed_at if failed_at is not None else 0.0
+  return codes, [log.read_text() for log in logs], after
+
+
+def run_processes(path: Path, out: Path, scenarios: list[str]) -> None:
+  """`start_processes`, failing with every process's output unless all succeed."""
+  codes, texts, _ = start_processes(path, out, scenarios)
+  if any(c != 0 for c in codes):
     report = "\n".join(
-      f"--- process {i} (exit {c}):\n{t[-3000:]}"
+      f"--- process {i} (exit {'killed' if c is None else c}):\n{t[-3000:]}"
       for i, (c, t) in enumerate(zip(codes, texts, strict=True))
     )
     pytest.fail(f"a process failed or hung (limit {TIMEOUT_S} s):\n{report}")
-  return texts
 
 
 def test_two_processes_one_model(tmp_path):
@@ -168,3 +177,17 @@ def test_two_processes_one_model(tmp_path):
     msg = (tmp_path / f"error-{i}.txt").read_text()
     assert "'blk.0.attn_k.weight'" in msg and "2 key/value heads" in msg, msg
     assert "'blk.0.ffn_down.weight'" in msg and "cuts a 32-row" in msg, msg
+
+
+@pytest.mark.parametrize("dies", [0, 1])
+def test_a_process_that_dies_fails_the_other(tmp_path, dies):
+  """Process `dies` (0: the coordinator) exits after joining; the other, running the model
+  (collectives each step), fails with jax.distributed's error within 60 s: never a hang."""
+  path = write_llama(tmp_path / "tp4-llama-q8_0.gguf")
+  codes, texts, after = start_processes(path, tmp_path, [f"die={dies}"])
+  other = 1 - dies
+  assert codes[dies] == 3, texts[dies][-2000:]
+  assert codes[other] not in (None, 0), f"process {other}: {codes[other]}\n{texts[other][-2000:]}"
+  assert after < PEER_GRACE_S, after
+  assert "another task died" in texts[other], texts[other][-2000:]
+  print(f"process {dies} died; process {other} failed {after:.1f} s later (exit {codes[other]})")
