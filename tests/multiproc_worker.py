@@ -5,7 +5,8 @@
 Each process gets 2 CPU devices, joins `jax.distributed` on localhost:PORT (CPU collectives
 by gloo), then for each scenario loads GGUF onto a mesh over all processes' devices and
 writes OUT_DIR/<scenario>-<process>.npz: the logits of `IDS`, the greedy tokens, the bytes
-this process read from the file, its peak RSS. Scenarios:
+this process read from the file, its resident memory before, at the peak of and after the
+load, and its peak over the whole run. Scenarios:
 
   tp      mesh ('tp',) over every device
   dp_tp   mesh ('dp', 'tp') = (processes, devices per process): each process one replica
@@ -34,6 +35,26 @@ LOCAL_DEVICES = 2
 def peak_rss_mib() -> float:
   """This process's peak resident set size so far, MiB (Linux: ru_maxrss in KiB)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+  """A /proc/self/status memory field in MiB (VmRSS: resident now; VmHWM: peak since start or
+  since `reset_peak_rss`); NaN where there is no /proc."""
+  try:
+    for line in Path("/proc/self/status").read_text().splitlines():
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return float("nan")
+
+
+def reset_peak_rss() -> None:
+  """Start VmHWM afresh (Linux: `echo 5 > /proc/self/clear_refs`), to measure one step's peak."""
+  try:
+    Path("/proc/self/clear_refs").write_text("5")
+  except OSError:
+    pass
 
 
 def main(argv: list[str]) -> None:
@@ -86,11 +107,12 @@ def main(argv: list[str]) -> None:
       raise SystemExit(f"process {pid}: the load on {mesh.shape} did not fail")
     else:
       raise SystemExit(f"unknown scenario {scenario!r}")
-    rss0 = peak_rss_mib()
+    rss0 = rss_mib()
+    reset_peak_rss()
     t0 = time.perf_counter()
     m = load_gguf(path, dtype=jnp.float32, mesh=mesh)
     load_s = time.perf_counter() - t0
-    rss_load = peak_rss_mib()
+    rss_load, rss_after = rss_mib("VmHWM"), rss_mib()
     logits = m.logits(IDS)
     tokens = m.generate(IDS, NEW_TOKENS)
     np.savez(
@@ -100,7 +122,8 @@ def main(argv: list[str]) -> None:
       bytes_read=m.bytes_read,
       peak_rss_mib=peak_rss_mib(),
       rss_before_load_mib=rss0,
-      rss_after_load_mib=rss_load,
+      peak_rss_at_load_mib=rss_load,
+      rss_after_load_mib=rss_after,
       load_s=load_s,
       mesh=json.dumps({k: int(v) for k, v in mesh.shape.items()}),
     )

@@ -166,7 +166,9 @@ def test_two_processes_one_model(tmp_path):
       print(
         f"{scenario} {dict(mesh.shape)} process {i}: read {int(got['bytes_read'])} of"
         f" {size} bytes ({share:.2f}x the file), peak RSS {float(got['peak_rss_mib']):.0f} MiB"
-        f" (+{float(got['rss_after_load_mib'] - got['rss_before_load_mib']):.1f} MiB at load),"
+        f" (load: +{float(got['peak_rss_at_load_mib'] - got['rss_before_load_mib']):.1f} MiB"
+        f" at its peak, +{float(got['rss_after_load_mib'] - got['rss_before_load_mib']):.1f}"
+        " MiB after),"
         f" max |logit - one process| {np.abs(got['logits'] - want).max():.2e} (logits up to"
         f" {scale:.2f}),"
         f" rel. L2 to unsharded {rel:.1e}"
