@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -30,11 +29,6 @@ from pathlib import Path
 IDS = [0, 41, 70, 77, 77, 80, 222, 88]
 NEW_TOKENS = 4
 LOCAL_DEVICES = 2
-
-
-def peak_rss_mib() -> float:
-  """This process's peak resident set size so far, MiB (Linux: ru_maxrss in KiB)."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rss_mib(field: str = "VmRSS") -> float:
@@ -107,7 +101,7 @@ def main(argv: list[str]) -> None:
       raise SystemExit(f"process {pid}: the load on {mesh.shape} did not fail")
     else:
       raise SystemExit(f"unknown scenario {scenario!r}")
-    rss0 = rss_mib()
+    rss0, peak_before = rss_mib(), rss_mib("VmHWM")
     reset_peak_rss()
     t0 = time.perf_counter()
     m = load_gguf(path, dtype=jnp.float32, mesh=mesh)
@@ -120,7 +114,7 @@ def main(argv: list[str]) -> None:
       logits=logits,
       tokens=np.asarray(tokens),
       bytes_read=m.bytes_read,
-      peak_rss_mib=peak_rss_mib(),
+      peak_rss_mib=max(peak_before, rss_mib("VmHWM")),  # not ru_maxrss: exec keeps the parent's
       rss_before_load_mib=rss0,
       peak_rss_at_load_mib=rss_load,
       rss_after_load_mib=rss_after,

@@ -2,9 +2,9 @@
 the shards its own devices hold.
 
 A shard is an `index`, a tuple of slices into the value as the checkpoint gives it (layout
-'kernel': a Q8_0 matrix as q (..., K, N), blocked along K). `q8_region` and `plain_region`
-read one region of a tensor from the file's bytes (a memory map: only the pages of the region
-are touched); `assemble` builds a (possibly multi-process) `jax.Array` / `Q8Array` from the
+'kernel': a Q8_0 matrix as q (..., K, N), blocked along K). A checkpoint's `read_region(name,
+index)` reads one region from the file's bytes (GGUF: `q8rules.checkpoint.gguf.regions`, from
+the memory map: only the pages of the region are touched); `assemble` builds a (possibly multi-process) `jax.Array` / `Q8Array` from the
 regions of the devices this process addresses (`jax.make_array_from_callback`), so no
 process materialises another process's shard.
 
@@ -22,24 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from q8rules.checkpoint._common import CheckpointError
-from q8rules.checkpoint.gguf.layouts import BLOCK_BYTES, block_dtype
+from q8rules.checkpoint._common import CheckpointError, index_slices, normalize_index
 from q8rules.q8_0 import BLOCK, Q8Array
 
 Index = tuple[slice, ...]
 """One shard: a slice per axis of the value (as `jax.make_array_from_callback` gives it)."""
-
-
-def normalize(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  """`index` (slices, maybe fewer than axes) as (start, stop) per axis of `shape`; steps of 1."""
-  index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
-  out = []
-  for s, size in zip(index, shape, strict=True):
-    start, stop, step = s.indices(size)
-    if step != 1:
-      raise ValueError(f"a shard index must have steps of 1, got {s}")
-    out.append((start, max(start, stop)))
-  return tuple(out)
 
 
 def blocked_axis(q_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int:
@@ -51,100 +38,22 @@ def blocked_axis(q_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int:
   return diff[0]
 
 
-def _slices(bounds: tuple[tuple[int, int], ...]) -> Index:
-  return tuple(slice(a, b) for a, b in bounds)
-
-
-def q8_region(
-  data: np.ndarray,
-  shape: tuple[int, ...],
-  byteorder: str,
-  scale_dtype: np.dtype,
-  layout: str,
-  dtype: np.dtype,
-  index: Any,
-) -> tuple[Q8Array, int]:
-  """One region of a Q8_0 tensor as a `Q8Array`, and the file bytes it was read from.
-
-  Args:
-    data: the tensor's bytes (uint8, a view of the mapped file).
-    shape: its numpy-order shape `[*lead, n_out, n_in]`.
-    byteorder, scale_dtype, layout, dtype: as `GGUFCheckpoint`.
-    index: slices over q's shape in `layout` ('kernel': (*lead, K=n_in, N=n_out); 'gguf':
-      (*lead, n_out, n_in)); the K (n_in) range must fall on 32-row blocks.
-
-  Returns:
-    (Q8Array with q int8 and scale `scale_dtype` of the region's shapes, bytes read).
-  """
-  rows, n_in = shape[:-1], shape[-1]
-  nb = n_in // BLOCK
-  blocks = data.reshape(-1).view(block_dtype(byteorder)).reshape(*rows, nb)
-  kernel = layout == "kernel" and len(shape) >= 2
-  q_shape = (*shape[:-2], n_in, shape[-2]) if kernel else tuple(shape)
-  bounds = normalize(index, q_shape)
-  k_axis = len(shape) - 2 if kernel else len(shape) - 1
-  k0, k1 = bounds[k_axis]
-  if k0 % BLOCK or (k1 % BLOCK and k1 != n_in):
-    raise CheckpointError(
-      f"rows {k0}:{k1} of K={n_in} cut a {BLOCK}-row Q8_0 block (a shard's K range must"
-      f" start and end on a multiple of {BLOCK})"
-    )
-  blk = slice(k0 // BLOCK, -(-k1 // BLOCK))
-  if kernel:
-    (n0, n1) = bounds[-1]
-    sel = blocks[(*_slices(bounds[:-2]), slice(n0, n1), blk)]  # (*lead, n, nb')
-  else:
-    sel = blocks[(*_slices(bounds[:-1]), blk)]  # (*lead, n_out', nb')
-  lead, n, nbs = sel.shape[:-2], sel.shape[-2], sel.shape[-1]
-  rows_k = np.empty((*lead, n, nbs, BLOCK), np.int8)
-  np.copyto(rows_k, sel["qs"])
-  d = sel["d"]
-  if kernel:
-    q = np.ascontiguousarray(np.swapaxes(rows_k.reshape(*lead, n, nbs * BLOCK), -1, -2))
-    scale = np.empty((*lead, nbs, n), scale_dtype)
-    np.copyto(scale, np.swapaxes(d, -1, -2))
-    axis = len(shape) - 2
-  else:
-    q = rows_k.reshape(*lead, n, nbs * BLOCK)
-    scale = np.empty((*lead, n, nbs), scale_dtype)
-    np.copyto(scale, d)
-    axis = len(shape) - 1
-  return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype), sel.size * BLOCK_BYTES
-
-
-def plain_region(arr: np.ndarray, layout: str, index: Any) -> tuple[np.ndarray, int]:
-  """One region of a plain tensor `arr` (numpy order, a view of the file) in `layout`, as a
-  native-byte-order copy, and the bytes read. In 'kernel' layout `index` is over the shape
-  with the last two axes swapped."""
-  kernel = layout == "kernel" and arr.ndim >= 2
-  shape = (*arr.shape[:-2], arr.shape[-1], arr.shape[-2]) if kernel else arr.shape
-  bounds = normalize(index, shape)
-  if kernel:
-    file_index = (*_slices(bounds[:-2]), slice(*bounds[-1]), slice(*bounds[-2]))
-    src = np.swapaxes(arr[file_index], -1, -2)
-  else:
-    src = arr[_slices(bounds)]
-  out = np.empty(src.shape, src.dtype.newbyteorder("="))
-  np.copyto(out, src)
-  return out, src.size * src.dtype.itemsize
-
-
 def region_of(value: Any, index: Any) -> Any:
   """A region of a value already read (a Q8Array: `index` over q; its scale rows follow)."""
   if isinstance(value, Q8Array):
-    bounds = normalize(index, tuple(value.q.shape))
+    bounds = normalize_index(index, tuple(value.q.shape))
     axis = blocked_axis(tuple(value.q.shape), tuple(value.scale.shape))
     sb = tuple(
       (a // BLOCK, -(-b // BLOCK)) if i == axis else (a, b) for i, (a, b) in enumerate(bounds)
     )
     return Q8Array(
-      q=np.asarray(value.q)[_slices(bounds)],
-      scale=np.asarray(value.scale)[_slices(sb)],
+      q=np.asarray(value.q)[index_slices(bounds)],
+      scale=np.asarray(value.scale)[index_slices(sb)],
       axis=value.axis,
       dtype=value.dtype,
     )
   value = np.asarray(value)
-  return value[_slices(normalize(index, value.shape))]
+  return value[index_slices(normalize_index(index, value.shape))]
 
 
 def read_region(ckpt: Any, name: str, index: Any) -> Any:
@@ -165,7 +74,7 @@ def read_stacked_region(ckpt: Any, members: Any, index: Any) -> Any:
   if isinstance(members, str):
     return read_region(ckpt, members, index)
   index = tuple(index)
-  ((l0, l1),), rest = normalize(index[:1], (len(members),)), index[1:]
+  ((l0, l1),), rest = normalize_index(index[:1], (len(members),)), index[1:]
   parts = [read_region(ckpt, n, rest) for n in members[l0:l1]]
   if parts and isinstance(parts[0], Q8Array):
     return Q8Array(
@@ -201,7 +110,7 @@ def assemble(leaf: Any, read: Callable[[Index], Any], what: str) -> Any:
 
   def region(bounds: tuple[tuple[int, int], ...]) -> Any:
     if bounds not in cache:
-      cache[bounds] = read(_slices(bounds))
+      cache[bounds] = read(index_slices(bounds))
     return cache[bounds]
 
   if isinstance(leaf, Q8Array):
@@ -210,19 +119,19 @@ def assemble(leaf: Any, read: Callable[[Index], Any], what: str) -> Any:
     s_dtype = np.dtype(leaf.scale.dtype)
 
     def q_part(index: Index) -> np.ndarray:
-      bounds = normalize(index, q_shape)
+      bounds = normalize_index(index, q_shape)
       got = region(bounds)
-      _check(got.q.shape, [b - a for a, b in bounds], what, f"q{_slices(bounds)}")
+      _check(got.q.shape, [b - a for a, b in bounds], what, f"q{index_slices(bounds)}")
       return np.asarray(got.q, np.int8)
 
     def scale_part(index: Index) -> np.ndarray:
-      sb = normalize(index, s_shape)
+      sb = normalize_index(index, s_shape)
       bounds = tuple(
         (a * BLOCK, min(b * BLOCK, q_shape[axis])) if i == axis else (a, b)
         for i, (a, b) in enumerate(sb)
       )
       got = region(bounds)
-      _check(got.scale.shape, [b - a for a, b in sb], what, f"scale{_slices(sb)}")
+      _check(got.scale.shape, [b - a for a, b in sb], what, f"scale{index_slices(sb)}")
       scale = np.asarray(got.scale)
       if scale.dtype != s_dtype:
         new = scale.astype(s_dtype)
@@ -241,9 +150,9 @@ def assemble(leaf: Any, read: Callable[[Index], Any], what: str) -> Any:
   shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
 
   def part(index: Index) -> np.ndarray:
-    bounds = normalize(index, shape)
+    bounds = normalize_index(index, shape)
     got = np.asarray(region(bounds))
-    _check(got.shape, [b - a for a, b in bounds], what, str(_slices(bounds)))
+    _check(got.shape, [b - a for a, b in bounds], what, str(index_slices(bounds)))
     return got.astype(dtype, copy=False)
 
   return jax.make_array_from_callback(shape, leaf.sharding, part)
@@ -252,9 +161,8 @@ def assemble(leaf: Any, read: Callable[[Index], Any], what: str) -> Any:
 __all__ = [
   "Index",
   "assemble",
-  "normalize",
-  "plain_region",
-  "q8_region",
+  "blocked_axis",
+  "normalize_index",
   "read_region",
   "read_stacked_region",
   "region_of",

@@ -23,6 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter
+from q8rules.checkpoint.gguf import regions
 from q8rules.checkpoint.gguf.header import open_reader
 from q8rules.checkpoint.gguf.layouts import (
   PLAIN_TYPES,
@@ -36,6 +37,7 @@ from q8rules.checkpoint.gguf.layouts import (
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
+from q8rules.checkpoint.shards import region_of
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import listing
 
@@ -243,25 +245,23 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       `self[name][index]` (a `Q8Array` whose q is `q[index]`), copied out of the file.
       Tensors of other quantized types (`dequantize_other`) are read whole, then sliced.
     """
-    from q8rules.checkpoint import shards
-
     layout = layout or self.layout
     check_layout(layout)
     t = self._info(name)
     shape = self.gguf_shape(name)
     try:
       if t.tensor_type == Q8_0:
-        value, nbytes = shards.q8_region(
+        value, nbytes = regions.q8_region(
           t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype, index
         )
       elif t.tensor_type in PLAIN_TYPES and t.tensor_type != GGMLQuantizationType.BF16:
-        value, nbytes = shards.plain_region(t.data.reshape(shape), layout, index)
+        value, nbytes = regions.plain_region(t.data.reshape(shape), layout, index)
       elif t.tensor_type == GGMLQuantizationType.BF16:
         bits = t.data.reshape(-1).view(self._byteorder + "u2").reshape(shape)
-        value, nbytes = shards.plain_region(bits, layout, index)
+        value, nbytes = regions.plain_region(bits, layout, index)
         value = value.astype(np.uint16).view(ml_dtypes.bfloat16)
       else:
-        value, nbytes = shards.region_of(self._repack(t, shape, layout), index), t.data.nbytes
+        value, nbytes = region_of(self._repack(t, shape, layout), index), t.data.nbytes
     except CheckpointError as e:
       raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
     except Exception as e:
