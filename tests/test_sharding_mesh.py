@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import q8rules
 from q8rules import kernels, sharding
-from q8rules.kernels import fold, pallas_mosaic_tpu, pallas_triton
+from q8rules.kernels import fold
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.sharding.product import shard_map_unchecked
 from tests._utils import q8_weights as weights
@@ -192,8 +192,7 @@ def test_fold_pads_each_shard_not_the_whole_weight(rng):
   err = rel_err(y, x.astype(np.float64) @ dequant64(a))
   assert err <= RTOL, f"relative error {err:.2e}"
   assert y.shape == (1, n) and y.sharding.spec == P(None, "tp"), (y.shape, y.sharding.spec)
-  form = {"tpu": pallas_mosaic_tpu, "gpu": pallas_triton}[fold.kernel_form()]
-  wide = form.padded_columns(n // d)  # the form's column tile (TPU form, also on CPU: 128)
+  wide = fold.padded_columns(n // d, fold.kernel_form())  # the form's column tile (CPU: TPU's)
   text = jax.jit(f).lower(x, w).as_text()
   pads = re.findall(r"stablehlo\.pad .*?: \(tensor<(\w+)>, .*?\) -> tensor<(\w+)>", text)
   assert (f"{k}x40xi8", f"{k}x{wide}xi8") in pads, f"no per-shard pad of q 40 -> {wide}: {pads}"

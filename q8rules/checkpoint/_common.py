@@ -80,3 +80,20 @@ def shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     arr = np.asarray(x)
     return tuple(arr.shape), arr.dtype
   return tuple(int(s) for s in shape), np.dtype(dtype)
+
+
+def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  """`index` (slices, maybe fewer than axes) as (start, stop) per axis of `shape`; steps of 1."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+  out = []
+  for s, size in zip(index, shape, strict=True):
+    start, stop, step = s.indices(size)
+    if step != 1:
+      raise ValueError(f"a shard index must have steps of 1, got {s}")
+    out.append((start, max(start, stop)))
+  return tuple(out)
+
+
+def index_slices(bounds: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+  """The inverse of `normalize_index`: (start, stop) per axis -> slices."""
+  return tuple(slice(a, b) for a, b in bounds)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.checkpoint import shards
 from q8rules.checkpoint._common import (
   CheckpointError,
   flatten_params,
@@ -82,13 +83,31 @@ def _mismatch(leaf: Any, spec: Any) -> str | None:
 
 
 def _place(value: np.ndarray, leaf: Any) -> Any:
-  """`value` where `leaf` lives: a jax.Array on the leaf's sharding, numpy for numpy."""
+  """`value` where `leaf` lives: a jax.Array on the leaf's sharding, numpy for numpy. A
+  sharding over several processes gets this process's shards only (the same `value` on each)."""
   if isinstance(leaf, np.ndarray):
     return value
-  sharding = getattr(leaf, "sharding", None)
-  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None:
+  sharding = _sharding(leaf)
+  if sharding is None:
+    return jnp.asarray(value)
+  if sharding.is_fully_addressable:
     return jax.device_put(value, sharding)
-  return jnp.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _sharding(leaf: Any) -> Any:
+  """The sharding a jax.Array / ShapeDtypeStruct leaf lives on, or None."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+    return getattr(leaf, "sharding", None)
+  return None
+
+
+def _shardwise(leaf: Any, tensors: Any) -> bool:
+  """Whether the leaf's value is built shard by shard from `tensors.read_region`: a leaf on
+  a sharding (of a Q8Array, q's) when the tensors can read regions."""
+  if not callable(getattr(tensors, "read_region", None)):
+    return False
+  return _sharding(leaf.q if isinstance(leaf, Q8Array) else leaf) is not None
 
 
 def _convert(leaf: Any, value: Any, what: str) -> Any:
@@ -162,7 +181,10 @@ def assign(
     to its dtype (e.g. F32 -> bfloat16 rounds). Values go where the leaf is: a
     jax.Array leaf (or a ShapeDtypeStruct with a sharding) gives a jax.Array
     on its sharding, a numpy leaf a numpy array, anything else a jax.Array on
-    the default device.
+    the default device. A leaf on a sharding, with `tensors` that can read regions
+    (`read_region(name, index)`, as `GGUFCheckpoint`), gets each shard its process's
+    devices hold read on its own: over several processes no process reads (or holds)
+    another's shards.
 
   Raises:
     CheckpointError: listing every problem found: missing params, left-over
@@ -228,6 +250,12 @@ def assign(
     list(targets.items()), total=len(targets), desc="assigning", progress=progress
   ):
     what = f"tensor {name!r} -> {path_str(pairs[i][0])}"
+    if name not in cached and _shardwise(pairs[i][1], tensors):
+      # each process reads the byte ranges of its own devices' shards (checkpoint/shards.py)
+      leaves[i] = shards.assemble(
+        pairs[i][1], lambda index, name=name: tensors.read_region(name, index), what
+      )
+      continue
     value = cached.pop(name) if name in cached else tensors[name]
     got = _mismatch(pairs[i][1], value)  # what was read must match what was announced
     if got is not None:

@@ -29,6 +29,7 @@ from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import assign as ckpt_assign
 from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
 from q8rules.llm.config import config_from_metadata
+from q8rules.llm.distributed import check_mesh
 from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.stacked import StackedTensors
 from q8rules.llm.tensors import TensorSlot, check_tensors, tensor_slots
@@ -127,9 +128,13 @@ def load_gguf(
       (`name-00001-of-0000N.gguf`: all parts are opened).
     dtype: activation dtype (bfloat16 or float32). Weights keep the file's
       types: Q8_0 as Q8Arrays, F32 / F16 / BF16 as they are.
-    mesh: a `jax.sharding.Mesh` with an axis 'tp': each tensor goes from the
-      file straight to its shards (`TP_SPECS`: column-parallel q, k, v, gate,
-      up; row-parallel o, down; the rest replicated).
+    mesh: a `jax.sharding.Mesh` with an axis 'tp' (Auto or Explicit axes; other
+      axes replicate the params): each tensor goes from the file straight to its
+      shards (`TP_SPECS`: column-parallel q, k, v, gate, up; row-parallel o,
+      down; the rest replicated). On a mesh over several processes (after
+      `jax.distributed.initialize`; every process makes the same call) each
+      process reads only the byte ranges of its own devices' shards
+      (`GGUFModel.bytes_read` says how many).
     dequantize_other: load tensors of other quantized types (Q4_0, Q4_K, ...)
       as float32, with a warning; by default they are refused.
     progress: a tqdm bar over tensors (None: when stderr is a terminal).
@@ -190,10 +195,13 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
   names = tensors.name_map(slots)
   abstract = _abstract_params(model, config, tensors, names)
   if mesh is not None:
+    check_mesh(mesh, config, ckpt.path, shapes)  # llm/distributed.py: names the tensor
     abstract = _place_on_mesh(abstract, mesh, config)
-  params = ckpt_assign.assign(abstract, tensors, names, progress=progress)
+  params = ckpt_assign.assign(abstract, tensors, names, progress=progress)  # shard by shard
   tokenizer = _tokenizer(meta, str(ckpt.path))
-  return GGUFModel(ckpt.path, config, model, params, meta, tokenizer, mesh)
+  out = GGUFModel(ckpt.path, config, model, params, meta, tokenizer, mesh)
+  out.bytes_read = tensors.bytes_read
+  return out
 
 
 __all__ = ["load_gguf", "q8_rule", "uniform_across_layers"]

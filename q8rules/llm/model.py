@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from q8rules.models.transformer import TransformerConfig, init_cache
+from q8rules.llm import distributed
+from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
 CACHE_ROUND = 64
@@ -59,6 +60,8 @@ class GGUFModel:
     tokenizer: a `GGUFTokenizer` when the file's tokenizer could be built, else None
       (`logits` and `generate` take token ids either way).
     mesh: the device mesh the params are sharded over, or None.
+    bytes_read: bytes of tensor data this process read from the file at load (on a mesh
+      over several processes, its own shards' and the replicated tensors').
   """
 
   path: Any
@@ -68,6 +71,7 @@ class GGUFModel:
   metadata: dict[str, Any]
   tokenizer: Any = None
   mesh: Any = None
+  bytes_read: int = 0
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
@@ -77,8 +81,10 @@ class GGUFModel:
     variables = {"params": self.params}
     if self.mesh is None:
       return self._apply(variables, tokens, cache, jnp.int32(pos))
+    # mesh hook (llm/distributed.py): inputs as global arrays, for runs over several processes
+    tokens, at = distributed.on_mesh(tokens, self.mesh), distributed.on_mesh(pos, self.mesh)
     with shard_products(self.mesh, self._specs):
-      return self._apply(variables, tokens, cache, jnp.int32(pos))
+      return self._apply(variables, tokens, cache, at)
 
   def _cache(self, length: int) -> Any:
     if length > self.config.context_length:
@@ -86,7 +92,7 @@ class GGUFModel:
         f"{length} positions exceed the model's context length {self.config.context_length}"
       )
     rounded = min(-(-length // CACHE_ROUND) * CACHE_ROUND, self.config.context_length)
-    return init_cache(self.config, rounded)
+    return distributed.init_cache_on(self.config, rounded, self.mesh)  # split like k / v
 
   def _check_ids(self, ids: Sequence[int] | np.ndarray) -> jax.Array:
     arr = np.asarray(ids)
@@ -102,7 +108,7 @@ class GGUFModel:
     """Logits (T, vocab) float32 at every position of token_ids (T,), one forward pass."""
     tokens = self._check_ids(token_ids)
     out, _ = self._run(tokens, self._cache(tokens.shape[1]), 0)
-    return np.asarray(out[0], np.float32)
+    return distributed.to_host(out[0]).astype(np.float32)
 
   def stream(
     self,

@@ -92,6 +92,20 @@ class StackedTensors(Mapping[str, Any]):
       )
     return np.stack([np.asarray(p) for p in parts])
 
+  # ---- shard-wise reading (q8rules.checkpoint.shards; used by assign on a mesh) ----
+  def read_region(self, name: str, index: Any) -> Any:
+    """`self[name][index]`, reading only the region's bytes (a stack: its layers' regions)."""
+    from q8rules.checkpoint.shards import read_stacked_region
+
+    return read_stacked_region(self._ckpt, self._stacks.get(name) or name, index)
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes of tensor data read from the file so far (`GGUFCheckpoint.bytes_read`)."""
+    return int(getattr(self._ckpt, "bytes_read", 0))
+
+  # ----
+
   def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
     return name in self._stacks or (name in self._names and name in self._ckpt)
 

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 Cache = tuple[jax.Array, jax.Array]
 """(k, v), each (layers, batch, length, kv_heads, head_dim) in the config's dtype."""
@@ -178,6 +179,31 @@ def _dense(features: int, name: str, config: TransformerConfig, bias: bool = Fal
   return nn.Dense(features, use_bias=bias, dtype=config.dtype, name=name)
 
 
+def _explicit_mesh() -> bool:
+  """Whether the mesh in context has Explicit axes (sharding in types)."""
+  return bool(jax.sharding.get_abstract_mesh().explicit_axes)
+
+
+def _cache_on_mesh(cache: Cache) -> Cache:
+  """On a mesh with Explicit axes, a cache made off the mesh (`init_cache`) as a replicated
+  array on it, so that its updates can be typed (a no-op elsewhere)."""
+  if not _explicit_mesh():
+    return cache
+  return tuple(
+    jax.sharding.reshard(a, P()) if jax.typeof(a).sharding.mesh.empty else a for a in cache
+  )
+
+
+def _like_cache(x: jax.Array, cache: jax.Array) -> jax.Array:
+  """x (B, T, KV, H) as the cache's update (1, B, T, KV, H) in its dtype and, on a mesh with
+  Explicit axes, its sharding: k / v come out split as the projections split them, whatever
+  the cache's split (a no-op elsewhere)."""
+  update = x.astype(cache.dtype)[None]
+  if not _explicit_mesh() or jax.typeof(update).sharding.spec == jax.typeof(cache).sharding.spec:
+    return update
+  return jax.sharding.reshard(update, jax.typeof(cache).sharding.spec)
+
+
 class Attention(nn.Module):
   """Causal GQA self-attention with RoPE over one layer's slice of the KV cache."""
 
@@ -204,8 +230,8 @@ class Attention(nn.Module):
     k = apply_rope(k, angles, c.rope_style)
     cache_k, cache_v = cache
     at = (layer, 0, pos, 0, 0)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype)[None], at)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype)[None], at)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, _like_cache(k, cache_k), at)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, _like_cache(v, cache_v), at)
     keys = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # (B, S, KV, H)
     values = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
     group = c.heads // c.kv_heads
@@ -270,6 +296,7 @@ class Transformer(nn.Module):
   ) -> tuple[jax.Array, Cache]:
     c = self.config
     check_cache(c, cache, tokens.shape[0])
+    cache = _cache_on_mesh(cache)
     freq_factors = None
     if c.rope_freq_factors:
       freq_factors = self.param("rope_freqs", nn.initializers.ones, (c.head_dim // 2,))

@@ -23,6 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter
+from q8rules.checkpoint.gguf import regions
 from q8rules.checkpoint.gguf.header import open_reader
 from q8rules.checkpoint.gguf.layouts import (
   PLAIN_TYPES,
@@ -36,6 +37,7 @@ from q8rules.checkpoint.gguf.layouts import (
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
+from q8rules.checkpoint.shards import region_of
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import listing
 
@@ -60,6 +62,8 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     dequantize_other: whether other quantized types come back as float32.
     progress: default of `load_all`'s progress bar (None: auto).
     repacked: Counter of the tensor names materialised so far.
+    bytes_read: bytes of tensor data copied out of the file so far (whole tensors by
+      `get_tensor`, regions by `read_region`).
   """
 
   def __init__(
@@ -80,6 +84,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     self.dequantize_other = dequantize_other
     self.progress = progress
     self.repacked: Counter[str] = Counter()
+    self.bytes_read = 0
     self._reader: gguf_lib.GGUFReader | None = reader
     self._tensors = {t.name: t for t in reader.tensors}
     self._byteorder = ">" if reader.endianess == gguf_lib.GGUFEndian.BIG else "<"
@@ -221,6 +226,50 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
         f" {type(e).__name__}: {e}"
       ) from e
     self.repacked[name] += 1
+    self.bytes_read += int(t.data.nbytes)
+    return value
+
+  def read_region(
+    self, name: str, index: Any, *, layout: Layout | None = None
+  ) -> Q8Array | np.ndarray:
+    """One region of `self[name]`, reading from the file only the bytes that hold it.
+
+    Args:
+      name: the tensor.
+      index: slices over the value's shape in `layout` (a Q8_0 tensor: over q, e.g.
+        (K, N) in 'kernel' layout; its K range on 32-row blocks; the scale rows follow),
+        as `jax.make_array_from_callback` passes a shard's.
+      layout: default: the checkpoint's.
+
+    Returns:
+      `self[name][index]` (a `Q8Array` whose q is `q[index]`), copied out of the file.
+      Tensors of other quantized types (`dequantize_other`) are read whole, then sliced.
+    """
+    layout = layout or self.layout
+    check_layout(layout)
+    t = self._info(name)
+    shape = self.gguf_shape(name)
+    try:
+      if t.tensor_type == Q8_0:
+        value, nbytes = regions.q8_region(
+          t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype, index
+        )
+      elif t.tensor_type in PLAIN_TYPES and t.tensor_type != GGMLQuantizationType.BF16:
+        value, nbytes = regions.plain_region(t.data.reshape(shape), layout, index)
+      elif t.tensor_type == GGMLQuantizationType.BF16:
+        bits = t.data.reshape(-1).view(self._byteorder + "u2").reshape(shape)
+        value, nbytes = regions.plain_region(bits, layout, index)
+        value = value.astype(np.uint16).view(ml_dtypes.bfloat16)
+      else:
+        value, nbytes = region_of(self._repack(t, shape, layout), index), t.data.nbytes
+    except CheckpointError as e:
+      raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
+    except Exception as e:
+      raise CheckpointError(
+        f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}): cannot read"
+        f" the region {index}: {type(e).__name__}: {e}"
+      ) from e
+    self.bytes_read += int(nbytes)
     return value
 
   def _repack(

@@ -79,6 +79,14 @@ class GGUFSplitCheckpoint(Mapping[str, Any]):
   def release(self, name: str) -> None:
     self._part(name).release(name)
 
+  def read_region(self, name: str, index: Any, **kw: Any) -> Any:
+    return self._part(name).read_region(name, index, **kw)
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes of tensor data copied out of all the parts so far."""
+    return sum(p.bytes_read for p in self.parts)
+
   def close(self) -> None:
     for part in self.parts:
       part.close()
