@@ -30,7 +30,8 @@ def main(path: str) -> None:
   sharded = load_gguf(path, dtype=jnp.float32, mesh=mesh)
   flat = flatten(sharded.params)
   shards = {}
-  for name in ("layers_0.attn.q.kernel", "layers_0.attn.o.kernel", "layers_0.mlp.down.kernel"):
+  layer = "layers" if sharded.config.scan_layers else "layers_0"  # stacked, or block 0
+  for name in (f"{layer}.attn.q.kernel", f"{layer}.attn.o.kernel", f"{layer}.mlp.down.kernel"):
     a = flat[name]
     assert isinstance(a, Q8Array), name
     for part in (a.q, a.scale):

@@ -12,7 +12,7 @@ import pytest
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_sharded_load_matches_single_device(arch):
   env = dict(
     os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])

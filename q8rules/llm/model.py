@@ -75,7 +75,8 @@ class GGUFModel:
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
-    self._specs = tp_specs(self.config)
+    # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
+    self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
 
   def _run(self, tokens: jax.Array, cache: Any, pos: int) -> tuple[jax.Array, Any]:
     variables = {"params": self.params}
