@@ -1,14 +1,24 @@
-"""A float64 numpy forward pass of a llama / qwen2 GGUF file: the yardstick for `load_gguf`.
+"""A float64 numpy forward pass of a GGUF file of any arch `load_gguf` runs: its yardstick.
 
 Independent of q8rules: the file is read with `gguf.GGUFReader`, every tensor
 dequantized with `gguf.quants.dequantize` into float64, and the model written
 the way the HF reference implementations write it: for arch `llama` the q / k
 rows are first put back into HF's order (the inverse of llama.cpp's converter
-permutation) and RoPE rotates halves, as for `qwen2`. So agreement with it
-also checks that the interleaved rope on the file's rows is that permutation.
+permutation) and RoPE always rotates halves. So agreement with it also checks
+that the interleaved rope on the file's rows is that permutation.
+
+Per arch (HF's modeling_<arch>.py): qwen3 / gemma3 RMS-normalize q and k per head;
+gemma* scale the embeddings by sqrt(dim), use GELU-tanh, and (gemma2/3) normalize
+the attention and FFN outputs; gemma2 soft-caps scores and logits; gemma2/3 mask
+sliding-window layers to the window; phi3 splits its fused qkv and gate|up and
+rotates with LongRoPE factors (long when the context exceeds the original one) and
+the attention factor. Norm weights are used as the file stores them (Gemma's
+converter stores 1 + w, which is HF's (1 + w)).
 """
 
 from __future__ import annotations
+
+import math
 
 import gguf
 import numpy as np
@@ -24,15 +34,31 @@ def load_float64(path) -> tuple[dict, dict[str, np.ndarray]]:
   r = gguf.GGUFReader(path)
   arch = _field(r, "general.architecture")
   a = arch + "."
+  dim, heads = _field(r, a + "embedding_length"), _field(r, a + "attention.head_count")
+  layers = _field(r, a + "block_count")
+  ctx = _field(r, a + "context_length")
   hp = dict(
     arch=arch,
-    dim=_field(r, a + "embedding_length"),
-    layers=_field(r, a + "block_count"),
-    heads=_field(r, a + "attention.head_count"),
-    kv_heads=_field(r, a + "attention.head_count_kv"),
+    dim=dim,
+    layers=layers,
+    heads=heads,
+    kv_heads=_field(r, a + "attention.head_count_kv", heads),
+    head_dim=_field(r, a + "attention.key_length", dim // heads),
     base=_field(r, a + "rope.freq_base", 10000.0),
     eps=_field(r, a + "attention.layer_norm_rms_epsilon"),
+    orig_ctx=_field(r, a + "rope.scaling.original_context_length", ctx),
+    attn_factor=_field(r, a + "rope.scaling.attn_factor", 1.0),
+    attn_softcap=_field(r, a + "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+    final_softcap=_field(r, a + "final_logit_softcapping", 30.0 if arch == "gemma2" else None),
   )
+  window = _field(r, a + "attention.sliding_window", 4096 if arch == "gemma2" else 0)
+  hp["window"] = window if arch in ("gemma2", "gemma3") else 0  # llama.cpp ignores phi3's
+  period = _field(r, a + "attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+  hp["local"] = [hp["window"] > 0 and (i + 1) % period != 0 for i in range(layers)]
+  hp["base_local"] = _field(r, a + "rope.freq_base_swa", hp["base"] if arch == "gemma2" else 1e4)
+  linear = _field(r, a + "rope.scaling.type") == "linear"
+  hp["factor"] = _field(r, a + "rope.scaling.factor", 1.0) if linear else 1.0
+  hp["factor_local"] = hp["factor"] if arch == "gemma2" else 1.0  # gemma3: global layers only
   w = {}
   for t in r.tensors:
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -51,44 +77,97 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def _rope_halves(x: np.ndarray, base: float) -> np.ndarray:
-  """HF rotate-half RoPE of x (T, N, H) at positions 0..T-1, float64."""
+def _rope_halves(x, base: float, factors=None, mscale: float = 1.0, linear: float = 1.0):
+  """HF rotate-half RoPE of x (T, N, H) at positions 0..T-1 (divided by `linear`), float64."""
   t, _, h = x.shape
   inv = base ** (-np.arange(0, h, 2, dtype=np.float64) / h)
-  ang = np.arange(t, dtype=np.float64)[:, None] * inv[None]
-  cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+  if factors is not None:
+    inv = inv / factors
+  ang = (np.arange(t, dtype=np.float64) / linear)[:, None] * inv[None]
+  cos, sin = mscale * np.cos(ang)[:, None], mscale * np.sin(ang)[:, None]
   x1, x2 = x[..., : h // 2], x[..., h // 2 :]
   return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
-def forward(hp: dict, w: dict[str, np.ndarray], ids) -> np.ndarray:
-  """Logits (T, vocab) float64 of token ids (T,)."""
-  ids = np.asarray(ids)
-  d, nh, nkv = hp["dim"], hp["heads"], hp["kv_heads"]
-  hd = d // nh
-  x = w["token_embd.weight"][ids]
-  t = len(ids)
-  mask = np.triu(np.full((t, t), -np.inf), 1)
-  for i in range(hp["layers"]):
-    p = f"blk.{i}."
-    h = _rms(x, w[p + "attn_norm.weight"], hp["eps"])
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+  return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
+  """llama.cpp's CPU GELU (ggml's GGML_GELU_FP16): x rounded to float16, gelu of that in
+  float32 rounded to float16; x <= -10 gives 0, x >= 10 gives x."""
+  h = x.astype(np.float16).astype(np.float32)
+  g = 0.5 * h * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * h * (1 + 0.044715 * h * h)))
+  out = g.astype(np.float16).astype(np.float64)
+  return np.where(x <= -10, 0.0, np.where(x >= 10, x, out))
+
+
+def _attention(hp, w, p, h, i, n_ctx):
+  t, nh, nkv, hd = len(h), hp["heads"], hp["kv_heads"], hp["head_dim"]
+  if p + "attn_qkv.weight" in w:
+    q, k, v = np.split(h @ w[p + "attn_qkv.weight"].T, [nh * hd, (nh + nkv) * hd], -1)
+  else:
     wq, wk = w[p + "attn_q.weight"], w[p + "attn_k.weight"]
     if hp["arch"] == "llama":
       wq, wk = unpermute(wq, nh), unpermute(wk, nkv)
     q, k, v = h @ wq.T, h @ wk.T, h @ w[p + "attn_v.weight"].T
-    if p + "attn_q.bias" in w:
-      q, k, v = q + w[p + "attn_q.bias"], k + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
-    q = _rope_halves(q.reshape(t, nh, hd), hp["base"])
-    k = _rope_halves(k.reshape(t, nkv, hd), hp["base"])
-    v = v.reshape(t, nkv, hd)
-    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
-    s = np.einsum("tnh,snh->nts", q, k) / np.sqrt(hd) + mask
-    s = np.exp(s - s.max(-1, keepdims=True))
-    s /= s.sum(-1, keepdims=True)
-    o = np.einsum("nts,snh->tnh", s, v).reshape(t, d)
-    x = x + o @ w[p + "attn_output.weight"].T
+  if p + "attn_q.bias" in w:
+    q, k, v = q + w[p + "attn_q.bias"], k + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
+  q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+  if p + "attn_q_norm.weight" in w:
+    q = _rms(q, w[p + "attn_q_norm.weight"], hp["eps"])
+    k = _rms(k, w[p + "attn_k_norm.weight"], hp["eps"])
+  local = hp["local"][i]
+  factors = w.get("rope_freqs.weight")
+  if "rope_factors_long.weight" in w:
+    long = n_ctx > hp["orig_ctx"]
+    factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+  base = hp["base_local"] if local else hp["base"]
+  linear = hp["factor_local"] if local else hp["factor"]
+  q = _rope_halves(q, base, factors, hp["attn_factor"], linear)
+  k = _rope_halves(k, base, factors, hp["attn_factor"], linear)
+  k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
+  scale = 1 / math.sqrt(hd)
+  if hp["arch"] in ("gemma2", "gemma3") and hp["layers"] in (46, 62):  # 27B: dim / heads
+    scale = 1 / math.sqrt(hp["dim"] / nh)
+  s = np.einsum("tnh,snh->nts", q, k) * scale
+  if hp["arch"] == "gemma2":
+    s = np.tanh(s / hp["attn_softcap"]) * hp["attn_softcap"]
+  d = np.arange(t)[:, None] - np.arange(t)[None, :]
+  visible = (d >= 0) & ((d < hp["window"]) if local else True)
+  s = np.where(visible, s, -np.inf)
+  s = np.exp(s - s.max(-1, keepdims=True))
+  s /= s.sum(-1, keepdims=True)
+  return np.einsum("nts,snh->tnh", s, v).reshape(t, nh * hd) @ w[p + "attn_output.weight"].T
+
+
+def forward(hp: dict, w: dict[str, np.ndarray], ids, n_ctx: int = 256, gelu=gelu_tanh):
+  """Logits (T, vocab) float64 of token ids (T,); `n_ctx` is the context llama.cpp would run
+  with (it picks Phi-3's LongRoPE factors); `gelu` the GELU of the gemma archs."""
+  ids = np.asarray(ids)
+  arch = hp["arch"]
+  gemma = arch.startswith("gemma")
+  x = w["token_embd.weight"][ids]
+  if gemma:
+    x = x * math.sqrt(hp["dim"])
+  for i in range(hp["layers"]):
+    p = f"blk.{i}."
+    o = _attention(hp, w, p, _rms(x, w[p + "attn_norm.weight"], hp["eps"]), i, n_ctx)
+    if p + "post_attention_norm.weight" in w:
+      o = _rms(o, w[p + "post_attention_norm.weight"], hp["eps"])
+    x = x + o
     h = _rms(x, w[p + "ffn_norm.weight"], hp["eps"])
-    g = h @ w[p + "ffn_gate.weight"].T
-    x = x + ((g / (1 + np.exp(-g))) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    if p + "ffn_gate.weight" in w:
+      g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+    else:  # phi3: gate | up in one matrix
+      g, u = np.split(h @ w[p + "ffn_up.weight"].T, 2, -1)
+    act = gelu(g) if gemma else g / (1 + np.exp(-g))
+    f = (act * u) @ w[p + "ffn_down.weight"].T
+    if p + "post_ffw_norm.weight" in w:
+      f = _rms(f, w[p + "post_ffw_norm.weight"], hp["eps"])
+    x = x + f
   x = _rms(x, w["output_norm.weight"], hp["eps"])
-  return x @ w.get("output.weight", w["token_embd.weight"]).T
+  logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+  if hp["final_softcap"]:
+    logits = np.tanh(logits / hp["final_softcap"]) * hp["final_softcap"]
+  return logits

@@ -29,13 +29,15 @@ def rewrite(
   replace: dict | None = None,
   add: dict | None = None,
   meta: dict | None = None,
+  typed_meta: dict | None = None,
   arch: str | None = None,
   split_max_tensors: int = 0,
 ) -> None:
   """Copy a GGUF file with gguf's reader and writer, changing what is asked.
 
   replace / add: name -> (float32 array in GGUF numpy order, GGML type); meta: key -> new value
-  (same GGUF type as in the file).
+  (same GGUF type as in the file); typed_meta: key -> (value, GGUFValueType, array item type or
+  None), added or replacing.
   """
   r = gguf.GGUFReader(src)
   old_arch = r.fields["general.architecture"].contents()
@@ -47,7 +49,10 @@ def rewrite(
     vtype = V(field.types[0])
     sub = V(field.types[-1]) if vtype == V.ARRAY else None
     value = (meta or {}).get(key, field.contents())
-    w.add_key_value(key.replace(old_arch + ".", arch + ".", 1), value, vtype, sub)
+    if key not in (typed_meta or {}):
+      w.add_key_value(key.replace(old_arch + ".", arch + ".", 1), value, vtype, sub)
+  for key, (value, vtype, sub) in (typed_meta or {}).items():
+    w.add_key_value(key, value, vtype, sub)
 
   def put(name: str, x: np.ndarray, qtype: T) -> None:
     if qtype == T.F32:
@@ -107,7 +112,11 @@ def test_shape_disagrees_with_metadata(tmp_path):
 
 
 def test_unsupported_arch(tmp_path):
-  raises(rewrite_to(tmp_path, arch="mamba"), "unsupported architecture 'mamba'", "llama", "qwen2")
+  raises(
+    rewrite_to(tmp_path, arch="mamba"),
+    "unsupported architecture 'mamba'",
+    *("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"),
+  )
 
 
 def test_unsupported_quant_type_then_dequantize_other(tmp_path):
@@ -174,3 +183,54 @@ def test_a_tokenizer_that_cannot_be_built_does_not_block_the_weights(tmp_path, c
   assert out["new_ids"] == want.generate(IDS, 3)
   with pytest.raises(SystemExit, match="--ids"):
     cli([str(path), "--prompt", "Hello", "--no-progress"])
+
+
+GEMMA2 = DATA / "tiny-gemma2-q8_0.gguf"
+PHI3 = DATA / "tiny-phi3-q8_0.gguf"
+
+
+def test_unsupported_rope_scaling_names_the_key(tmp_path):
+  path = rewrite_to(tmp_path, typed_meta={"llama.rope.scaling.type": ("yarn", V.STRING, None)})
+  raises(path, "llama.rope.scaling.type 'yarn' is not supported", "longrope")
+
+
+def test_per_layer_head_counts_are_refused(tmp_path):
+  counts = ([4, 4], V.ARRAY, V.UINT32)
+  path = rewrite_to(tmp_path, typed_meta={"llama.attention.head_count_kv": counts})
+  raises(path, "per-layer values of 'llama.attention.head_count_kv'")
+
+
+def test_value_length_other_than_key_length(tmp_path):
+  path = rewrite_to(tmp_path, typed_meta={"llama.attention.value_length": (16, V.UINT32, None)})
+  raises(path, "llama.attention.value_length 16 differs from the key length 32")
+
+
+def test_gemma2_with_an_output_matrix_is_refused(tmp_path):
+  """Gemma's output is always the embedding table (llama.cpp reads no output.weight)."""
+  out = {"output.weight": (np.ones((320, 64), np.float32), T.F32)}
+  raises(rewrite_to(tmp_path, src=GEMMA2, add=out), "unexpected", "'output.weight'", "'gemma2'")
+
+
+def test_phi3_missing_a_rope_factor_table(tmp_path):
+  path = rewrite_to(tmp_path, src=PHI3, drop=("rope_factors_short.weight",))
+  raises(path, "missing", "'rope_factors_short.weight'")
+
+
+def test_sliding_window_pattern_as_an_array(tmp_path):
+  """The pattern key as per-layer bools (llama.cpp's array form): the file's own pattern
+  written out loads to the same logits; all-global differs; a wrong length is refused."""
+  key = "gemma2.attention.sliding_window_pattern"
+  same = rewrite_to(
+    tmp_path, "same.gguf", src=GEMMA2, typed_meta={key: ([1, 0, 1, 0], V.ARRAY, V.BOOL)}
+  )
+  flat = rewrite_to(tmp_path, "flat.gguf", src=GEMMA2, typed_meta={key: ([0] * 4, V.ARRAY, V.BOOL)})
+  ids = list(range(3, 40))
+  want = load_gguf(GEMMA2, dtype=jnp.float32).logits(ids)
+  m = load_gguf(same, dtype=jnp.float32)
+  assert m.config.local_layers == (True, False, True, False)
+  np.testing.assert_array_equal(m.logits(ids), want)
+  m = load_gguf(flat, dtype=jnp.float32)
+  assert not any(m.config.local_layers)
+  assert np.abs(m.logits(ids) - want).max() > 1e-3
+  bad = rewrite_to(tmp_path, "bad.gguf", src=GEMMA2, typed_meta={key: ([1, 0], V.ARRAY, V.BOOL)})
+  raises(bad, "sliding_window_pattern has 2 entries for 4 layers")

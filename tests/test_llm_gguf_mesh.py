@@ -18,7 +18,7 @@ from q8rules.q8_0 import Q8Array
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_sharded_load_matches_single_device(arch):
   devices = jax.devices()
   if len(devices) < 2:

@@ -1,4 +1,4 @@
-"""Run llama.cpp GGUF models (archs llama, qwen2) in JAX with their Q8_0 weights as stored."""
+"""Run llama.cpp GGUF models (archs llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3) in JAX with their Q8_0 weights as stored."""
 
 from q8rules.llm.config import SUPPORTED_ARCHS
 from q8rules.llm.load import load_gguf

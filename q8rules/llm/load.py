@@ -121,7 +121,7 @@ def load_gguf(
   dequantize_other: bool = False,
   progress: bool | None = None,
 ) -> GGUFModel:
-  """Load a llama.cpp GGUF model (arch `llama` or `qwen2`) to run in JAX.
+  """Load a llama.cpp GGUF model (an arch of `q8rules.llm.SUPPORTED_ARCHS`) to run in JAX.
 
   Args:
     path: the .gguf file, or the first part of a split set
@@ -168,8 +168,7 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
     meta,
     path=str(ckpt.path),
     vocab=embd[0],
-    tied_embeddings="output.weight" not in shapes,
-    rope_freq_factors="rope_freqs.weight" in shapes,
+    tensors=shapes,
     dtype=dtype,
   )
   check_tensors(ckpt.path, shapes, config)

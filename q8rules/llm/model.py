@@ -40,10 +40,14 @@ TP_SPECS = {  # Megatron: the PartitionSpecs of one block's float Dense kernels 
 
 def tp_specs(config: TransformerConfig) -> dict[str, P]:
   """`TP_SPECS` for the model of `config`: with scanned layers each spec gets a leading
-  (replicated) entry for the stacked layer axis."""
+  (replicated) entry for the stacked layer axis. Fused matrices (q|k|v, gate|up) are not
+  matched, so they stay replicated."""
+  specs = dict(TP_SPECS)
+  if config.fused_gate_up:  # gate | up in one matrix: a column split would mix them; replicated
+    specs[r".*/mlp/gate/kernel"] = specs.pop(r".*/mlp/(gate|up)/kernel")
   if not config.scan_layers:
-    return dict(TP_SPECS)
-  return {key: P(None, *spec) for key, spec in TP_SPECS.items()}
+    return specs
+  return {key: P(None, *spec) for key, spec in specs.items()}
 
 
 @dataclasses.dataclass
@@ -75,7 +79,8 @@ class GGUFModel:
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
-    self._specs = tp_specs(self.config)
+    # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
+    self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
 
   def _run(self, tokens: jax.Array, cache: Any, pos: int) -> tuple[jax.Array, Any]:
     variables = {"params": self.params}

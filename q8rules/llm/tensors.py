@@ -1,11 +1,18 @@
-"""Which GGUF tensors a `TransformerConfig` needs, where each goes, and checking a file has them."""
+"""Which GGUF tensors a `TransformerConfig` needs, where each goes, and checking a file has them.
+
+`BLOCK_TENSORS` and `MODEL_TENSORS` are the table: llama.cpp's tensor name, the param
+path in the `Transformer`, the shape in GGUF numpy order (`[n_out, n_in]` for a
+matrix; D dim, Q heads * head_dim, K kv_heads * head_dim, H head_dim, F ffn, V vocab)
+and the config that has it. docs/archs.md shows it per arch.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.models.transformer import TransformerConfig
+from q8rules.models.config import TransformerConfig
 from q8rules.tree_paths import listing
 
 
@@ -28,49 +35,75 @@ class TensorSlot(NamedTuple):
   layer: int | None = None
 
 
-_LAYER = {  # GGUF name in block i -> (module path under layers_i, leaf)
-  "attn_q": ("attn/q", "kernel"),
-  "attn_k": ("attn/k", "kernel"),
-  "attn_v": ("attn/v", "kernel"),
-  "attn_output": ("attn/o", "kernel"),
-  "ffn_gate": ("mlp/gate", "kernel"),
-  "ffn_up": ("mlp/up", "kernel"),
-  "ffn_down": ("mlp/down", "kernel"),
-}
+Has = Callable[[TransformerConfig], bool]
+_ALWAYS: Has = lambda c: True  # noqa: E731
+
+BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
+  # GGUF name in blk.{i}, param path in the block, shape, which configs have it
+  ("attn_norm.weight", "attn_norm/scale", ("D",), _ALWAYS),
+  ("attn_q.weight", "attn/q/kernel", ("Q", "D"), lambda c: not c.fused_qkv),
+  ("attn_k.weight", "attn/k/kernel", ("K", "D"), lambda c: not c.fused_qkv),
+  ("attn_v.weight", "attn/v/kernel", ("K", "D"), lambda c: not c.fused_qkv),
+  ("attn_q.bias", "attn/q/bias", ("Q",), lambda c: c.qkv_bias and not c.fused_qkv),
+  ("attn_k.bias", "attn/k/bias", ("K",), lambda c: c.qkv_bias and not c.fused_qkv),
+  ("attn_v.bias", "attn/v/bias", ("K",), lambda c: c.qkv_bias and not c.fused_qkv),
+  ("attn_qkv.weight", "attn/qkv/kernel", ("Q+2K", "D"), lambda c: c.fused_qkv),
+  ("attn_qkv.bias", "attn/qkv/bias", ("Q+2K",), lambda c: c.fused_qkv and c.qkv_bias),
+  ("attn_q_norm.weight", "attn/q_norm/scale", ("H",), lambda c: c.qk_norm),
+  ("attn_k_norm.weight", "attn/k_norm/scale", ("H",), lambda c: c.qk_norm),
+  ("attn_output.weight", "attn/o/kernel", ("D", "Q"), _ALWAYS),
+  ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
+  ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
+  ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: not c.fused_gate_up),
+  ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: not c.fused_gate_up),
+  ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: c.fused_gate_up),  # gate | up
+  ("ffn_down.weight", "mlp/down/kernel", ("D", "F"), _ALWAYS),
+  ("post_ffw_norm.weight", "post_mlp_norm/scale", ("D",), lambda c: c.post_norms),
+)
+"""Each block's tensors (a matrix is Q8-servable, a vector is not)."""
+
+MODEL_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
+  ("token_embd.weight", "embed/table", ("V", "D"), _ALWAYS),
+  ("output_norm.weight", "norm/scale", ("D",), _ALWAYS),
+  ("output.weight", "lm_head/kernel", ("V", "D"), lambda c: not c.tied_embeddings),
+  ("rope_freqs.weight", "rope_freqs", ("H/2",), lambda c: c.rope_freq_factors),
+  ("rope_factors_long.weight", "rope_factors_long", ("H/2",), lambda c: c.rope_long_short),
+  ("rope_factors_short.weight", "rope_factors_short", ("H/2",), lambda c: c.rope_long_short),
+)
+"""The tensors outside the blocks."""
+
+
+def _sizes(c: TransformerConfig) -> dict[str, int]:
+  q, k = c.heads * c.head_dim, c.kv_heads * c.head_dim
+  return {
+    "D": c.dim,
+    "Q": q,
+    "K": k,
+    "Q+2K": q + 2 * k,
+    "H": c.head_dim,
+    "H/2": c.head_dim // 2,
+    "F": c.ffn,
+    "2F": 2 * c.ffn,
+    "V": c.vocab,
+  }
 
 
 def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
   """GGUF name -> TensorSlot for every tensor the model of `c` reads (llama.cpp's names)."""
-  q_out, kv_out = c.heads * c.head_dim, c.kv_heads * c.head_dim
-  shapes = {
-    "attn_q": (q_out, c.dim),
-    "attn_k": (kv_out, c.dim),
-    "attn_v": (kv_out, c.dim),
-    "attn_output": (c.dim, q_out),
-    "ffn_gate": (c.ffn, c.dim),
-    "ffn_up": (c.ffn, c.dim),
-    "ffn_down": (c.dim, c.ffn),
-  }
-  slots = {"token_embd.weight": TensorSlot(("embed", "table"), (c.vocab, c.dim), True)}
+  size = _sizes(c)
+  slots = {}
+  for name, path, shape, has in MODEL_TENSORS:
+    if has(c):
+      slots[name] = TensorSlot(tuple(path.split("/")), tuple(size[s] for s in shape), False)
+  slots["token_embd.weight"] = slots["token_embd.weight"]._replace(dense=True)
+  if "output.weight" in slots:
+    slots["output.weight"] = slots["output.weight"]._replace(dense=True)
   for i in range(c.layers):
     layer = "layers" if c.scan_layers else f"layers_{i}"
-    per_layer = {
-      "attn_norm": ((layer, "attn_norm", "scale"), (c.dim,), False),
-      "ffn_norm": ((layer, "mlp_norm", "scale"), (c.dim,), False),
-    }
-    for name, (module, leaf) in _LAYER.items():
-      per_layer[name] = ((layer, *module.split("/"), leaf), shapes[name], True)
-    for name, (path, shape, dense) in per_layer.items():
-      slots[f"blk.{i}.{name}.weight"] = TensorSlot(path, shape, dense, i)
-    if c.qkv_bias:
-      for name in ("attn_q", "attn_k", "attn_v"):
-        path = (layer, *_LAYER[name][0].split("/"), "bias")
-        slots[f"blk.{i}.{name}.bias"] = TensorSlot(path, shapes[name][:1], False, i)
-  slots["output_norm.weight"] = TensorSlot(("norm", "scale"), (c.dim,), False)
-  if not c.tied_embeddings:
-    slots["output.weight"] = TensorSlot(("lm_head", "kernel"), (c.vocab, c.dim), True)
-  if c.rope_freq_factors:
-    slots["rope_freqs.weight"] = TensorSlot(("rope_freqs",), (c.head_dim // 2,), False)
+    for name, path, shape, has in BLOCK_TENSORS:
+      if has(c):
+        dims = tuple(size[s] for s in shape)
+        slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, len(dims) == 2, i)
   return slots
 
 
@@ -108,3 +141,6 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
     raise CheckpointError(
       f"{path}: not a {c.arch!r} model as its metadata describes:\n" + "\n".join(problems)
     )
+
+
+__all__ = ["BLOCK_TENSORS", "MODEL_TENSORS", "TensorSlot", "check_tensors", "tensor_slots"]

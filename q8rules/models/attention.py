@@ -1,0 +1,262 @@
+"""RoPE, the KV cache and causal GQA attention of the one decoder (global and sliding-window).
+
+The KV cache of a model without sliding-window layers is one pair (k, v), each
+(layers, batch, length, kv_heads, head_dim). With sliding-window ("local") layers
+it is a dict of such pairs per kind of layer, each stacked over that kind's layers:
+
+  {'global': (k, v) (global layers, batch, length, kv_heads, head_dim),
+   'local':  (k, v) (local layers, batch, min(window, length), kv_heads, head_dim)}
+
+A local layer's cache is a ring buffer of the window's length: position p lives at
+slot p % R (R its length). A chunk of T new tokens at `pos` attends over the ring
+(positions before `pos`) and the chunk itself, masked to the window, then the
+chunk's last min(T, R) entries are written into the ring, so memory stays R
+whatever the number of tokens decoded. A global layer's cache holds every position:
+the chunk is written at `pos`, then read back whole, masked causally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from q8rules.models.config import RopeStyle, TransformerConfig
+
+Cache = Any
+"""(k, v), each (layers, batch, length, kv_heads, head_dim) in the config's dtype; or, with
+sliding-window layers, {'global': (k, v), 'local': (k, v)} (see the module docstring)."""
+
+
+def rope_angles(
+  config: TransformerConfig, positions: jax.Array, freq_factors: Any, local: bool = False
+) -> jax.Array:
+  """Angles (T, head_dim / 2) float32 for integer positions (T,), as llama.cpp's rope.
+
+  Pair i at position p turns by `p * scale * base**(-2i / head_dim) / f_i`; base and
+  scale are the local layers' when `local`; f_i from `freq_factors` (head_dim / 2,) or 1.
+  """
+  c = config
+  half = c.head_dim // 2
+  base = c.rope_base_local if local else c.rope_base
+  inv_freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / c.head_dim)
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
+  if local:
+    scale = 1.0 / c.rope_factor_local
+  else:
+    scale = 1.0 / c.rope_factor if c.rope_scaling is not None else 1.0
+  return positions.astype(jnp.float32)[:, None] * scale * inv_freq[None, :]
+
+
+def apply_rope(x: jax.Array, angles: jax.Array, style: RopeStyle, mscale: float = 1.0) -> jax.Array:
+  """Rotate x (B, T, N, H) by angles (T, H / 2), in float32, cos and sin times `mscale`;
+  returns x's dtype."""
+  cos = jnp.cos(angles)[None, :, None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  if mscale != 1.0:
+    cos, sin = cos * mscale, sin * mscale
+  xf = x.astype(jnp.float32)
+  if style == "interleaved":
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)
+  else:
+    half = x.shape[-1] // 2
+    x0, x1 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  return out.astype(x.dtype)
+
+
+def init_cache(config: TransformerConfig, length: int, batch: int = 1) -> Cache:
+  """An empty KV cache for `length` positions (see `Cache`), zeros in the config's dtype."""
+  c = config
+  if length > c.context_length:
+    raise ValueError(f"a cache of {length} positions exceeds context_length {c.context_length}")
+
+  def pair(n: int, s: int) -> tuple[jax.Array, jax.Array]:
+    shape = (n, batch, s, c.kv_heads, c.head_dim)
+    return jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)
+
+  if c.layer_kinds == ("global",):
+    return pair(c.layers, length)
+  n_local = sum(c.is_local)
+  sizes = {
+    "global": (c.layers - n_local, length),
+    "local": (n_local, min(c.sliding_window, length)),
+  }
+  return {kind: pair(*sizes[kind]) for kind in c.layer_kinds}
+
+
+def _expected(config: TransformerConfig, batch: int) -> dict[str, tuple[Any, ...]]:
+  c = config
+  n_local = sum(c.is_local)
+  counts = {"global": c.layers - n_local, "local": n_local}
+  return {k: (counts[k], batch, None, c.kv_heads, c.head_dim) for k in c.layer_kinds}
+
+
+def check_cache(config: TransformerConfig, cache: Any, batch: int) -> None:
+  """Raise a clear error unless `cache` has the structure and shapes `init_cache(config, length,
+  batch)` gives it."""
+  want = _expected(config, batch)
+  groups = as_groups(config, cache, strict=False)
+
+  def shapes(pair: Any) -> list[tuple[int, ...]] | None:
+    if not (isinstance(pair, tuple | list) and len(pair) == 2):
+      return None
+    return [tuple(getattr(a, "shape", ())) for a in pair]
+
+  got = {k: shapes(v) for k, v in groups.items()} if isinstance(groups, dict) else None
+  ok = got is not None and set(got) == set(want)
+  for kind, w in want.items():
+    s = (got or {}).get(kind)
+    ok = ok and s is not None and s[0] == s[1]
+    ok = ok and len(s[0]) == 5 and all(a is None or a == b for a, b in zip(w, s[0], strict=True))
+  if not ok:
+    layout = ", ".join(
+      f"{k}: (k, v) each (layers={w[0]}, batch={batch}, length, kv_heads={w[3]}, head_dim={w[4]})"
+      for k, w in want.items()
+    )
+    raise ValueError(
+      f"the KV cache must be as init_cache makes it ({layout}); got"
+      f" {got if got is not None else type(cache).__name__}"
+    )
+
+
+def as_groups(config: TransformerConfig, cache: Any, strict: bool = True) -> Any:
+  """The cache as {kind: (k, v)}: a bare (k, v) pair is the global layers' when the model has
+  no local layers."""
+  if config.layer_kinds == ("global",) and isinstance(cache, tuple | list):
+    return {"global": tuple(cache)}
+  if strict or isinstance(cache, dict):
+    return cache
+  return None
+
+
+def from_groups(config: TransformerConfig, groups: dict[str, Any]) -> Cache:
+  """Back to `init_cache`'s structure (the inverse of `as_groups`)."""
+  return groups["global"] if config.layer_kinds == ("global",) else groups
+
+
+def _attend(
+  c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
+) -> jax.Array:
+  """Softmax attention of q (B, T, heads, H) over keys / values (B, S, kv_heads, H) where
+  visible (T, S); float32 inside, returns (B, T, heads * H) in the config's dtype."""
+  b, t = q.shape[:2]
+  group = c.heads // c.kv_heads
+  qg = q.reshape(b, t, c.kv_heads, group, c.head_dim).astype(jnp.float32)
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, keys.astype(jnp.float32))
+  scale = c.attn_scale if c.attn_scale is not None else 1.0 / float(c.head_dim) ** 0.5
+  scores = scores * scale
+  if c.attn_softcap:
+    scores = jnp.tanh(scores / c.attn_softcap) * c.attn_softcap
+  scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
+  return out.reshape(b, t, c.heads * c.head_dim).astype(c.dtype)
+
+
+def _keep(old: jax.Array, new: jax.Array, keep: Any) -> jax.Array:
+  """`new`, or `old` where the traced bool `keep` holds (a write that is a no-op)."""
+  return new if keep is False else jnp.where(keep, old, new)
+
+
+def _global_write(pair, k, v, slot, pos, keep: Any = False):
+  """Write the chunk k / v (B, T, KV, H) at `pos` of layer `slot` of a full cache."""
+  out = []
+  for cache, new in zip(pair, (k, v), strict=True):
+    at = (slot, 0, pos, 0, 0)
+    new = new.astype(cache.dtype)[None]
+    if keep is not False:
+      new = _keep(jax.lax.dynamic_slice(cache, at, new.shape), new, keep)
+    out.append(jax.lax.dynamic_update_slice(cache, new, at))
+  return tuple(out)
+
+
+def _global_read(c, q, pair, slot, pos):
+  """Attend causally over layer `slot`'s full cache (the chunk already written)."""
+  keys = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, S, KV, H)
+  values = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
+  positions = pos + jnp.arange(q.shape[1])
+  visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # (T, S)
+  return _attend(c, q, keys, values, visible)
+
+
+def _local_read(c, q, k, v, pair, slot, pos):
+  """Attend over layer `slot`'s ring (positions < pos) and the chunk, within the window."""
+  ring_k = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, R, KV, H)
+  ring_v = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
+  t, ring = k.shape[1], ring_k.shape[1]
+  # slot j holds the latest position < pos congruent to j mod R (negative: never written)
+  ring_pos = pos - 1 - jnp.mod(pos - 1 - jnp.arange(ring), ring)
+  positions = pos + jnp.arange(t)
+  key_pos = jnp.concatenate([ring_pos, positions])
+  written = jnp.concatenate([ring_pos >= 0, jnp.ones((t,), bool)])
+  diff = positions[:, None] - key_pos[None, :]
+  visible = written[None, :] & (diff >= 0) & (diff < c.sliding_window)
+  keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
+  values = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
+  return _attend(c, q, keys, values, visible)
+
+
+def _local_write(pair, k, v, slot, pos, keep: Any = False):
+  """Write the chunk's last min(T, R) entries into layer `slot`'s ring (position p at p % R)."""
+  t, ring = k.shape[1], pair[0].shape[2]
+  n = min(t, ring)
+  slots = jnp.mod(pos + t - n + jnp.arange(n), ring)
+  out = []
+  for cache, new in zip(pair, (k, v), strict=True):
+    new = jnp.swapaxes(new[:, t - n :].astype(cache.dtype), 0, 1)  # (n, B, KV, H)
+    if keep is not False:
+      new = _keep(cache[slot, :, slots], new, keep)
+    out.append(cache.at[slot, :, slots].set(new))
+  return tuple(out)
+
+
+def attention(
+  c: TransformerConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  groups: dict[str, Any],
+  local: Any,
+  slot: Any,
+  pos: Any,
+) -> tuple[jax.Array, dict[str, Any]]:
+  """q (B, T, heads, H), k / v (B, T, kv_heads, H) (RoPE applied) at `pos` for the layer at
+  `slot` of its kind's cache -> (B, T, heads * H), the updated cache groups.
+
+  `local` is a Python bool (unrolled layers, or a model with one kind of layer), or a traced
+  bool (scanned layers of both kinds). Then the attention runs under `lax.cond` (only the
+  layer's kind is computed; the caches go in read-only), and both caches are written with
+  the other kind's write made a no-op (it writes back the T entries it read), so no
+  branch carries a whole cache: shapes stay uniform across the scan without copies.
+  """
+  kinds = c.layer_kinds
+  if len(kinds) == 1 or isinstance(local, bool):
+    if kinds == ("local",) or local is True:
+      out = _local_read(c, q, k, v, groups["local"], slot, pos)
+      return out, {**groups, "local": _local_write(groups["local"], k, v, slot, pos)}
+    pair = _global_write(groups["global"], k, v, slot, pos)
+    return _global_read(c, q, pair, slot, pos), {**groups, "global": pair}
+  glob = _global_write(groups["global"], k, v, slot, pos, keep=local)
+  out = jax.lax.cond(
+    local,
+    lambda: _local_read(c, q, k, v, groups["local"], slot, pos),
+    lambda: _global_read(c, q, glob, slot, pos),
+  )
+  loc = _local_write(groups["local"], k, v, slot, pos, keep=jnp.logical_not(local))
+  return out, {"global": glob, "local": loc}
+
+
+__all__ = [
+  "Cache",
+  "apply_rope",
+  "as_groups",
+  "attention",
+  "check_cache",
+  "from_groups",
+  "init_cache",
+  "rope_angles",
+]

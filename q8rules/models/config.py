@@ -1,0 +1,157 @@
+"""`TransformerConfig`: what the one decoder's archs differ in, as fields.
+
+Every field is in llama.cpp's terms where it has them; `q8rules.llm.config` reads them
+from a GGUF file's metadata. What each arch sets (llama.cpp's graphs,
+src/models/<arch>.cpp):
+
+  llama    interleaved (NORM) rope; optional `rope_freqs` (Llama 3.1+)
+  qwen2    NEOX rope, q/k/v biases
+  qwen3    NEOX rope, QK-norm
+  gemma    NEOX rope, embeddings * sqrt(dim), GELU-tanh GeGLU, tied embeddings
+  gemma2   gemma + post-attention / post-FFN norms, attention and final soft-capping,
+           sliding-window layers (every other one) with their own rope base
+  gemma3   gemma2 without attention soft-capping, + QK-norm; 5 of every 6 layers local
+  phi3     NEOX rope, fused attn_qkv and gate|up, LongRoPE factors chosen by context
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+RopeStyle = Literal["interleaved", "halves"]
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyperparameters, in llama.cpp's terms where it has them.
+
+  Attributes:
+    arch: the GGUF `general.architecture` this config mirrors ('llama', 'qwen2', ...).
+    vocab: tokens in the vocabulary (columns of the embedding table).
+    dim: embedding length.
+    layers: blocks.
+    heads: query heads.
+    kv_heads: key/value heads (GQA: `heads % kv_heads == 0`).
+    head_dim: per-head width (even; need not be dim / heads).
+    ffn: feed-forward width.
+    rope_base: RoPE frequency base (theta) of the global layers.
+    rope_style: 'interleaved' (llama.cpp NORM) or 'halves' (NEOX).
+    rope_scaling: None, 'linear' or 'longrope'.
+    rope_factor: positions are divided by it on global layers (llama.cpp's
+      1 / freq_scale) unless rope_scaling is None.
+    rope_freq_factors: the model has a `rope_freqs` param (head_dim / 2,)
+      dividing each pair's frequency (Llama 3.1's).
+    rope_long_short: the model has `rope_factors_long` and `rope_factors_short`
+      params (head_dim / 2,) (Phi-3's LongRoPE): a KV cache longer than
+      `rope_original_context` uses the long ones, as llama.cpp picks by its n_ctx.
+    rope_original_context: the context the model was trained at before
+      scaling (`rope.scaling.original_context_length`).
+    rope_attn_factor: cos and sin are multiplied by it (llama.cpp's attn_factor).
+    norm_eps: RMSNorm epsilon.
+    context_length: the longest cache `init_cache` may be asked for.
+    tied_embeddings: the output projection is the embedding table.
+    qkv_bias: q, k and v have biases.
+    qk_norm: q and k are RMS-normalized per head (weights (head_dim,)) before RoPE.
+    post_norms: the attention and FFN outputs are RMS-normalized before their residual add.
+    embed_scale: the embeddings are multiplied by sqrt(dim).
+    activation: the FFN gate's activation, 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU).
+    fused_qkv: q, k and v come from one matrix (dim -> q | k | v).
+    fused_gate_up: gate and up come from one matrix (dim -> gate | up), named 'up'.
+    attn_scale: the attention scores' scale; None is 1 / sqrt(head_dim).
+    attn_softcap: scores become cap * tanh(scores / cap) before the mask (0: off).
+    final_softcap: logits become cap * tanh(logits / cap) (0: off).
+    sliding_window: a local layer's query at p sees keys at (p - window, p].
+    local_layers: per layer, whether it is a sliding-window layer (() or all False: none).
+    rope_base_local: the local layers' RoPE base.
+    rope_factor_local: positions are divided by it on local layers.
+    scan_layers: run the blocks under `nn.scan` (params stacked along a
+      leading layer axis, under 'layers') instead of unrolled ('layers_i').
+    dtype: activation dtype (float32 or bfloat16); softmax and norms run in
+      float32, logits come back float32.
+  """
+
+  arch: str = "llama"
+  vocab: int = 256
+  dim: int = 64
+  layers: int = 2
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 16
+  ffn: int = 128
+  rope_base: float = 10000.0
+  rope_style: RopeStyle = "interleaved"
+  rope_scaling: str | None = None
+  rope_factor: float = 1.0
+  rope_freq_factors: bool = False
+  rope_long_short: bool = False
+  rope_original_context: int = 0
+  rope_attn_factor: float = 1.0
+  norm_eps: float = 1e-5
+  context_length: int = 2048
+  tied_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  post_norms: bool = False
+  embed_scale: bool = False
+  activation: Activation = "silu"
+  fused_qkv: bool = False
+  fused_gate_up: bool = False
+  attn_scale: float | None = None
+  attn_softcap: float = 0.0
+  final_softcap: float = 0.0
+  sliding_window: int = 0
+  local_layers: tuple[bool, ...] = ()
+  rope_base_local: float = 10000.0
+  rope_factor_local: float = 1.0
+  scan_layers: bool = True
+  dtype: Any = jnp.float32
+
+  def __post_init__(self) -> None:
+    if self.heads % self.kv_heads:
+      raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
+    if self.rope_style not in ("interleaved", "halves"):
+      raise ValueError(f"rope_style must be 'interleaved' or 'halves', got {self.rope_style!r}")
+    if self.rope_scaling not in (None, "linear", "longrope"):
+      raise ValueError(
+        f"rope_scaling must be None, 'linear' or 'longrope', got {self.rope_scaling!r}"
+      )
+    if self.rope_freq_factors and self.rope_long_short:
+      raise ValueError("rope_freq_factors and rope_long_short exclude each other")
+    if self.activation not in ("silu", "gelu_tanh"):
+      raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+    object.__setattr__(self, "local_layers", tuple(bool(b) for b in self.local_layers))
+    if self.local_layers and len(self.local_layers) != self.layers:
+      raise ValueError(
+        f"local_layers has {len(self.local_layers)} entries for {self.layers} layers"
+      )
+    if any(self.local_layers) and self.sliding_window <= 0:
+      raise ValueError(f"local layers need a sliding_window > 0, got {self.sliding_window}")
+
+  @property
+  def is_local(self) -> tuple[bool, ...]:
+    """Per layer: a sliding-window layer (all False when there are none)."""
+    return self.local_layers if any(self.local_layers) else (False,) * self.layers
+
+  @property
+  def cache_slots(self) -> tuple[int, ...]:
+    """Per layer: its index in the KV cache of its kind (local or global)."""
+    seen = {True: 0, False: 0}
+    slots = []
+    for local in self.is_local:
+      slots.append(seen[local])
+      seen[local] += 1
+    return tuple(slots)
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """The kinds of layer present, in cache order: 'global' and / or 'local'."""
+    return tuple(k for k, here in (("global", False), ("local", True)) if here in self.is_local)
+
+
+__all__ = ["Activation", "RopeStyle", "TransformerConfig"]
