@@ -96,14 +96,15 @@ def cache_spec(config: TransformerConfig, mesh: Mesh) -> P:
 
 
 def init_cache_on(config: TransformerConfig, length: int, mesh: Mesh | None, batch: int = 1) -> Any:
-  """`init_cache(config, length, batch)` (k, v), each (layers, batch, length, kv_heads,
-  head_dim) zeros in `config.dtype`, placed on `mesh` by `cache_spec` (no mesh: as
-  `init_cache`). Created in place on each device: no process holds the whole cache."""
+  """`init_cache(config, length, batch)` (one (k, v) pair, or one per layer kind when some
+  layers are local), each (layers, batch, length, kv_heads, head_dim) zeros in
+  `config.dtype`, placed on `mesh` by `cache_spec` (no mesh: as `init_cache`). Created in
+  place on each device: no process holds the whole cache."""
   if mesh is None:
     return init_cache(config, length, batch)
   shape = jax.eval_shape(lambda: init_cache(config, length, batch))
   sharding = NamedSharding(mesh, cache_spec(config, mesh))
-  return tuple(jnp.zeros(s.shape, s.dtype, device=sharding) for s in shape)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), shape)
 
 
 def on_mesh(value: Any, mesh: Mesh | None, dtype: Any = jnp.int32) -> jax.Array:

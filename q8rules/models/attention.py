@@ -157,6 +157,33 @@ def _attend(
   return out.reshape(b, t, c.heads * c.head_dim).astype(c.dtype)
 
 
+def _explicit_mesh() -> bool:
+  """Whether the mesh in context has Explicit axes (sharding in types)."""
+  return bool(jax.sharding.get_abstract_mesh().explicit_axes)
+
+
+def cache_on_mesh(cache: Any) -> Any:
+  """On a mesh with Explicit axes, a cache made off the mesh (`init_cache`) as a replicated
+  array on it, so that its updates can be typed (a no-op elsewhere)."""
+  if not _explicit_mesh():
+    return cache
+  return jax.tree.map(
+    lambda a: (
+      jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+      if jax.typeof(a).sharding.mesh.empty
+      else a
+    ),
+    cache,
+  )
+
+
+def _like_cache(update: jax.Array, cache: jax.Array) -> jax.Array:
+  """A cache update in the cache's sharding on a mesh with Explicit axes (else as it is)."""
+  if not _explicit_mesh() or jax.typeof(update).sharding.spec == jax.typeof(cache).sharding.spec:
+    return update
+  return jax.sharding.reshard(update, jax.typeof(cache).sharding.spec)
+
+
 def _keep(old: jax.Array, new: jax.Array, keep: Any) -> jax.Array:
   """`new`, or `old` where the traced bool `keep` holds (a write that is a no-op)."""
   return new if keep is False else jnp.where(keep, old, new)
@@ -167,7 +194,7 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
   out = []
   for cache, new in zip(pair, (k, v), strict=True):
     at = (slot, 0, pos, 0, 0)
-    new = new.astype(cache.dtype)[None]
+    new = _like_cache(new.astype(cache.dtype)[None], cache)
     if keep is not False:
       new = _keep(jax.lax.dynamic_slice(cache, at, new.shape), new, keep)
     out.append(jax.lax.dynamic_update_slice(cache, new, at))

@@ -54,6 +54,7 @@ from q8rules.models.attention import (
   apply_rope,
   as_groups,
   attention,
+  cache_on_mesh,
   check_cache,
   from_groups,
   init_cache,
@@ -231,6 +232,7 @@ class Transformer(nn.Module):
   ) -> tuple[jax.Array, Cache]:
     c = self.config
     check_cache(c, cache, tokens.shape[0])
+    cache = cache_on_mesh(cache)
     factors = self._freq_factors(cache)
     positions = pos + jnp.arange(tokens.shape[1])
     angles = {k: rope_angles(c, positions, factors, k == "local") for k in c.layer_kinds}
