@@ -214,12 +214,21 @@ def main() -> None:
   ap.add_argument("--xla-flags", default=None, help="XLA_FLAGS for the q8rules runs")
   ap.add_argument("--section", default="decode")
   ap.add_argument("--write", action="store_true", help="write the tables to RESULTS.md")
+  ap.add_argument(
+    "--from-log",
+    default=None,
+    help="rebuild the tables from the per-run lines this script printed (a run cut short)",
+  )
   args = ap.parse_args()
   threads = [int(t) for t in args.threads.split(",")]
   build, missing = "", []
   if args.llama_cpp_python:
     build, missing = describe(**query(args.llama_cpp_python))
     print(build, flush=True)
+  if args.from_log:
+    results, cold = parse_log(Path(args.from_log))
+    finish(args, threads, results, cold, missing, build)
+    return
   cache = tempfile.mkdtemp(prefix="q8rules-bench-cc-")
   env = {"Q8RULES_COMPILE_CACHE": cache, "Q8RULES_NO_COMPILE_CACHE": ""}
   if args.xla_flags is not None:
@@ -258,6 +267,25 @@ def main() -> None:
           )
           results.setdefault((key, t, side), []).append(res)
           print(key, t, side, r, json.dumps(res), f"load {load_average()}", flush=True)
+  finish(args, threads, results, cold, missing, build)
+
+
+def parse_log(path: Path) -> tuple[dict, dict]:
+  """(results, cold) from the lines `main` printed: `key cold {...}` and
+  `key threads side round {...} load ...`."""
+  results: dict[tuple[str, int, str], list[dict]] = {}
+  cold: dict[str, dict] = {}
+  for line in path.read_text().splitlines():
+    parts = line.split(" ", 4)
+    if len(parts) >= 3 and parts[1] == "cold":
+      cold[parts[0]] = json.loads(line.split(" ", 2)[2])
+    elif len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "noop"):
+      res = json.loads(parts[4].rsplit(" load ", 1)[0])
+      results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)
+  return results, cold
+
+
+def finish(args, threads, results, cold, missing, build) -> None:
   tables = report(args, threads, results, cold, missing)
   print(tables)
   print(f"load average at the end: {load_average()}")

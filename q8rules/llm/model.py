@@ -76,6 +76,13 @@ class GGUFModel:
     context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
     self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # issue 21: decode on device
 
+  def unrolled(self) -> GGUFModel:
+    """This model with its layers unrolled (no nn.scan): faster CPU decode on large layers,
+    slower to trace and compile (`q8rules.llm.unstack`)."""
+    from q8rules.llm.unstack import unrolled
+
+    return unrolled(self)
+
   def _run(self, tokens: jax.Array, cache: Any, pos: int) -> tuple[jax.Array, Any]:
     variables = {"params": self.params}
     if self.mesh is None:
