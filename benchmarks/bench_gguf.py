@@ -1,8 +1,11 @@
 """load_gguf on a ~1 GB Q8_0 llama file: load time vs reading the file, peak host memory,
-and CPU decode tokens/s (llama.cpp's on the same file is measured by
-`scripts/make_gguf_references.py`'s environment: `--llama-cpp-python PY`).
+and CPU decode tokens/s, against llama.cpp's on the same file when `--llama-cpp-python PY`
+names a Python with llama-cpp-python. That llama.cpp must be built for this CPU
+(`CMAKE_ARGS="-DGGML_NATIVE=ON"`): its `llama_print_system_info()` is printed and written
+with the table, and no ratio is reported when it lacks a SIMD feature the CPU has
+(`benchmarks/llamacpp_native.py`).
 
-    python benchmarks/bench_gguf.py [--file /tmp/bench-q8_0.gguf] [--llama-cpp-python /work/llamacpp-venv/bin/python]
+    python benchmarks/bench_gguf.py [--file /tmp/bench-q8_0.gguf] [--llama-cpp-python /work/venv-llamacpp/bin/python]
 
 The file (TinyLlama-1.1B's shapes, `benchmarks/shapes.py`: 22 layers, dim 2048, ffn 5632,
 32 heads / 4 KV heads; the tiny test vocabulary) is written once with random Q8_0 blocks (random int8 values and
@@ -22,11 +25,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
 from benchmarks.shapes import TINYLLAMA_1B  # noqa: E402
 
@@ -45,20 +50,25 @@ GGUF_NAMES = {
 """A block's tensors in file order: `benchmarks/shapes.py`'s layer -> GGUF name (None: a norm)."""
 
 
-def make_file(path: Path) -> None:
+def make_file(path: Path, model: Any = MODEL, vocab: int | None = None, tied: bool = False) -> None:
+  """Write `model`'s shapes (a `benchmarks.shapes.Decoder`) as a llama Q8_0 GGUF with random
+  blocks; the tiny test file's tokenizer, its token list padded to `vocab` entries (None: the
+  tiny file's 384) with made-up tokens. `tied`: no output.weight (the embedding is reused)."""
   import gguf
 
   tiny = gguf.GGUFReader(ROOT / "tests/data/gguf_models/tiny-llama-q8_0.gguf")
   rng = np.random.default_rng(0)
-  d, hd = MODEL.dim, MODEL.head_dim
-  vocab = len(tiny.fields["tokenizer.ggml.tokens"].contents())
+  d, hd = model.dim, model.head_dim
+  tiny_vocab = len(tiny.fields["tokenizer.ggml.tokens"].contents())
+  vocab = vocab or tiny_vocab
+  pad = vocab - tiny_vocab
   shapes = {"token_embd.weight": (vocab, d)}
-  for i in range(MODEL.layers):
+  for i in range(model.layers):
     for layer, name in GGUF_NAMES.items():
       # GGUF's [N, K] of shapes.py's (K, N); a norm is (dim,)
-      shape = (d,) if name is None else MODEL.shape(layer)[::-1]
+      shape = (d,) if name is None else model.shape(layer)[::-1]
       shapes[f"blk.{i}.{name or layer}.weight"] = shape
-  shapes |= {"output_norm.weight": (d,), "output.weight": (vocab, d)}
+  shapes |= {"output_norm.weight": (d,)} | ({} if tied else {"output.weight": (vocab, d)})
   tmp = path.with_suffix(".tmp")
   w = gguf.GGUFWriter(tmp, "llama")
   for key, field in tiny.fields.items():
@@ -66,13 +76,18 @@ def make_file(path: Path) -> None:
       continue
     vt = gguf.GGUFValueType(field.types[0])
     sub = gguf.GGUFValueType(field.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(key, field.contents(), vt, sub)
+    value = field.contents()
+    if key == "tokenizer.ggml.tokens":
+      value = value + [f"\u27e8{i}\u27e9" for i in range(pad)]
+    elif key == "tokenizer.ggml.token_type":
+      value = value + [1] * pad
+    w.add_key_value(key, value, vt, sub)
   w.add_context_length(2048)
   w.add_embedding_length(d)
-  w.add_block_count(MODEL.layers)
-  w.add_feed_forward_length(MODEL.ffn)
-  w.add_head_count(MODEL.heads)
-  w.add_head_count_kv(MODEL.kv_heads)
+  w.add_block_count(model.layers)
+  w.add_feed_forward_length(model.ffn)
+  w.add_head_count(model.heads)
+  w.add_head_count_kv(model.kv_heads)
   w.add_rope_dimension_count(hd)
   w.add_layer_norm_rms_eps(1e-5)
   blk = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
@@ -214,6 +229,10 @@ def main() -> None:
     if args.llama_cpp_python:
       runs_theirs.append(run(args.llama_cpp_python, LLAMA_CPP, path))
   ours = {k: statistics.median(r[k] for r in runs_ours) for k in runs_ours[0]}
+  build, missing = "", []
+  if args.llama_cpp_python:
+    build, missing = describe(**query(args.llama_cpp_python))
+    print(build)
   rows = [
     ("file", f"{size / 1e9:.3f} GB Q8_0 ({MODEL.layers} layers, dim {MODEL.dim})"),
     ("read the file (page cache warm)", f"{read_s:.2f} s"),
@@ -231,9 +250,14 @@ def main() -> None:
     rows += [
       ("decode at batch 1, llama.cpp (2 threads)", f"{theirs['decode_tps']:.1f} tokens/s"),
       ("prefill of 128 tokens, llama.cpp (2 threads)", f"{theirs['prefill_tps']:.0f} tokens/s"),
-      ("decode: q8rules / llama.cpp", f"{ours['decode_tps'] / theirs['decode_tps']:.2f}x"),
-      ("prefill: q8rules / llama.cpp", f"{ours['prefill_tps'] / theirs['prefill_tps']:.2f}x"),
     ]
+    if missing:  # a ratio against a build that lacks this CPU's SIMD says nothing
+      rows += [("q8rules / llama.cpp", refusal(missing))]
+    else:
+      rows += [
+        ("decode: q8rules / llama.cpp", f"{ours['decode_tps'] / theirs['decode_tps']:.2f}x"),
+        ("prefill: q8rules / llama.cpp", f"{ours['prefill_tps'] / theirs['prefill_tps']:.2f}x"),
+      ]
   table = ["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
   print("\n".join(table))
   if args.write:
@@ -242,6 +266,7 @@ def main() -> None:
       "the same file with 2 threads (XLA's CPU pool and the native kernel's; llama.cpp's",
       "n_threads=2). q8rules keeps activations float32; llama.cpp rounds them to 8 bits.",
       "",
+      *([build, ""] if build else []),
       *table,
     ]
     write_section("gguf", section_text("load_gguf and llama.cpp on one Q8_0 file (CPU)", body))

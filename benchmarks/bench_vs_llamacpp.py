@@ -6,8 +6,12 @@
     taskset -c 0 python benchmarks/bench_vs_llamacpp.py --quick --section vs-llamacpp-1cpu
 
 Needs the `llama_cpp` package (llama-cpp-python, built for this CPU) in the same Python as jax
-and q8rules; it builds nothing itself, and exits cleanly with a message when `llama_cpp` does
-not import.
+and q8rules, or a venv's site-packages given by `--llama-cpp-site` (appended to sys.path, so
+only what the main environment lacks, llama_cpp, comes from there); it builds nothing itself,
+and exits cleanly with a message when `llama_cpp` does not import. It prints
+`llama_print_system_info()` and REFUSES to compare (prints no table) when the build lacks a
+SIMD feature this CPU has (`benchmarks/llamacpp_native.py`: a non-native build is several
+times slower than llama.cpp built for the machine).
 
 Kernel level. For each (K, N) in {4096^2, 8192^2, 4096x14336, 14336x4096} (the q projections of
 Llama-3-8B and -70B, Llama-3-8B's up and down: `benchmarks/shapes.py`) and m rows of x in
@@ -58,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 import q8rules  # noqa: E402
 from benchmarks import results_md  # noqa: E402
+from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
 from benchmarks.shapes import CPU_MATMUL, SQUARE  # noqa: E402
 from q8rules.kernels import cpu_native as cpu  # noqa: E402
@@ -369,7 +374,14 @@ def main() -> None:
     default=None,
     help="ggml threads (default: the CPUs this process may use)",
   )
+  parser.add_argument(
+    "--llama-cpp-site",
+    default=None,
+    help="a site-packages holding llama_cpp (e.g. /work/venv-llamacpp/lib/python3.11/site-packages)",
+  )
   args = parser.parse_args()
+  if args.llama_cpp_site:
+    sys.path.append(args.llama_cpp_site)
   try:
     import llama_cpp
   except ImportError as e:
@@ -381,6 +393,11 @@ def main() -> None:
     print(
       f"bench_vs_llamacpp: skipped, the native kernel is unavailable: {cpu.unavailable_reason()}"
     )
+    return
+  build, missing = describe(**query(None))
+  print(build, flush=True)
+  if missing:
+    print(f"bench_vs_llamacpp: {refusal(missing)}")
     return
   lib_dir = Path(llama_cpp.__file__).parent / "lib"
   g = Ggml(lib_dir)
@@ -413,7 +430,7 @@ def main() -> None:
   text = results_md.section(
     args.section,
     f"{HEADING}, {threads} thread{'s' if threads > 1 else ''}",
-    header + f" Load average at the end: {load_average()}.",
+    header + f" Load average at the end: {load_average()}. {build}",
     command,
     [
       f"Each time: the least of {rounds} per-round medians of >= {args.calls} calls, the three"

@@ -7,6 +7,7 @@ process; everything else runs on the first (the default device), as with one.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import jax
@@ -17,6 +18,9 @@ HOST_DEVICES = 8
 """CPU devices in the test process (`jax_num_cpu_devices`; the CPU backend starts later)."""
 
 jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
+# The suite does not read or write the user's JAX compilation cache (load_gguf turns it on by
+# default); tests/test_compile_cache.py runs the CLI with it on, in a temporary directory.
+os.environ.setdefault("Q8RULES_NO_COMPILE_CACHE", "1")
 
 
 @pytest.fixture

@@ -3,7 +3,11 @@
 Loads the file (a tqdm bar over tensors), prints the prompt then each new
 token's text as it is generated, then prefill and decode speed in tokens/s.
 Prefill time includes compiling the model for the prompt's length; decode
-tokens/s excludes the first decode step (its compilation).
+tokens/s excludes the first decode step (its compilation). Then the cold-start
+times: load, first token (from the start of the load), and what JAX compiled or
+took from its persistent compilation cache (`q8rules.llm.compile_cache`: on by
+default in `~/.cache/q8rules/jax-compile`, `$Q8RULES_COMPILE_CACHE` moves it,
+`Q8RULES_NO_COMPILE_CACHE=1` switches it off).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from q8rules.llm import compile_cache
 from q8rules.llm.load import load_gguf
 
 
@@ -42,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
   """Run the CLI; returns what it measured (load_s, prefill/decode tokens and tokens/s, ids)."""
   args = parse_args(argv)
+  cache_dir = compile_cache.enable()
+  before = compile_cache.stats()
   t0 = time.perf_counter()
   m = load_gguf(
     args.model,
@@ -83,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     on_prefill=lambda: times.setdefault("prefill", time.perf_counter() - start),
   ):
     stamps.append(time.perf_counter())
+    if len(stamps) == 1:
+      first_token_s = stamps[0] - t0
+      compiled = {k: v - before[k] for k, v in compile_cache.stats().items()}
     new.append(t)
     if tok is not None:
       text = tok.decode(new).rstrip("\ufffd")  # hold back a character's leading bytes
@@ -101,6 +111,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     f" decode: {len(new)} tokens, {decode_tps:.1f} tokens/s",
     file=sys.stderr,
   )
+  print(
+    f"cold start: load {load_s:.2f} s, first token {first_token_s:.2f} s after the load began;"
+    f" by then {compiled['compiled']} program(s) compiled, {compiled['cache_hits']} from the"
+    f" compilation cache ({cache_dir or 'off: $' + compile_cache.ENV_OFF}), tracing"
+    f" {compiled['trace_s']:.2f} s, lowering {compiled['lower_s']:.2f} s, compiling or fetching"
+    f" {compiled['compile_s']:.2f} s",
+    file=sys.stderr,
+  )
   return dict(
-    load_s=load_s, prompt_ids=ids, new_ids=new, prefill_tps=prefill_tps, decode_tps=decode_tps
+    load_s=load_s,
+    prompt_ids=ids,
+    new_ids=new,
+    prefill_tps=prefill_tps,
+    decode_tps=decode_tps,
+    first_token_s=first_token_s,
+    compile=compiled,
   )

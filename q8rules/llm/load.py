@@ -28,6 +28,7 @@ import qwix
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import assign as ckpt_assign
 from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
+from q8rules.llm import compile_cache  # issue 21 hook
 from q8rules.llm.config import config_from_metadata
 from q8rules.llm.distributed import check_mesh
 from q8rules.llm.model import GGUFModel, tp_specs
@@ -149,6 +150,7 @@ def load_gguf(
       tensor, a shape that disagrees with the metadata, a truncated file, a
       split set with a part missing.
   """
+  compile_cache.enable()  # issue 21 hook: JAX's persistent compilation cache (compile_cache.py)
   ckpt = open_gguf(
     path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
   )

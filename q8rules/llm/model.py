@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from q8rules.llm import distributed
+from q8rules.llm.generate import CHUNK, DecodeLoop, Sampler, decode, first_token
 from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
@@ -81,6 +82,15 @@ class GGUFModel:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
     # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
     self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
+    context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
+    self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # issue 21: decode on device
+
+  def unrolled(self) -> GGUFModel:
+    """This model with its layers unrolled (no nn.scan): faster CPU decode on large layers,
+    slower to trace and compile (`q8rules.llm.unstack`)."""
+    from q8rules.llm.unstack import unrolled
+
+    return unrolled(self)
 
   def _run(self, tokens: jax.Array, cache: Any, pos: int) -> tuple[jax.Array, Any]:
     variables = {"params": self.params}
@@ -125,7 +135,8 @@ class GGUFModel:
     stop_ids: Sequence[int] = (),
     on_prefill: Callable[[], None] | None = None,
   ) -> Iterator[int]:
-    """Yield new token ids one at a time: the prompt in one pass, then one token a step.
+    """Yield new token ids: the prompt in one pass, then the decode loop on the device
+    (`q8rules.llm.generate`: `CHUNK` tokens per device call, yielded as each chunk ends).
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature).
     Stops after `max_new_tokens` or after yielding a token in `stop_ids`.
@@ -136,21 +147,17 @@ class GGUFModel:
     cache = self._cache(t + max_new_tokens)
     key = jax.random.key(seed)
     logits, cache = self._run(tokens, cache, 0)
-    last = logits[0, -1]
-    last.block_until_ready()
+    sampler = Sampler(temperature)
+    first, key = first_token(logits[0, -1], key, sampler)
+    first.block_until_ready()
     if on_prefill is not None:
       on_prefill()
-    for i in range(max_new_tokens):
-      if temperature > 0:
-        key, sub = jax.random.split(key)
-        nxt = int(jax.random.categorical(sub, last / temperature))
-      else:
-        nxt = int(jnp.argmax(last))
-      yield nxt
-      if nxt in stop_ids or i == max_new_tokens - 1:
-        return
-      logits, cache = self._run(jnp.asarray([[nxt]], jnp.int32), cache, t + i)
-      last = logits[0, -1]
+    if max_new_tokens < 1:
+      return
+    variables = {"params": self.params}
+    yield from decode(
+      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, sampler
+    )
 
   def generate(
     self,

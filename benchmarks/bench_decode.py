@@ -1,0 +1,399 @@
+"""Issue 21: q8rules against a natively built llama.cpp on three GGUF shapes, where the time
+goes (per decode token and per load), and what each lever buys.
+
+    python benchmarks/bench_decode.py --llama-cpp-python /work/venv-llamacpp/bin/python [--write]
+
+Files (random Q8_0 blocks, `bench_gguf.make_file`), written once under --dir:
+
+  a  TinyLlama-1.1B's shapes: 22 layers, dim 2048, ffn 5632, 32 / 4 heads, the tiny test
+     vocabulary (384): bench_gguf.py's 1.03 GB file
+  b  8 layers of the same, vocab 32000
+  c  SmolLM-135M's shapes: 30 layers, dim 576, ffn 1536, 9 / 3 heads, vocab 49152, tied
+
+Each measurement runs in a fresh interpreter, both sides with the same CPUs: 1 thread is
+`taskset -c 0` (XLA's pool, the native kernel and llama.cpp's n_threads all see one CPU),
+2 threads the two CPUs. Rounds interleave q8rules and llama.cpp; medians are reported.
+
+q8rules, per run: load (split into metadata, tracing the param shapes, reading / copying
+the file's blocks, XLA transposes, the rest), then with a warm compilation cache the first
+token (from the start of the load), decode tokens/s with the device loop
+(`q8rules.llm.generate`, 64 tokens after the first) and with the old host loop (one jitted
+call per token, argmax in eager JAX: the lever), and 128-token prefill. A second run per
+file replaces every Q8 product of the native kernel by a no-op (a broadcast of x's first
+column: the weights are not read) to split a decode step into Q8 products vs everything
+else (attention, norms, RoPE, KV writes, sampling, XLA's per-op cost). llama.cpp: the same
+prompt, 64 greedy tokens, 128-token prefill, load time.
+
+The llama.cpp must be built for this CPU; its system info is printed and a ratio is refused
+when it is not (`benchmarks/llamacpp_native.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_gguf import make_file  # noqa: E402
+from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
+from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from benchmarks.shapes import TINYLLAMA_1B, Decoder  # noqa: E402
+
+SMOL_135M = Decoder("SmolLM-135M", layers=30, dim=576, ffn=1536, heads=9, kv_heads=3, vocab=49152)
+FILES = {  # key: (file name, shapes, vocab (None: the tiny file's), tied)
+  "a": ("bench-q8_0.gguf", TINYLLAMA_1B, None, False),
+  "b": ("bench-8l-q8_0.gguf", Decoder("8 layers", 8, 2048, 5632, 32, 4, 32000), 32000, False),
+  "c": ("bench-135m-q8_0.gguf", SMOL_135M, 49152, True),
+}
+PROMPT = [0, 41, 70, 77, 77, 80, 222, 88]
+NEW = 65  # the first token (after the prefill) and 64 decode steps
+
+OURS = r"""
+import json, re, sys, time
+T0 = time.perf_counter()
+import jax, jax.numpy as jnp, numpy as np
+mode = sys.argv[2]
+if mode == "noop":  # every native-kernel Q8 product a no-op that still depends on x
+  from q8rules.kernels import cpu_native
+  cpu_native._product_diff = lambda x, q, s: jnp.broadcast_to(x[:, :1], (x.shape[0], q.shape[1]))
+import q8rules
+from q8rules.llm import compile_cache, load as load_mod
+from q8rules.checkpoint.gguf import read as read_mod
+from q8rules.checkpoint import assign as assign_mod
+timers = {}
+def timed(mod, name, key):
+  fn = getattr(mod, name)
+  def wrapper(*a, **k):
+    t = time.perf_counter()
+    try:
+      return fn(*a, **k)
+    finally:
+      timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
+  setattr(mod, name, wrapper)
+timed(load_mod, "open_gguf", "metadata")
+timed(load_mod, "_abstract_params", "trace_shapes")
+timed(assign_mod, "assign", "assign")
+timed(read_mod, "_repack_q8", "repack")
+timed(read_mod, "_transpose_last_two", "transpose")
+import_s = time.perf_counter() - T0
+prompt = json.loads(sys.argv[3])
+n_new = int(sys.argv[4])
+t = time.perf_counter()
+c0 = compile_cache.stats()
+m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False)
+jax.block_until_ready(m.params)
+load_s = time.perf_counter() - t
+c1 = compile_cache.stats()
+first = None
+for tok in m.stream(prompt, n_new):
+  if first is None:
+    first = time.perf_counter() - t
+c2 = compile_cache.stats()
+out = dict(import_s=import_s, load_s=load_s, first_token_s=first, **timers,
+           load_compile_s=c1["compile_s"] - c0["compile_s"],
+           compiled_before_first=c2["compiled"] - c0["compiled"],
+           cache_hits_before_first=c2["cache_hits"] - c0["cache_hits"])
+def device_loop():
+  stamps = []
+  for _ in m.stream(prompt, n_new):
+    stamps.append(time.perf_counter())
+  return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+out["decode_tps"] = max(device_loop() for _ in range(2))
+if mode == "full":
+  def host_loop(n):  # the decode loop as GGUFModel.stream ran it before issue 21
+    tokens = jnp.asarray(prompt, jnp.int32)[None]
+    cache = m._cache(tokens.shape[1] + n)
+    logits, cache = m._run(tokens, cache, 0)
+    last = logits[0, -1]
+    nxt = int(jnp.argmax(last))
+    stamps = [time.perf_counter()]
+    for i in range(n - 1):
+      logits, cache = m._run(jnp.asarray([[nxt]], jnp.int32), cache, len(prompt) + i)
+      nxt = int(jnp.argmax(logits[0, -1]))
+      stamps.append(time.perf_counter())
+    return (len(stamps) - 2) / (stamps[-1] - stamps[1])  # the first step compiles
+  out["host_decode_tps"] = max(host_loop(n_new) for _ in range(2))
+  long = [(7 * i + 3) % m.config.vocab for i in range(128)]
+  times = []
+  for _ in range(3):  # the first call compiles
+    t = time.perf_counter()
+    jax.block_until_ready(m.logits(long))
+    times.append(time.perf_counter() - t)
+  out["prefill_tps"] = 128 / min(times[1:])
+  # kernels a decode step launches: top-level instructions of the compiled one-token call
+  cache = m._cache(len(prompt) + n_new)
+  text = jax.jit(m.model.apply).lower({"params": m.params}, jnp.zeros((1, 1), jnp.int32), cache,
+                                      jnp.int32(8)).compile().as_text()
+  ops, skip = 0, False
+  for line in text.splitlines():
+    if line and not line.startswith(" "):
+      skip = "fused" in line.split("(")[0] or "fusion" in line.split("(")[0]
+    elif " = " in line and not skip:
+      op = re.search(r"([a-z][a-z0-9-]*)\(", line.split(" = ", 1)[1])
+      op = op[1] if op else "parameter"
+      ops += op not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+  out["step_ops"] = ops
+print(json.dumps(out))
+"""
+
+LLAMA_CPP = """
+import json, sys, time
+T0 = time.perf_counter()
+from llama_cpp import Llama
+prompt = json.loads(sys.argv[2]); n_new = int(sys.argv[3]); threads = int(sys.argv[4])
+t = time.perf_counter()
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=threads, n_threads_batch=threads,
+            n_batch=128, verbose=False)
+load_s = time.perf_counter() - t
+def decode():
+  llm.reset()
+  llm.eval(prompt)
+  tok = int(llm.scores[llm.n_tokens - 1].argmax())
+  stamps = [time.perf_counter()]
+  for _ in range(n_new - 1):
+    llm.eval([tok])
+    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    stamps.append(time.perf_counter())
+  return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+decode_tps = max(decode() for _ in range(2))
+long = [(7 * i + 3) % llm.n_vocab() for i in range(128)]
+times = []
+for _ in range(3):
+  llm.reset()
+  t = time.perf_counter()
+  llm.eval(long)
+  times.append(time.perf_counter() - t)
+print(json.dumps(dict(load_s=load_s, decode_tps=decode_tps, prefill_tps=128 / min(times[1:]))))
+"""
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+  out = subprocess.run(
+    cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800
+  )
+  if out.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pin(threads: int) -> list[str]:
+  return ["taskset", "-c", "0"] if threads == 1 else []
+
+
+def ours(path: Path, mode: str, threads: int, env: dict[str, str]) -> dict:
+  cmd = [sys.executable, "-c", textwrap.dedent(OURS), str(path), mode, json.dumps(PROMPT)]
+  return run([*pin(threads), *cmd, str(NEW)], dict(env, PYTHONPATH=str(ROOT)))
+
+
+def theirs(py: str, path: Path, threads: int) -> dict:
+  cmd = [py, "-c", textwrap.dedent(LLAMA_CPP), str(path), json.dumps(PROMPT), str(NEW)]
+  return run([*pin(threads), *cmd, str(threads)])
+
+
+def med(runs: list[dict], key: str) -> float:
+  return statistics.median(r[key] for r in runs)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--dir", default="/tmp", help="where the GGUF files are (written once)")
+  ap.add_argument("--llama-cpp-python", default=None)
+  ap.add_argument("--files", default="abc")
+  ap.add_argument("--threads", default="1,2")
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--no-noop", action="store_true", help="skip the no-op-products runs")
+  ap.add_argument("--xla-flags", default=None, help="XLA_FLAGS for the q8rules runs")
+  ap.add_argument("--section", default="decode")
+  ap.add_argument("--write", action="store_true", help="write the tables to RESULTS.md")
+  ap.add_argument(
+    "--from-log",
+    default=None,
+    help="rebuild the tables from the per-run lines this script printed (a run cut short)",
+  )
+  args = ap.parse_args()
+  threads = [int(t) for t in args.threads.split(",")]
+  build, missing = "", []
+  if args.llama_cpp_python:
+    build, missing = describe(**query(args.llama_cpp_python))
+    print(build, flush=True)
+  if args.from_log:
+    results, cold = parse_log(Path(args.from_log))
+    finish(args, threads, results, cold, missing, build)
+    return
+  cache = tempfile.mkdtemp(prefix="q8rules-bench-cc-")
+  env = {"Q8RULES_COMPILE_CACHE": cache, "Q8RULES_NO_COMPILE_CACHE": ""}
+  if args.xla_flags is not None:
+    env["XLA_FLAGS"] = args.xla_flags
+  results: dict[tuple[str, int, str], list[dict]] = {}
+  cold: dict[str, dict] = {}
+  for key in args.files:
+    name, shapes, vocab, tied = FILES[key]
+    path = Path(args.dir) / name
+    if not path.exists():
+      make_file(path, shapes, vocab, tied)
+    read = run(
+      [
+        sys.executable,
+        "-c",
+        "import sys,time;t=time.perf_counter();open(sys.argv[1],'rb').read();"
+        "print('{\"read_s\": %f}' % (time.perf_counter()-t))",
+        str(path),
+      ]
+    )
+    cold[key] = dict(
+      ours(path, "full", max(threads), env), read_s=read["read_s"], size=path.stat().st_size
+    )  # fills the compilation cache
+    print(key, "cold", json.dumps(cold[key]), flush=True)
+    for r in range(args.rounds):
+      for t in threads:
+        for side in ("ours", "llama.cpp", "noop"):
+          if side == "llama.cpp" and not args.llama_cpp_python:
+            continue
+          if side == "noop" and (args.no_noop or t != max(threads)):
+            continue
+          res = (
+            theirs(args.llama_cpp_python, path, t)
+            if side == "llama.cpp"
+            else ours(path, "full" if side == "ours" else "noop", t, env)
+          )
+          results.setdefault((key, t, side), []).append(res)
+          print(key, t, side, r, json.dumps(res), f"load {load_average()}", flush=True)
+  finish(args, threads, results, cold, missing, build)
+
+
+def parse_log(path: Path) -> tuple[dict, dict]:
+  """(results, cold) from the lines `main` printed: `key cold {...}` and
+  `key threads side round {...} load ...`."""
+  results: dict[tuple[str, int, str], list[dict]] = {}
+  cold: dict[str, dict] = {}
+  for line in path.read_text().splitlines():
+    parts = line.split(" ", 4)
+    if len(parts) >= 3 and parts[1] == "cold":
+      cold[parts[0]] = json.loads(line.split(" ", 2)[2])
+    elif len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "noop"):
+      res = json.loads(parts[4].rsplit(" load ", 1)[0])
+      results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)
+  return results, cold
+
+
+def finish(args, threads, results, cold, missing, build) -> None:
+  tables = report(args, threads, results, cold, missing)
+  print(tables)
+  print(f"load average at the end: {load_average()}")
+  if args.write:
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    header = (
+      f"Date: {now}. Machine: {machine()}. Load average at the end: {load_average()}"
+      " (a 2-core machine shared with other engineers' jobs: every number is noisy)."
+      f" {build}"
+    )
+    cmd = "python " + " ".join(["benchmarks/bench_decode.py", *sys.argv[1:]])
+    write_section(
+      args.section,
+      section(
+        args.section,
+        "## Issue 21: decode, prefill and load against native llama.cpp (CPU)",
+        header,
+        cmd,
+        [tables],
+      ),
+    )
+
+
+def report(args, threads, results, cold, missing) -> str:
+  def ratio(x: float) -> str:
+    return "refused" if missing else f"**{x:.2f}x**"
+
+  lines = []
+  head = (
+    "| file | threads | q8rules decode tok/s (device loop) | host loop (before) |"
+    " llama.cpp decode tok/s | decode ratio | q8rules prefill-128 tok/s |"
+    " llama.cpp prefill tok/s | prefill ratio |"
+  )
+  lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for key in args.files:
+    for t in threads:
+      o = results.get((key, t, "ours"), [])
+      if not o:
+        continue
+      th = results.get((key, t, "llama.cpp"), [])
+      row = [
+        f"{key} ({FILES[key][1].name}, {cold[key]['size'] / 1e9:.3f} GB)",
+        str(t),
+        f"{med(o, 'decode_tps'):.1f}",
+        f"{med(o, 'host_decode_tps'):.1f}",
+      ]
+      if th:
+        dr = med(o, "decode_tps") / med(th, "decode_tps")
+        pr = med(o, "prefill_tps") / med(th, "prefill_tps")
+        row += [
+          f"{med(th, 'decode_tps'):.1f}",
+          ratio(dr),
+          f"{med(o, 'prefill_tps'):.0f}",
+          f"{med(th, 'prefill_tps'):.0f}",
+          ratio(pr),
+        ]
+      else:
+        row += ["-", "-", f"{med(o, 'prefill_tps'):.0f}", "-", "-"]
+      lines.append("| " + " | ".join(row) + " |")
+  if missing:
+    lines += ["", refusal(missing)]
+  t2 = max(threads)
+  lines += [
+    "",
+    f"Per decode token, {t2} threads (ms; medians; 'everything else' is the step"
+    " with every native Q8 product a no-op):",
+    "",
+    "| file | step (device loop) | Q8 products | everything else | host loop step |"
+    " host round trip per token | kernels per step |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for key in args.files:
+    o, n = results.get((key, t2, "ours"), []), results.get((key, t2, "noop"), [])
+    if not o:
+      continue
+    step = 1e3 / med(o, "decode_tps")
+    host = 1e3 / med(o, "host_decode_tps")
+    rest = 1e3 / med(n, "decode_tps") if n else float("nan")
+    lines.append(
+      f"| {key} | {step:.2f} | {step - rest:.2f} | {rest:.2f} | {host:.2f} |"
+      f" {host - step:.2f} | {int(med(o, 'step_ops'))} |"
+    )
+  lines += [
+    "",
+    f"Load ({t2} threads, warm compilation cache; s, medians):",
+    "",
+    "| file | read the file | load_gguf | metadata | tracing param shapes |"
+    " reads / copies | XLA transposes | other | first token after load start"
+    " (warm cache) | first token, cold cache | llama.cpp load |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for key in args.files:
+    o = results.get((key, t2, "ours"), [])
+    if not o:
+      continue
+    th = results.get((key, t2, "llama.cpp"), [])
+    load = med(o, "load_s")
+    parts = [med(o, k) for k in ("metadata", "trace_shapes")]
+    copies = med(o, "repack") - med(o, "transpose")
+    other = load - parts[0] - parts[1] - med(o, "repack")
+    lines.append(
+      f"| {key} | {cold[key]['read_s']:.2f} | {load:.2f} ({load / cold[key]['read_s']:.1f}x) |"
+      f" {parts[0]:.2f} | {parts[1]:.2f} | {copies:.2f} | {med(o, 'transpose'):.2f} |"
+      f" {other:.2f} | {med(o, 'first_token_s'):.2f} | {cold[key]['first_token_s']:.2f} |"
+      f" {med(th, 'load_s') if th else float('nan'):.2f} |"
+    )
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

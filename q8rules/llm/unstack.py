@@ -1,0 +1,72 @@
+"""`unrolled(m)`: a loaded GGUF model with its layers unrolled (no `nn.scan`), for CPU decode.
+
+Under `nn.scan` each decode step slices layer i's weights out of the stacked (L, K, N)
+arrays. XLA fuses such a slice into an elementwise consumer, but not into the native Q8
+kernel's custom call, so every step first copies every layer's int8 values and scales
+(the whole model) and then reads the copy: on the 8-layer dim-2048 file that made decode
+2.4x slower (benchmarks/bench_unrolled.py; benchmarks/RESULTS.md, section `unrolled`).
+Unrolled, each layer's weights are their own arrays and the kernel reads them in place.
+
+The cost: tracing and compiling the unrolled model takes about L times one layer's time
+(the persistent compilation cache, `compile_cache`, keeps the compiled part across
+processes, not the tracing), and the weights are split once (one copy, the stacked arrays
+are dropped). Logits agree with the scanned model's to float32 rounding (XLA fuses the two
+programs differently), not bit for bit. The lasting fix is a kernel that takes the stacked
+weights and the layer index and reads the slice in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import qwix
+
+from q8rules.llm.load import q8_rule
+from q8rules.llm.model import GGUFModel
+from q8rules.models.transformer import Transformer
+from q8rules.providers import Q8Provider
+from q8rules.q8_0 import Q8Array
+
+
+def _is_q8(x: Any) -> bool:
+  return isinstance(x, Q8Array)
+
+
+def _layer(stacked: Any, i: int) -> Any:
+  """Layer i of a stacked param subtree (each Q8Array's q and scale, each float array)."""
+
+  def take(a: Any) -> Any:
+    if isinstance(a, Q8Array):
+      return dataclasses.replace(a, q=a.q[i], scale=a.scale[i])
+    return a[i]
+
+  return jax.tree.map(take, stacked, is_leaf=_is_q8)
+
+
+def unrolled(m: GGUFModel) -> GGUFModel:
+  """`m` with `scan_layers=False`: the same weights as per-layer arrays (`layers_0`, ...), the
+  model quantized by a rule matching the same modules. `m` itself is returned when its layers
+  are not scanned already."""
+  if not m.config.scan_layers:
+    return m
+  config = dataclasses.replace(m.config, scan_layers=False)
+  params = dict(m.params)
+  stacked = params.pop("layers")
+  for i in range(config.layers):
+    params[f"layers_{i}"] = _layer(stacked, i)
+  paths: list[tuple[str, ...]] = []
+
+  def visit(path: Any, leaf: Any) -> None:
+    if isinstance(leaf, Q8Array):
+      paths.append(tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path))
+
+  jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_q8)
+  model: Any = Transformer(config)
+  if paths:
+    model = qwix.quantize_model(model, Q8Provider([q8_rule(paths)]))
+  return GGUFModel(m.path, config, model, params, m.metadata, m.tokenizer, m.mesh)
+
+
+__all__ = ["unrolled"]

@@ -1,0 +1,66 @@
+"""q8rules.llm.generate: the decode loop on the device gives the tokens of a host loop (one
+jitted model call per token, sampling in eager JAX), greedy and sampled, across chunks and
+with stop ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from q8rules.llm import load_gguf
+from q8rules.llm.generate import CHUNK
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+
+
+@pytest.fixture(scope="module")
+def m():
+  return load_gguf(DATA / "tiny-llama-q8_0.gguf", dtype=jnp.float32)
+
+
+def host_loop(m, prompt, n, temperature=0.0, seed=0, stop_ids=()):
+  """The host loop GGUFModel.stream ran before the device loop."""
+  tokens = jnp.asarray(prompt, jnp.int32)[None]
+  t = tokens.shape[1]
+  cache = m._cache(t + n)
+  key = jax.random.key(seed)
+  logits, cache = m._run(tokens, cache, 0)
+  last, out = logits[0, -1], []
+  for i in range(n):
+    if temperature > 0:
+      key, sub = jax.random.split(key)
+      nxt = int(jax.random.categorical(sub, last / temperature))
+    else:
+      nxt = int(jnp.argmax(last))
+    out.append(nxt)
+    if nxt in stop_ids or i == n - 1:
+      return out
+    logits, cache = m._run(jnp.asarray([[nxt]], jnp.int32), cache, t + i)
+    last = logits[0, -1]
+  return out
+
+
+PROMPT = [0, 41, 70, 77, 77, 80]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_device_loop_matches_host_loop(m, temperature):
+  n = 2 * CHUNK + 3  # three device calls, the last one short
+  want = host_loop(m, PROMPT, n, temperature, seed=3)
+  assert m.generate(PROMPT, n, temperature=temperature, seed=3) == want
+  assert len(want) == n
+
+
+def test_stop_ids_inside_a_chunk(m):
+  full = host_loop(m, PROMPT, CHUNK + 5, 0.9, seed=1)
+  stop = full[CHUNK // 2 + 1]  # a token the loop meets inside its first chunk
+  got = m.generate(PROMPT, CHUNK + 5, temperature=0.9, seed=1, stop_ids=[stop])
+  assert got == full[: full.index(stop) + 1]
+
+
+def test_short_runs(m):
+  assert m.generate(PROMPT, 1) == host_loop(m, PROMPT, 1)
+  assert m.generate(PROMPT, 0) == []
