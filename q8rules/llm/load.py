@@ -14,7 +14,6 @@ one layer is traced. A file that mixes types across layers runs unrolled.
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -33,19 +32,11 @@ from q8rules.llm.config import config_from_metadata
 from q8rules.llm.distributed import check_mesh
 from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.stacked import StackedTensors
-from q8rules.llm.tensors import TensorSlot, check_tensors, tensor_slots
+from q8rules.llm.tensors import TensorSlot, check_tensors, q8_rule, tensor_slots
 from q8rules.models.transformer import Transformer, TransformerConfig, init_cache
 from q8rules.providers import Q8Provider
 from q8rules.q8_0 import Q8Array
-from q8rules.rules import Q8Rule
 from q8rules.sharding import param_shardings
-
-
-def q8_rule(q8_paths: list[tuple[str, ...]]) -> Q8Rule:
-  """One rule matching exactly the modules that own the params at `q8_paths` (the module
-  path is the param path minus its leaf), with GGUF's float16 scales."""
-  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
-  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16)
 
 
 def uniform_across_layers(ckpt: Any, slots: Mapping[str, TensorSlot]) -> bool:
@@ -205,4 +196,4 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
   return out
 
 
-__all__ = ["load_gguf", "q8_rule", "uniform_across_layers"]
+__all__ = ["load_gguf", "uniform_across_layers"]

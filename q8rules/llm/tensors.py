@@ -8,11 +8,15 @@ and the config that has it. docs/archs.md shows it per arch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 from q8rules.checkpoint import CheckpointError
 from q8rules.models.config import TransformerConfig
+from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
 
 
@@ -143,4 +147,11 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
     )
 
 
-__all__ = ["BLOCK_TENSORS", "MODEL_TENSORS", "TensorSlot", "check_tensors", "tensor_slots"]
+def q8_rule(q8_paths: list[tuple[str, ...]]) -> Q8Rule:
+  """One rule matching exactly the modules that own the params at `q8_paths` (the module
+  path is the param path minus its leaf), with GGUF's float16 scales."""
+  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
+  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16)
+
+
+__all__ = ["BLOCK_TENSORS", "MODEL_TENSORS", "TensorSlot", "check_tensors", "q8_rule", "tensor_slots"]

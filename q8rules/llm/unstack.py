@@ -23,8 +23,7 @@ from typing import Any
 import jax
 import qwix
 
-from q8rules.llm.load import q8_rule
-from q8rules.llm.model import GGUFModel
+from q8rules.llm.tensors import q8_rule
 from q8rules.models.transformer import Transformer
 from q8rules.providers import Q8Provider
 from q8rules.q8_0 import Q8Array
@@ -45,7 +44,7 @@ def _layer(stacked: Any, i: int) -> Any:
   return jax.tree.map(take, stacked, is_leaf=_is_q8)
 
 
-def unrolled(m: GGUFModel) -> GGUFModel:
+def unrolled(m: Any) -> Any:
   """`m` with `scan_layers=False`: the same weights as per-layer arrays (`layers_0`, ...), the
   model quantized by a rule matching the same modules. `m` itself is returned when its layers
   are not scanned already."""
@@ -66,7 +65,7 @@ def unrolled(m: GGUFModel) -> GGUFModel:
   model: Any = Transformer(config)
   if paths:
     model = qwix.quantize_model(model, Q8Provider([q8_rule(paths)]))
-  return GGUFModel(m.path, config, model, params, m.metadata, m.tokenizer, m.mesh)
+  return dataclasses.replace(m, config=config, model=model, params=params)  # a GGUFModel
 
 
 __all__ = ["unrolled"]
