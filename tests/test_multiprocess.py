@@ -181,6 +181,7 @@ def test_two_processes_one_model(tmp_path):
     assert "'blk.0.ffn_down.weight'" in msg and "cuts a 32-row" in msg, msg
 
 
+@pytest.mark.slow  # two more pairs of processes (about a minute): `pytest -m slow`
 @pytest.mark.parametrize("dies", [0, 1])
 def test_a_process_that_dies_fails_the_other(tmp_path, dies):
   """Process `dies` (0: the coordinator) exits after joining; the other, running the model
