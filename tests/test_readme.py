@@ -13,6 +13,10 @@ parentheses; an entry in quotes ('model-q8_0.gguf') is a file the block reads.
 user's nnx model. A block that needs several devices says so in a comment
 ("# 4 devices ..."): it runs in a subprocess with that many forced host devices.
 
+A block that says "# ... 2 processes" is a `jax.distributed` script: it runs as that many
+processes, each given its process id as `sys.argv[1]` (its coordinator's port, localhost:12355
+as written, moved to a free one), and every process must print the same last line.
+
 A new block is picked up by itself; one that declares a name `World` does not
 know fails, asking for it to be added here.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import subprocess
 import sys
 import warnings
@@ -35,6 +40,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _YOURS = re.compile(r"^# yours:(.*)$", re.M)
 _DEVICES = re.compile(r"^#.*?\b(\d+) devices\b", re.M)
+_PROCESSES = re.compile(r"^#.*?\b(\d+) processes\b", re.M)
+_COORDINATOR = "localhost:12355"
 
 
 def python_blocks(text: str | None = None) -> list[tuple[int, str]]:
@@ -55,6 +62,11 @@ def declared(source: str) -> list[str]:
 
 def devices_needed(source: str) -> int:
   m = _DEVICES.search(source)
+  return int(m.group(1)) if m else 1
+
+
+def processes_needed(source: str) -> int:
+  m = _PROCESSES.search(source)
   return int(m.group(1)) if m else 1
 
 
@@ -238,11 +250,50 @@ def test_declared_parses_names_descriptions_and_files():
   assert declared(src) == ["model", "key", "'a.gguf'", "x"]
   assert devices_needed("# 4 devices (on CPU: ...)\n") == 4
   assert devices_needed("x = 1  # no device count\n") == 1
+  assert processes_needed("# serve.py: 2 processes (python serve.py 0 & ...)\n") == 2
+
+
+def run_processes(source: str, n: int, workdir: Path) -> list[str]:
+  """Run a `jax.distributed` block as `n` processes from the repository root; their stdouts."""
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  script = workdir / "block.py"
+  script.write_text(source.replace(_COORDINATOR, f"localhost:{port}"))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(script), str(i)],
+      cwd=README.parent,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(n)
+  ]
+  outs = []
+  try:
+    for i, p in enumerate(procs):
+      out, err = p.communicate(timeout=300)
+      assert p.returncode == 0, f"process {i} failed:\n{out}\n{err[-3000:]}"
+      outs.append(out)
+  finally:
+    for p in procs:
+      p.kill()
+  return outs
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(index, tmp_path):
   source = BLOCKS[index][1]
+  if (processes := processes_needed(source)) > 1:
+    assert _COORDINATOR in source, f"a {processes}-process block without {_COORDINATOR}"
+    lasts = [out.strip().splitlines()[-1] for out in run_processes(source, processes, tmp_path)]
+    # each prints its process index first: the rest must be the same everywhere
+    assert len({last.split(" ", 1)[1] for last in lasts}) == 1, lasts
+    return
   n = devices_needed(source)
   if n <= 1:
     run_block(index, str(tmp_path))

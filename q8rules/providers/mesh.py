@@ -231,7 +231,7 @@ def provider_product(
 
   Each device flattens its own slice of the activation to (m, K_local) (the
   activation view is per chip: nothing is gathered), runs its product, adds
-  row-parallel partial sums in float32 (`psum`) and puts its (m, N_local) back
+  row-parallel partial sums in float32 (`ordered_sum`) and puts its (m, N_local) back
   into the op's output shape (`q8rules.sharding.product.run_sharded`).
 
   Args:

@@ -1,7 +1,7 @@
 """Q8_0 products per shard, in `shard_map`: each device multiplies what lives on it.
 
 Column-parallel products leave the output split along N; row-parallel ones add
-their float32 partial sums over the K mesh axes (`psum`) before the cast. The
+their float32 partial sums over the K mesh axes (`ordered_sum`) before the cast. The
 fold is a custom call XLA cannot partition, so it must run per shard; each
 shard resolves its implementation from its own shape (`kernels.run_product`).
 `run_sharded` is the one runner; `q8_matmul_sharded` (x (..., K) @ W) and the
@@ -60,6 +60,25 @@ def place(a: jax.Array, mesh: AnyMesh, spec: P) -> jax.Array:
   return jax.sharding.reshard(a, NamedSharding(mesh, spec))
 
 
+def ordered_sum(partial: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """The sum of `partial` over the mesh `axes`, added in the mesh's device order on every
+  device: the same float32 bits whichever processes hold the shards (a `psum`'s order is the
+  collective library's: gloo across processes and XLA within one add in different orders).
+
+  Args:
+    partial: a device's (m, N_local) float32 partial sum, inside `shard_map`.
+    axes: the mesh axes the partial sums are split over.
+
+  Returns:
+    (m, N_local) float32, equal on every device of `axes`.
+  """
+  parts = jax.lax.all_gather(partial, axes)  # (shards, m, N_local), in mesh order
+  total = parts[0]
+  for i in range(1, parts.shape[0]):
+    total = total + parts[i]
+  return total
+
+
 def run_sharded(
   x: jax.Array,
   w: Q8Array,
@@ -78,7 +97,7 @@ def run_sharded(
   Each device views its slice of x as (m, K_local) (`to_matrix`; nothing is
   gathered), runs `kernels.run_product` on it and its (K_local, N_local) weight
   shard (the implementation picked from the shard's own shape), adds row-parallel
-  float32 partial sums over `w_spec`'s K mesh axes (`psum`), casts to x's dtype
+  float32 partial sums over `w_spec`'s K mesh axes (`ordered_sum`), casts to x's dtype
   and puts its (m, N_local) back into its output shard (`from_matrix`). The fold
   pads a shard's N to its column tile and slices the pad off: per shard, never a
   global pad.
@@ -112,7 +131,7 @@ def run_sharded(
     )
     ran.append(name)
     if k_axes:  # row-parallel: float32 partial sums, added before the cast
-      y2d = jax.lax.psum(y2d, k_axes)
+      y2d = ordered_sum(y2d, k_axes)
     y2d = y2d.astype(x_local.dtype)
     if from_matrix:
       return from_matrix(y2d, tuple(x_local.shape))
@@ -154,7 +173,7 @@ def q8_matmul_sharded(
   Returns:
     (..., N) in x's dtype, sharded as `P(*x_spec[:-1], w_spec[1])`: columns
     along W's N mesh axes; row-parallel partial sums are added in float32
-    over W's K mesh axes (`psum`) before the cast.
+    over W's K mesh axes (`ordered_sum`) before the cast.
   """
   kernels.check_operands(x, w, what="q8_matmul_sharded")
   kernels.check_implementation(implementation)
@@ -191,4 +210,11 @@ def q8_matmul_sharded(
   return y
 
 
-__all__ = ["place", "q8_matmul_sharded", "run_sharded", "shard_map_unchecked", "type_spec"]
+__all__ = [
+  "ordered_sum",
+  "place",
+  "q8_matmul_sharded",
+  "run_sharded",
+  "shard_map_unchecked",
+  "type_spec",
+]
