@@ -14,6 +14,10 @@ load, and its peak over the whole run. Scenarios:
   die=N   process N exits at once; the others load and run, which must fail, not hang
   error=P load the GGUF file P on the mesh ('tp',) over every device, which cannot split it:
           OUT_DIR/error-<process>.txt holds the error's message
+  rules   the Flax rules path: `rules_forward` (a linen MLP served by `Q8Provider`, its params
+          placed by `shard_params` and its products run per shard by `shard_products`) on
+          an Explicit mesh ('tp',) over every device and an Auto one ('dp', 'tp') with tp across
+          the processes: OUT_DIR/rules-<process>.npz holds both outputs
 
 A line `READY <process>` on stdout follows `jax.distributed.initialize`.
 """
@@ -25,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 IDS = [0, 41, 70, 77, 77, 80, 222, 88]
 NEW_TOKENS = 4
@@ -49,6 +54,42 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
   except OSError:
     pass
+
+
+RULES_SPECS = {"up/kernel": ("_", "tp"), "down/kernel": ("tp", "_")}
+"""Column-parallel up, row-parallel down ('_': not split)."""
+
+
+def rules_forward(mesh: Any) -> Any:
+  """The Flax rules path on `mesh`: a linen MLP (64 -> 256 -> 64, relu) quantized by
+  `qwix.quantize_model(..., Q8Provider([Q8Rule()]))`, params from `jax.random.key(0)` (the
+  same in every process), placed by `q8rules.sharding.shard_params` and run under
+  `q8rules.shard_products`. Returns the (6, 64) float32 output, replicated."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import qwix
+  from jax.sharding import PartitionSpec as P
+
+  import q8rules
+  from q8rules import sharding
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(64, use_bias=False, name="down")(
+        jax.nn.relu(nn.Dense(256, use_bias=False, name="up")(x))
+      )
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 64)), jnp.float32)
+  qmodel = qwix.quantize_model(Mlp(), q8rules.Q8Provider([q8rules.Q8Rule()]))
+  params = jax.jit(qmodel.init)(jax.random.key(0), x)["params"]
+  specs = {k: P(*(None if a == "_" else a for a in v)) for k, v in RULES_SPECS.items()}
+  placed = sharding.shard_params(params, mesh, specs)
+  with q8rules.shard_products(mesh, specs):
+    y = jax.jit(qmodel.apply)({"params": placed}, x)
+  return np.asarray(y)
 
 
 def main(argv: list[str]) -> None:
@@ -91,6 +132,11 @@ def main(argv: list[str]) -> None:
       for _ in range(1000):  # a collective per step: fails once the peer is gone
         m.logits(IDS)
       raise SystemExit(f"process {pid}: ran on while process {scenario} was gone")
+    elif scenario == "rules":
+      tp = jax.make_mesh((devices.size,), ("tp",), devices=list(devices))
+      dp_tp = jax.sharding.Mesh(devices.reshape(nproc, LOCAL_DEVICES).T, ("dp", "tp"))
+      np.savez(out / f"rules-{pid}.npz", tp=rules_forward(tp), tp_dp=rules_forward(dp_tp))
+      continue
     elif scenario.startswith("error="):
       mesh = jax.make_mesh((devices.size,), ("tp",), devices=list(devices))
       try:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from q8rules.llm import load_gguf
-from tests.multiproc_worker import IDS, LOCAL_DEVICES, NEW_TOKENS
+from tests.multiproc_worker import IDS, LOCAL_DEVICES, NEW_TOKENS, rules_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = 2
@@ -137,7 +137,7 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> None:
 def test_two_processes_one_model(tmp_path):
   path = write_llama(tmp_path / "tp4-llama-q8_0.gguf")
   bad = write_llama(tmp_path / "bad-llama-q8_0.gguf", kv_heads=2, ffn=192)
-  run_processes(path, tmp_path, ["tp", "dp_tp", "tp_dp", f"error={bad}"])
+  run_processes(path, tmp_path, ["tp", "dp_tp", "tp_dp", "rules", f"error={bad}"])
   size = path.stat().st_size
 
   devices = jax.devices()[: PROCESSES * LOCAL_DEVICES]
@@ -175,6 +175,20 @@ def test_two_processes_one_model(tmp_path):
       )
       if scenario in ("tp", "tp_dp"):  # half the block tensors, all the replicated ones
         assert share <= 0.6, (scenario, i, share)
+  # The Flax rules path (shard_params, shard_products): equal to one process on the same
+  # mesh bit for bit, and to the unsharded model within float32 rounding.
+  unsharded = rules_forward(jax.sharding.Mesh(np.array(devices[:1]), ("tp",)))
+  for name, mesh in (
+    ("tp", jax.make_mesh((4,), ("tp",), devices=devices)),
+    ("tp_dp", meshes["tp_dp"]),
+  ):
+    want = rules_forward(mesh)
+    for i in range(PROCESSES):
+      got = np.load(tmp_path / f"rules-{i}.npz")[name]
+      np.testing.assert_array_equal(got, want)
+      rel = float(np.linalg.norm(got - unsharded) / np.linalg.norm(unsharded))
+      assert rel < 1e-6, (name, i, rel)
+      print(f"rules path {name} {dict(mesh.shape)} process {i}: rel. L2 to unsharded {rel:.1e}")
   for i in range(PROCESSES):
     msg = (tmp_path / f"error-{i}.txt").read_text()
     assert "'blk.0.attn_k.weight'" in msg and "2 key/value heads" in msg, msg
