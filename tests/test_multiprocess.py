@@ -175,6 +175,10 @@ def test_two_processes_one_model(tmp_path):
       )
       if scenario in ("tp", "tp_dp"):  # half the block tensors, all the replicated ones
         assert share <= 0.6, (scenario, i, share)
+      # the load's memory: its share of the file + 300 MB at most, above what the process
+      # held before it (the runtime: jax, flax, qwix, gguf)
+      grown_mb = float(got["peak_rss_at_load_mib"] - got["rss_before_load_mib"]) * 2**20 / 1e6
+      assert grown_mb <= int(got["bytes_read"]) / 1e6 + 300, (scenario, i, grown_mb)
   # The Flax rules path (shard_params, shard_products): equal to one process on the same
   # mesh bit for bit, and to the unsharded model within float32 rounding.
   unsharded = rules_forward(jax.sharding.Mesh(np.array(devices[:1]), ("tp",)))
