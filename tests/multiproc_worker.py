@@ -14,6 +14,7 @@ load, and its peak over the whole run. Scenarios:
   die=N   process N exits at once; the others load and run, which must fail, not hang
   error=P load the GGUF file P on the mesh ('tp',) over every device, which cannot split it:
           OUT_DIR/error-<process>.txt holds the error's message
+  split=P the same as tp, from the split GGUF set whose first part is P
   rules   the Flax rules path: `rules_forward` (a linen MLP served by `Q8Provider`, its params
           placed by `shard_params` and its products run per shard by `shard_products`) on
           an Explicit mesh ('tp',) over every device and an Auto one ('dp', 'tp') with tp across
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> None:
   assert jax.process_count() == nproc and jax.local_device_count() == LOCAL_DEVICES
   devices = np.array(jax.devices())  # process 0's devices first
   for scenario in scenarios:
-    if scenario == "tp":
+    if scenario == "tp" or scenario.startswith("split="):
       mesh = jax.make_mesh((devices.size,), ("tp",), devices=list(devices))
     elif scenario == "dp_tp":  # each process holds one whole replica
       mesh = jax.sharding.Mesh(devices.reshape(nproc, LOCAL_DEVICES), ("dp", "tp"))
@@ -150,13 +151,13 @@ def main(argv: list[str]) -> None:
     rss0, peak_before = rss_mib(), rss_mib("VmHWM")
     reset_peak_rss()
     t0 = time.perf_counter()
-    m = load_gguf(path, dtype=jnp.float32, mesh=mesh)
+    m = load_gguf(scenario.partition("split=")[2] or path, dtype=jnp.float32, mesh=mesh)
     load_s = time.perf_counter() - t0
     rss_load, rss_after = rss_mib("VmHWM"), rss_mib()
     logits = m.logits(IDS)
     tokens = m.generate(IDS, NEW_TOKENS)
     np.savez(
-      out / f"{scenario}-{pid}.npz",
+      out / f"{scenario.partition('=')[0]}-{pid}.npz",
       logits=logits,
       tokens=np.asarray(tokens),
       bytes_read=m.bytes_read,

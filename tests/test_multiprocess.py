@@ -30,11 +30,16 @@ TIMEOUT_S = 240
 PEER_GRACE_S = 60
 
 
-def write_llama(path: Path, *, vocab=256, dim=128, layers=2, heads=4, kv_heads=4, ffn=512) -> Path:
+def write_llama(
+  path: Path, *, vocab=256, dim=128, layers=2, heads=4, kv_heads=4, ffn=512, split_max_tensors=0
+) -> Path:
   """A llama GGUF of random Q8_0 weights (F32 norms), no tokenizer: block tensors dominate
-  the file, as in real models (here the token embedding and output are 11% of it)."""
+  the file, as in real models (here the token embedding and output are 11% of it). With
+  `split_max_tensors`, the same tensors as a split set (`NAME-0000i-of-0000n.gguf`); the
+  first part's path is returned."""
   rng = np.random.default_rng(0)
-  w = gguf.GGUFWriter(str(path), "llama")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
   w.add_context_length(256)
   w.add_embedding_length(dim)
   w.add_block_count(layers)
@@ -75,6 +80,8 @@ def write_llama(path: Path, *, vocab=256, dim=128, layers=2, heads=4, kv_heads=4
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
+  if split_max_tensors:
+    return sorted(path.parent.glob(f"{path.stem}-0000*-of-*.gguf"))[0]
   return path
 
 
@@ -137,7 +144,8 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> None:
 def test_two_processes_one_model(tmp_path):
   path = write_llama(tmp_path / "tp4-llama-q8_0.gguf")
   bad = write_llama(tmp_path / "bad-llama-q8_0.gguf", kv_heads=2, ffn=192)
-  run_processes(path, tmp_path, ["tp", "dp_tp", "tp_dp", "rules", f"error={bad}"])
+  split = write_llama(tmp_path / "split" / "tp4-llama-q8_0.gguf", split_max_tensors=7)
+  run_processes(path, tmp_path, ["tp", "dp_tp", "tp_dp", "rules", f"split={split}", f"error={bad}"])
   size = path.stat().st_size
 
   devices = jax.devices()[: PROCESSES * LOCAL_DEVICES]
@@ -179,6 +187,15 @@ def test_two_processes_one_model(tmp_path):
       # held before it (the runtime: jax, flax, qwix, gguf)
       grown_mb = float(got["peak_rss_at_load_mib"] - got["rss_before_load_mib"]) * 2**20 / 1e6
       assert grown_mb <= int(got["bytes_read"]) / 1e6 + 300, (scenario, i, grown_mb)
+  # A split set loads over the processes the same way: the same logits, each process its share.
+  parts = sorted(split.parent.iterdir())
+  split_size = sum(p.stat().st_size for p in parts)
+  for i in range(PROCESSES):
+    got, whole = np.load(tmp_path / f"split-{i}.npz"), np.load(tmp_path / f"tp-{i}.npz")
+    np.testing.assert_array_equal(got["logits"], whole["logits"])
+    share = int(got["bytes_read"]) / split_size
+    print(f"split set of {len(parts)} files, process {i}: read {share:.2f}x the set")
+    assert len(parts) >= 3 and share <= 0.6, (len(parts), share)
   # The Flax rules path (shard_params, shard_products): equal to one process on the same
   # mesh bit for bit, and to the unsharded model within float32 rounding.
   unsharded = rules_forward(jax.sharding.Mesh(np.array(devices[:1]), ("tp",)))
