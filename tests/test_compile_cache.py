@@ -1,5 +1,7 @@
 """q8rules.llm.compile_cache: a second CLI run takes every program from JAX's persistent
-compilation cache and compiles nothing (counted from jax.monitoring events, not timed)."""
+compilation cache and compiles nothing (counted from jax.monitoring events, not timed).
+
+Each run is `python -m q8rules run` in a fresh process: the module entry point's test too."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def run_cli(env: dict[str, str]) -> tuple[int, int]:
     env={**os.environ, **env},
   )
   assert proc.returncode == 0, proc.stderr
+  assert "tokens/s" in proc.stderr and "llama, 2 layers" in proc.stderr, proc.stderr
   found = COLD.search(proc.stderr)
   assert found, proc.stderr
   return int(found[1]), int(found[2])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -33,25 +31,3 @@ def test_run_prints_text_and_speed(capsys):
   assert printed.out.startswith("The quick brown fox")
   assert printed.out.rstrip("\n") == m.tokenizer.decode(out["prompt_ids"] + out["new_ids"])
   assert "prefill: " in printed.err and "decode: " in printed.err and "tokens/s" in printed.err
-
-
-def test_module_entry_point_runs():
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "q8rules",
-      "run",
-      str(DATA / "tiny-llama-q8_0.gguf"),
-      "--prompt-ids",
-      "0,41,70",
-      "--max-new-tokens",
-      "3",
-      "--no-progress",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr
-  assert "tokens/s" in proc.stderr and "llama, 2 layers" in proc.stderr
