@@ -2,11 +2,11 @@
 
 Public names come from `qwix`; the rest are the few internals a provider built
 on `qwix.PtqProvider` needs, each behind a named function here: the param
-container `WithAux`, the param swap (`quantize_param`), the rule and op id of
-the op being intercepted (`current_rule_and_op_id`), the provider's rules and
-whether its first run is done, the names of Qwix's own interceptions
-(`PLUMBING_INTERCEPTIONS`), and Flax helpers that find the module being run and
-the param an operand is. A Qwix upgrade that moves them breaks this file only.
+container `WithAux`, the rule and op id of the op being intercepted
+(`current_rule_and_op_id`), the provider's rules and whether its first run is
+done, the names of Qwix's own interceptions (`PLUMBING_INTERCEPTIONS`), and
+Flax helpers that find the module being run, its params and the param an
+operand is. A Qwix upgrade that moves them breaks this file only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flax import nnx
 from qwix import PtqProvider, QuantizationProvider, QuantizationRule, quantize_model
 from qwix._src import interception as _interception
 from qwix._src.utils import flax_util as _flax_util
@@ -59,6 +60,18 @@ get_attribute = _interception.get_attribute
 """The object at a dotted path, e.g. 'jax.lax.conv_general_dilated' (how Qwix names the ops it
 intercepts). Called from inside a provider's handler it runs the original function: Qwix's
 interception does not recurse."""
+
+
+get_current_module = _flax_util.get_current_module
+"""The Flax module (linen or nnx) whose code is running; ValueError when there is none."""
+
+
+def module_params(module: Any) -> dict[str, Any]:
+  """The module's own params by name, boxed as stored: a linen module's 'params' collection,
+  an nnx module's `nnx.Param` and `WithAux` attributes (where Qwix's `find_param` looks)."""
+  if isinstance(module, nnx.Module):
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param | WithAux)}
+  return dict(module.scope._collection("params"))  # noqa: SLF001 (Qwix's own lookup)
 
 
 def current_module_path() -> str:
@@ -115,9 +128,11 @@ __all__ = [
   "current_rule_and_op_id",
   "find_param",
   "get_attribute",
+  "get_current_module",
   "get_value_from_path",
   "initial_run_complete",
   "is_with_aux",
+  "module_params",
   "provider_rules",
   "quantize_model",
   "quantize_param",
