@@ -11,8 +11,7 @@ operand is. A Qwix upgrade that moves them breaks this file only.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from flax import nnx
@@ -105,17 +104,6 @@ def initial_run_complete(provider: QuantizationProvider) -> bool:
   return provider._initial_run_complete
 
 
-def quantize_param(name: str, value: Any, how: Any, quantize: Callable[[Any, Any], Any]) -> WithAux:
-  """Swap the current module's float param `name` (`value`) for `WithAux(quantize(value, how),
-  how)` and return that (unboxed); Qwix keeps the param's Flax metadata.
-
-  Raises ValueError (Qwix's) when a linen module is applied, not initialised, with a float
-  param."""
-  return _boxed.create_quantized_param(
-    name, value, how, _qarray_module=types.SimpleNamespace(quantize=quantize)
-  )
-
-
 __all__ = [
   "GET_CURRENT_RULE",
   "PALLAS_CALL",
@@ -135,6 +123,5 @@ __all__ = [
   "module_params",
   "provider_rules",
   "quantize_model",
-  "quantize_param",
   "unbox",
 ]

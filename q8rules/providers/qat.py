@@ -21,20 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules._qwix import QuantizationProvider, current_rule_and_op_id, is_with_aux
+from q8rules._qwix import QuantizationProvider, is_with_aux
 from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
-from q8rules.providers import lookup
+from q8rules.providers import policies, tracking
 from q8rules.providers._common import (
   Product,
   RecordingProvider,
   jnp_dot_dimension_numbers,
   op_where,
 )
+from q8rules.providers.policies import FAKE_QUANT
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
-
-FAKE_QUANT = "fake_quant"
-"""The `OpRecord.path` of a fake-quantised product."""
 
 
 def fake_quant(
@@ -112,12 +110,18 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
   """
 
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-    return super().get_intercept_map() | {
-      "jax.lax.dot_general": self.dot_general,
-      "jax.numpy.einsum": self.einsum,
-      "jax.numpy.dot": self.dot,
-      "jax.numpy.take": self.take,
-    }
+    # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
+    # q8rules.providers.tracking, decided by q8rules.providers.policies
+    lookups = policies.fake_quant_lookup(self, fake_quant_ste), policies.refuse_q8_lookup
+    return (
+      super().get_intercept_map()
+      | {
+        "jax.lax.dot_general": self.dot_general,
+        "jax.numpy.einsum": self.einsum,
+        "jax.numpy.dot": self.dot,
+      }
+      | tracking.intercepts(lambda: self._run, *lookups)
+    )
 
   # ---- the intercepted ops (dot_general and einsum: RecordingProvider's) -------
 
@@ -151,26 +155,6 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       run,
     )
 
-  def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
-    """`jnp.take` from a matched table's Q8_0 round trip (what serving looks up; `lookup.py`)."""
-    rule, op_id = current_rule_and_op_id(self, lookup.OP)
-    if is_with_aux(a):
-      raise TypeError(
-        f"{op_where(op_id)}: got a Q8 (serving) table; Q8QatProvider trains float params"
-      )
-    matched = None
-    if not kwargs.keys() - {"mode"}:
-      matched = self._match_float_weight(
-        rule, op_id, a, lambda shape: lookup.lookup_layout(shape, axis)
-      )
-    if matched is None:
-      return jnp.take(a, indices, axis=axis, **kwargs)
-    _, layout = matched
-    scale_dtype = np.dtype(rule.scale_dtype)
-    fields = lookup.record_fields(layout, indices, scale_dtype.itemsize, a.dtype.itemsize)
-    self._record(rule, op_id, FAKE_QUANT, **fields)
-    return jnp.take(fake_quant_ste(a, layout, scale_dtype.name), indices, axis=axis, **kwargs)
-
   # ---- the fake quant ------------------------------------------------------
 
   def _serve(self, product: Product) -> jax.Array:
@@ -200,7 +184,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     matched = self._match_float_weight(rule, op_id, rhs, make_layout)
     if matched is None:
       return rhs
-    _, layout = matched
+    found, layout = matched
     scale_dtype = np.dtype(rule.scale_dtype)
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
@@ -219,4 +203,5 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       q8_bytes=k_pad * n + (k_pad // BLOCK) * n * scale_dtype.itemsize,
       note="; ".join(notes),
     )
-    return fake_quant_ste(rhs, weight, scale_dtype.name)
+    # the param's round trip, then rhs's astype / .T / reshape of it
+    return policies.fake_quant_operand(self, found, rhs, weight, scale_dtype.name, fake_quant_ste)
