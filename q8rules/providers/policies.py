@@ -222,11 +222,14 @@ def _round_trip(
 
   Transposes, reshapes and widening casts leave the values (hence the blocks) as they are, so
   the round trip of `value` itself is the served one. After a narrowing cast the served
-  values come from the param's own (wider) values: the param's round trip, then the ops.
+  values come from the param's own (wider) values: the param's round trip, then the ops
+  that move values (the casts left out: `fq` gives the values in the dtype serving
+  computes in, and the product's result is cast as serving casts it).
   """
   if not _narrows(found):
     return fq(value, view, scale_dtype)
-  return views.apply(found.chain, fq(found.base, _base(found, view), scale_dtype))
+  moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
+  return views.apply(moves, fq(found.base, _base(found, view), scale_dtype))
 
 
 def fake_quant_lookup(provider: Any, fq: FakeQuant) -> Callable[..., jax.Array]:
@@ -250,7 +253,7 @@ def fake_quant_lookup(provider: Any, fq: FakeQuant) -> Callable[..., jax.Array]:
     table = _round_trip(found, arr, layout, scale_dtype, fq)
     note = f"lookup of {found.name}: the entries of its Q8_0 round trip"
     record_lookup(provider, rule, op_id, FAKE_QUANT, layout, ids, (scale_dtype, arr.dtype), note)
-    return run_on(table)
+    return run_on(table).astype(arr.dtype)  # as `take_q8`: the entries in the table's dtype
 
   return policy
 

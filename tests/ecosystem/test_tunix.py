@@ -6,10 +6,13 @@ float32 or bfloat16, small and with fresh random params (`tunix_models.py`), qua
 `qwix.quantize_model(model, q8rules.Q8Provider([q8rules.Q8Rule()]), *inputs)`.
 
 Tolerances: float32 runs hold the issue's targets (jit = eager and QAT = served to 1e-5).
-bfloat16 runs round every activation to 8 bits: jit against eager is held to 4 times the
-float model's own difference between the two (XLA fuses differently), or 2**-7, and QAT against
-served to 2**-5: QAT's fake-quantised weight is rounded to bfloat16, while serving multiplies
-by the exact int8 values and scales.
+bfloat16 runs round every activation to 8 bits, and under `jit` XLA may skip those roundings
+inside a fusion (`--xla_allow_excess_precision`, on by default), differently in each program:
+jit against eager is held to 4 times the float model's own difference between the two, or
+2**-7. QAT computes its products as serving does (the exact `q * d` values in float32, the
+result rounded to bfloat16 once), so QAT against served is held eagerly, where every op
+rounds, to 2**-8: what is left is float32 summation order flipping a bfloat16 rounding
+(docs/ecosystem.md).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ pytestmark = [
   ),
 ]
 
-BF16_QAT_TOL = 2.0**-5
+BF16_QAT_TOL = 2.0**-8  # eager QAT against eager serving
 BF16_TOL = 2.0**-7  # a few bfloat16 roundings (2**-9 each) through a layer
 
 
@@ -99,7 +102,9 @@ def test_quantize_params_equals_init_time(served):
 
 def test_qat_forward_equals_served_and_trains(served):
   q = tc.qat(served, with_grads=_f32(served))
-  assert q.forward_vs_served <= (1e-5 if _f32(served) else BF16_QAT_TOL)
   if _f32(served):
+    assert q.forward_vs_served <= 1e-5 and q.eager_vs_served <= 1e-5
     assert q.grads_finite and q.grad_cosine_to_float >= 0.99
+  else:
+    assert q.eager_vs_served <= BF16_QAT_TOL
   assert np.isfinite(q.forward_vs_served)

@@ -118,7 +118,11 @@ def quantize_params_bit_equal(s: Served) -> bool:
 
 @dataclasses.dataclass
 class Qat:
+  """QAT against serving: `forward_vs_served` is QAT under `nnx.jit` against the served model
+  eagerly; `eager_vs_served` both eagerly (op by op, where XLA rounds every bfloat16 result)."""
+
   forward_vs_served: float
+  eager_vs_served: float
   grads_finite: bool
   grad_cosine_to_float: float
 
@@ -127,8 +131,9 @@ def qat(s: Served, with_grads: bool = True) -> Qat:
   """QAT on the same model: its forward pass under `nnx.jit` against the served one, and its
   gradient (`nnx.jit(nnx.value_and_grad)`, one compile for both) against the float model's."""
   model = qwix.quantize_model(s.model, q8rules.Q8QatProvider([q8rules.Q8Rule()]), *s.args)
+  eager = rel_err(forward(model, s.args), s.eager)
   if not with_grads:
-    return Qat(rel_err(jit_forward(model, s.args), s.eager), True, float("nan"))
+    return Qat(rel_err(jit_forward(model, s.args), s.eager), eager, True, float("nan"))
 
   def loss(m: nnx.Module) -> tuple[jax.Array, jax.Array]:
     logits = forward(m, s.args)
@@ -142,7 +147,7 @@ def qat(s: Served, with_grads: bool = True) -> Qat:
   (_, _), g_float = step(s.model)
   g, g_float = flat(g), flat(g_float)
   cosine = float(g @ g_float / np.linalg.norm(g) / np.linalg.norm(g_float))
-  return Qat(rel_err(out, s.eager), bool(np.isfinite(g).all()), cosine)
+  return Qat(rel_err(out, s.eager), eager, bool(np.isfinite(g).all()), cosine)
 
 
 __all__ = [
