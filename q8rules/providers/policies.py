@@ -116,9 +116,18 @@ def _lookup_layout(provider: Any, rule: Q8Rule | None, op_id: str, shape: Any, a
     return lookup.lookup_layout(tuple(shape), axis)
   except lookup.UnsupportedLookup as e:
     where = f"{current_module_path() or '(top module)'}/{op_id}"
-    warnings.warn(f"{where}: left float: {e}", stacklevel=6)
+    warnings.warn(f"{where}: left float: {e}", stacklevel=5)
     provider._record(rule, op_id, "float", weight_shape=tuple(shape), note=f"left float: {e}")
     return None
+
+
+def _as_float(
+  provider: Any, found: Derived, rule: Any, op_id: str, arr: jax.Array, note: str, run_on: RunOn
+) -> jax.Array:
+  """A lookup left float (recorded with `note`): the param's products stay float this run."""
+  provider._run.float_lookups.add(found.key)
+  provider._record(rule, op_id, "float", weight_shape=tuple(arr.shape), note=note)
+  return run_on(arr)
 
 
 def record_lookup(
@@ -159,10 +168,8 @@ def serve_lookup(provider: Any, q: Quantizer) -> Callable[..., jax.Array]:
     rule, op_id = current_rule_and_op_id(provider, lookup.OP)
     given_float = isinstance(found.module, nn.Module) and not found.module.is_initializing()
     if rule is None or given_float:  # no rule, or a linen apply given a float table: float
-      provider._run.float_lookups.add(found.key)
       note = "lookup: no rule matched" if rule is None else "lookup: the table was given float"
-      provider._record(rule, op_id, "float", weight_shape=tuple(arr.shape), note=note)
-      return run_on(arr)
+      return _as_float(provider, found, rule, op_id, arr, note, run_on)
     layout = _lookup_layout(provider, rule, op_id, arr.shape, axis)
     if layout is None:
       return run_on(arr)
@@ -242,11 +249,7 @@ def fake_quant_lookup(provider: Any, fq: FakeQuant) -> Callable[..., jax.Array]:
     if rule is not None:
       scale_dtype = np.dtype(rule.scale_dtype).name
     if scale_dtype is None:
-      provider._run.float_lookups.add(found.key)
-      provider._record(
-        rule, op_id, "float", weight_shape=tuple(arr.shape), note="lookup: no rule matched"
-      )
-      return run_on(arr)
+      return _as_float(provider, found, rule, op_id, arr, "lookup: no rule matched", run_on)
     layout = _lookup_layout(provider, rule, op_id, arr.shape, axis)
     if layout is None:
       return run_on(arr)

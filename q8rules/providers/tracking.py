@@ -183,11 +183,13 @@ def intercepts(
     if (q8 := as_q8_weight(a)) is not None:
       q8.check_take(indices, axis, options)
       return q8_lookup(q8, indices, axis, options.get("mode"))
-    served = axis is not None and is_index_array(indices) and np.ndim(a) == 2
+    # a lookup in a param (of any rank: the policy serves 2-D tables, and records the others
+    # float with a warning); other options than `mode` run float
+    served = axis is not None and is_index_array(indices) and np.ndim(a) >= 2
     found = run().find(a) if served and not set(options) - {"mode"} else None
     if found is None:
       return run_on(a)
-    return float_lookup(found, a, indices, int(axis) % 2, options.get("mode"), run_on)
+    return float_lookup(found, a, indices, int(axis) % np.ndim(a), options.get("mode"), run_on)
 
   def rewriting_take(arr: Any, idx: Any, *args: Any, **kwargs: Any) -> Any:
     def run_on(table: Any) -> Any:
