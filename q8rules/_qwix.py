@@ -61,6 +61,10 @@ intercepts). Called from inside a provider's handler it runs the original functi
 interception does not recurse."""
 
 
+has_attribute = _interception.has_attribute
+"""Whether the object at a dotted path exists (an interception of a missing one fails)."""
+
+
 get_current_module = _flax_util.get_current_module
 """The Flax module (linen or nnx) whose code is running; ValueError when there is none."""
 
@@ -118,6 +122,7 @@ __all__ = [
   "get_attribute",
   "get_current_module",
   "get_value_from_path",
+  "has_attribute",
   "initial_run_complete",
   "is_with_aux",
   "module_params",

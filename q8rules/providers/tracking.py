@@ -24,7 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from q8rules._qwix import get_attribute, get_current_module, module_params, unbox
+from q8rules._qwix import (
+  get_attribute,
+  get_current_module,
+  has_attribute,
+  module_params,
+  unbox,
+)
 from q8rules.providers import views
 from q8rules.providers.lookup import indexing_ids
 from q8rules.providers.q8_weight import Q8Weight, as_q8_weight, is_index_array
@@ -220,7 +226,7 @@ def intercepts(
         out.append(y)
     return type(args[0])(out) if nnx_form else out
 
-  return {
+  handlers = {
     "flax.linen.dtypes.promote_dtype": promote_dtype,
     "flax.nnx.nn.dtypes.promote_dtype": promote_dtype,
     "jax.numpy.astype": astype,
@@ -231,6 +237,9 @@ def intercepts(
     "jax._src.numpy.indexing.rewriting_take": rewriting_take,
     "q8rules.providers.q8_weight.lookup": q8_lookup,
   }
+  # `table[ids]` goes through a private JAX function (jax 0.10): a JAX that moves it leaves
+  # float tables' indexing untracked (a Q8 table still serves `w[ids]` itself), not broken.
+  return {name: fn for name, fn in handlers.items() if has_attribute(name)}
 
 
 __all__ = ["Derived", "LookupPolicy", "ParamKey", "Q8Lookup", "RunState", "intercepts"]
