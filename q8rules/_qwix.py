@@ -2,19 +2,19 @@
 
 Public names come from `qwix`; the rest are the few internals a provider built
 on `qwix.PtqProvider` needs, each behind a named function here: the param
-container `WithAux`, the param swap (`quantize_param`), the rule and op id of
-the op being intercepted (`current_rule_and_op_id`), the provider's rules and
-whether its first run is done, the names of Qwix's own interceptions
-(`PLUMBING_INTERCEPTIONS`), and Flax helpers that find the module being run and
-the param an operand is. A Qwix upgrade that moves them breaks this file only.
+container `WithAux`, the rule and op id of the op being intercepted
+(`current_rule_and_op_id`), the provider's rules and whether its first run is
+done, the names of Qwix's own interceptions (`PLUMBING_INTERCEPTIONS`), and
+Flax helpers that find the module being run, its params and the param an
+operand is. A Qwix upgrade that moves them breaks this file only.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from flax import nnx
 from qwix import PtqProvider, QuantizationProvider, QuantizationRule, quantize_model
 from qwix._src import interception as _interception
 from qwix._src.utils import flax_util as _flax_util
@@ -61,6 +61,22 @@ intercepts). Called from inside a provider's handler it runs the original functi
 interception does not recurse."""
 
 
+has_attribute = _interception.has_attribute
+"""Whether the object at a dotted path exists (an interception of a missing one fails)."""
+
+
+get_current_module = _flax_util.get_current_module
+"""The Flax module (linen or nnx) whose code is running; ValueError when there is none."""
+
+
+def module_params(module: Any) -> dict[str, Any]:
+  """The module's own params by name, boxed as stored: a linen module's 'params' collection,
+  an nnx module's `nnx.Param` and `WithAux` attributes (where Qwix's `find_param` looks)."""
+  if isinstance(module, nnx.Module):
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param | WithAux)}
+  return dict(module.scope._collection("params"))  # noqa: SLF001 (Qwix's own lookup)
+
+
 def current_module_path() -> str:
   """The Flax module path of the op being intercepted ('' for the top module)."""
   return "/".join(map(str, _flax_util.get_current_module_path()))
@@ -92,17 +108,6 @@ def initial_run_complete(provider: QuantizationProvider) -> bool:
   return provider._initial_run_complete
 
 
-def quantize_param(name: str, value: Any, how: Any, quantize: Callable[[Any, Any], Any]) -> WithAux:
-  """Swap the current module's float param `name` (`value`) for `WithAux(quantize(value, how),
-  how)` and return that (unboxed); Qwix keeps the param's Flax metadata.
-
-  Raises ValueError (Qwix's) when a linen module is applied, not initialised, with a float
-  param."""
-  return _boxed.create_quantized_param(
-    name, value, how, _qarray_module=types.SimpleNamespace(quantize=quantize)
-  )
-
-
 __all__ = [
   "GET_CURRENT_RULE",
   "PALLAS_CALL",
@@ -115,11 +120,13 @@ __all__ = [
   "current_rule_and_op_id",
   "find_param",
   "get_attribute",
+  "get_current_module",
   "get_value_from_path",
+  "has_attribute",
   "initial_run_complete",
   "is_with_aux",
+  "module_params",
   "provider_rules",
   "quantize_model",
-  "quantize_param",
   "unbox",
 ]

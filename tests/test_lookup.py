@@ -90,3 +90,23 @@ def test_tied_table_stored_once_and_served_alike():
   float_lookup = qwix.quantize_model(model, keep_float)
   float_lookup.init(jax.random.key(0), ids)
   assert keep_float.report().paths()["/take0"] == "float"
+
+
+class Table3D(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    table = self.param("table", nn.initializers.normal(1.0), (8, 4, 32), jnp.float32)
+    return jnp.take(table, ids, axis=0)
+
+
+def test_a_lookup_in_a_3d_table_runs_float_with_a_warning(rng):
+  """Only 2-D tables are served from Q8_0: another lookup stays float, warned and recorded."""
+  ids = jnp.asarray(rng.integers(0, 8, (3,)), jnp.int32)
+  provider = q8rules.Q8Provider([q8rules.Q8Rule()])
+  q8_model = qwix.quantize_model(Table3D(), provider)
+  with pytest.warns(UserWarning, match=r"/take0: left float: a lookup in a 3-D table"):
+    params = q8_model.init(jax.random.key(0), ids)["params"]
+  assert isinstance(params["table"], jax.Array) and params["table"].dtype == jnp.float32
+  assert provider.report().paths() == {"/take0": "float"}
+  out = q8_model.apply({"params": params}, ids)
+  assert np.array_equal(np.asarray(out), np.asarray(params["table"])[np.asarray(ids)])

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from q8rules._qwix import (
   current_module_path,
   current_rule_and_op_id,
-  find_param,
   initial_run_complete,
   provider_rules,
 )
 from q8rules.layout import ProductLayout, UnsupportedProduct, from_dot_general, from_einsum
+from q8rules.providers.policies import operand
+from q8rules.providers.tracking import Derived, RunState
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule, describe, validate_rule
 
@@ -61,6 +62,11 @@ class RecordingProvider:
     super().__init__(rules, disable_jit=disable_jit)
     self._records: dict[tuple[str, str], OpRecord] = {}
     self._warned_unused = False
+    self._run = RunState()  # what this run saw of weights (q8rules.providers.tracking)
+
+  def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
+    self._run = RunState()  # a run starts: nothing carried over from the last one
+    return super().process_model_inputs(model, model_args, model_kwargs)
 
   def _record(self, rule: Q8Rule | None, op_id: str, path: str, **fields: Any) -> None:
     module = current_module_path()
@@ -73,6 +79,7 @@ class RecordingProvider:
     return Report(ops=list(self._records.values()), unused_rules=unused)
 
   def process_model_output(self, method_name: str, model_output: Any) -> Any:
+    self._run = RunState()  # let go of the run's arrays
     out = super().process_model_output(method_name, model_output)
     if not self._warned_unused:
       self._warned_unused = True
@@ -177,19 +184,21 @@ class RecordingProvider:
     op_id: str,
     rhs: Any,
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
-  ) -> tuple[str, ProductLayout] | None:
-    """The param name and product layout of a float weight a rule matched, or None when
-    the op stays float (recorded, with a warning where a matched weight cannot be served).
+  ) -> tuple[Derived, ProductLayout] | None:
+    """The param (`Derived`: also through astype / .T / reshape) and product layout of a float
+    weight a rule matched, or None when the op stays float (recorded, with a warning where a
+    matched weight cannot be served).
 
     Raises TypeError on a matched weight that is not float.
     """
     if rule is None:
       self._record(rule, op_id, "float", note="no rule matched")
       return None
-    name = find_param(rhs)
-    if not name:
-      self._record(rule, op_id, "float", note="operand is not a weight")
+    found, why_float = operand(self, rhs)
+    if found is None:
+      self._record(rule, op_id, "float", note=why_float)
       return None
+    name = found.name
     try:
       layout = make_layout(tuple(rhs.shape))
     except UnsupportedProduct as e:
@@ -201,7 +210,7 @@ class RecordingProvider:
       raise TypeError(
         f"{op_where(op_id)}: weight {name!r} has dtype {rhs.dtype}; Q8_0 quantizes float weights"
       )
-    return name, layout
+    return found, layout
 
 
 def jnp_dot_dimension_numbers(a_ndim: int, b_ndim: int) -> jax.lax.DotDimensionNumbers:

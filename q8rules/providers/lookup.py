@@ -11,6 +11,10 @@ those, so no float copy of the table exists. QAT reads the looked-up entries
 of the table's Q8_0 round trip (straight-through gradient), so the served
 model computes with exactly what QAT trained against. To keep a table float,
 give its module a rule whose `op_names` leaves 'take' out.
+
+This module owns how a lookup reads Q8_0 values (its layout, `take_q8`, the options it
+honours, its report fields); `q8rules.providers.policies` decides, per run, whether a lookup
+(`jnp.take`, or `table[ids]`) is served, fake-quantised or left float.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ def check_lookup_kwargs(kwargs: dict[str, Any]) -> None:
   unsupported = {k: v for k, v in kwargs.items() if v is not None and k not in ("mode",)}
   if unsupported:
     raise UnsupportedLookup(f"jnp.take options {sorted(unsupported)} on a Q8_0 table")
+
+
+def indexing_ids(ids: Any, n: int) -> jax.Array:
+  """Ids into an axis of `n` entries as `table[ids]` reads them (negative ids count from the end;
+  out-of-range ids are clamped, as JAX's gather clamps): for `take_q8(..., mode='clip')`."""
+  ids = jnp.asarray(ids)
+  return jnp.where(ids < 0, ids + n, ids)
 
 
 def take_q8(
@@ -106,6 +117,7 @@ __all__ = [
   "PATH",
   "UnsupportedLookup",
   "check_lookup_kwargs",
+  "indexing_ids",
   "lookup_layout",
   "record_fields",
   "take_q8",

@@ -12,6 +12,7 @@ float training); `quantize_params` on such params raises, naming the param.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -21,20 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules._qwix import QuantizationProvider, current_rule_and_op_id, is_with_aux
+from q8rules._qwix import QuantizationProvider, is_with_aux
 from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
-from q8rules.providers import lookup
+from q8rules.providers import policies, tracking
 from q8rules.providers._common import (
   Product,
   RecordingProvider,
   jnp_dot_dimension_numbers,
   op_where,
 )
+from q8rules.providers.policies import FAKE_QUANT
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
-
-FAKE_QUANT = "fake_quant"
-"""The `OpRecord.path` of a fake-quantised product."""
 
 
 def fake_quant(
@@ -44,6 +43,7 @@ def fake_quant(
   *,
   name: str = "weight",
   check_finite: bool = False,
+  dtype: Any = None,
 ) -> jax.Array:
   """The value serving computes with for the float weight `w`: its Q8_0 round trip.
 
@@ -54,46 +54,67 @@ def fake_quant(
     scale_dtype: float32 or float16, the rule's `scale_dtype`.
     name: how error messages name `w`.
     check_finite: raise on nan/inf (a host callback when traced).
+    dtype: the result's dtype (None: `w`'s). float32 gives the served values exactly (`q * d`);
+      a narrower dtype rounds them.
 
   Returns:
     `dequantize(quantize(...))` back in `w`'s shape, computed in float32 and cast
-    to `w`'s dtype. No gradient (see `fake_quant_ste`).
+    to `dtype`. No gradient (see `fake_quant_ste`).
   """
   q = quantize(
     layout.to_matrix(w), axis=0, scale_dtype=scale_dtype, name=name, check_finite=check_finite
   )
+  if dtype is not None:
+    q = dataclasses.replace(q, dtype=np.dtype(dtype))
   return layout.from_matrix(dequantize(q))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def fake_quant_ste(w: jax.Array, layout: WeightLayout, scale_dtype: str) -> jax.Array:
-  """`fake_quant(w, layout, scale_dtype)` with the straight-through gradient.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def fake_quant_ste(
+  w: jax.Array, layout: WeightLayout, scale_dtype: str, dtype: str | None = None
+) -> jax.Array:
+  """`fake_quant(w, layout, scale_dtype, dtype=dtype)` with the straight-through gradient.
 
-  Forward: exactly `fake_quant` (same shape and dtype as `w`). Derivative: the
-  identity, the derivative of `w + stop_gradient(fake_quant(w) - w)`.
+  Forward: exactly `fake_quant` (`w`'s shape; `dtype`, by default `w`'s). Derivative: the
+  identity, the derivative of `w + stop_gradient(fake_quant(w) - w)` (cast to `dtype`).
   """
-  return _fake_quant_jit(w, layout, scale_dtype)
+  return _fake_quant_jit(w, layout, scale_dtype, dtype=dtype)
 
 
 # One compiled round trip per (shape, dtype, layout): op-by-op dispatch of the
 # quantizer's ~60 primitives is slow outside jit (e.g. in an eager linen `init`).
-_fake_quant_jit = jax.jit(fake_quant, static_argnums=(1, 2))
+_fake_quant_jit = jax.jit(
+  fake_quant, static_argnums=(1, 2), static_argnames=("name", "check_finite", "dtype")
+)
 
 
 @fake_quant_ste.defjvp
 def _fake_quant_ste_jvp(
-  layout: WeightLayout, scale_dtype: str, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+  layout: WeightLayout,
+  scale_dtype: str,
+  dtype: str | None,
+  primals: tuple[jax.Array],
+  tangents: tuple[jax.Array],
 ) -> tuple[jax.Array, jax.Array]:
   (w,), (dw,) = primals, tangents
-  return _fake_quant_jit(w, layout, scale_dtype), dw
+  out = _fake_quant_jit(w, layout, scale_dtype, dtype=dtype)
+  return out, dw.astype(out.dtype)
 
 
-def matched_precision(precision: Any, lhs: jax.Array, matched: bool) -> Any:
-  """The precision of a fake-quantised product: the op's own when it names one, else float32's
-  (`Precision.HIGHEST`) for float32 activations, so the QAT forward pass and its gradients
-  compute what serving computes on every backend (a GPU's default for float32 is TF32),
-  unless `jax.default_matmul_precision` says otherwise."""
-  if not matched or precision is not None or lhs.dtype != jnp.float32:
+def served_round_trip(w: jax.Array, layout: WeightLayout, scale_dtype: str) -> jax.Array:
+  """`fake_quant_ste` in float32 (or `w`'s dtype where it is wider): the values the serving
+  kernels multiply by, unrounded. They compute in float32 and round only their output, so a
+  bfloat16 or float16 weight's round trip is not rounded to its dtype here either."""
+  dtype = np.dtype(jnp.promote_types(w.dtype, jnp.float32)).name
+  return fake_quant_ste(w, layout, scale_dtype, dtype)
+
+
+def matched_precision(precision: Any, dtype: Any, matched: bool) -> Any:
+  """The precision of a fake-quantised product computed in `dtype`: the op's own when it names
+  one, else float32's (`Precision.HIGHEST`) in float32, so the QAT forward pass and its
+  gradients compute what serving computes on every backend (a GPU's default for float32 is
+  TF32), unless `jax.default_matmul_precision` says otherwise."""
+  if not matched or precision is not None or dtype != jnp.float32:
     return precision
   if jax.config.jax_default_matmul_precision is not None:
     return None
@@ -112,12 +133,18 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
   """
 
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-    return super().get_intercept_map() | {
-      "jax.lax.dot_general": self.dot_general,
-      "jax.numpy.einsum": self.einsum,
-      "jax.numpy.dot": self.dot,
-      "jax.numpy.take": self.take,
-    }
+    # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
+    # q8rules.providers.tracking, decided by q8rules.providers.policies
+    lookups = policies.fake_quant_lookup(self, served_round_trip), policies.refuse_q8_lookup
+    return (
+      super().get_intercept_map()
+      | {
+        "jax.lax.dot_general": self.dot_general,
+        "jax.numpy.einsum": self.einsum,
+        "jax.numpy.dot": self.dot,
+      }
+      | tracking.intercepts(lambda: self._run, *lookups)
+    )
 
   # ---- the intercepted ops (dot_general and einsum: RecordingProvider's) -------
 
@@ -151,36 +178,19 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       run,
     )
 
-  def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
-    """`jnp.take` from a matched table's Q8_0 round trip (what serving looks up; `lookup.py`)."""
-    rule, op_id = current_rule_and_op_id(self, lookup.OP)
-    if is_with_aux(a):
-      raise TypeError(
-        f"{op_where(op_id)}: got a Q8 (serving) table; Q8QatProvider trains float params"
-      )
-    matched = None
-    if not kwargs.keys() - {"mode"}:
-      matched = self._match_float_weight(
-        rule, op_id, a, lambda shape: lookup.lookup_layout(shape, axis)
-      )
-    if matched is None:
-      return jnp.take(a, indices, axis=axis, **kwargs)
-    _, layout = matched
-    scale_dtype = np.dtype(rule.scale_dtype)
-    fields = lookup.record_fields(layout, indices, scale_dtype.itemsize, a.dtype.itemsize)
-    self._record(rule, op_id, FAKE_QUANT, **fields)
-    return jnp.take(fake_quant_ste(a, layout, scale_dtype.name), indices, axis=axis, **kwargs)
-
   # ---- the fake quant ------------------------------------------------------
 
   def _serve(self, product: Product) -> jax.Array:
-    """The product on the matched float weight's Q8_0 round trip (at float32's precision for
-    float32 activations, see `matched_precision`), or as it is."""
-    fq = self._maybe_fake_quant(
-      product.rule, product.op_id, product.lhs, product.rhs, product.make_layout
-    )
-    matched = fq is not product.rhs
-    return product.run(fq, matched_precision(product.precision, product.lhs, matched))
+    """The product on the matched float weight's Q8_0 round trip, computed as serving computes
+    it (in float32 at float32's precision, see `matched_precision`; the result in the
+    activations' dtype or `preferred_element_type`), or the op as it is."""
+    lhs = product.lhs
+    fq = self._maybe_fake_quant(product.rule, product.op_id, lhs, product.rhs, product.make_layout)
+    if fq is product.rhs:
+      return product.run(fq, product.precision)
+    dtype = jnp.result_type(lhs, fq)
+    out = product.run(fq, matched_precision(product.precision, dtype, True))
+    return out.astype(product.preferred_element_type or lhs.dtype)
 
   def _maybe_fake_quant(
     self,
@@ -200,7 +210,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     matched = self._match_float_weight(rule, op_id, rhs, make_layout)
     if matched is None:
       return rhs
-    _, layout = matched
+    found, layout = matched
     scale_dtype = np.dtype(rule.scale_dtype)
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
@@ -219,4 +229,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       q8_bytes=k_pad * n + (k_pad // BLOCK) * n * scale_dtype.itemsize,
       note="; ".join(notes),
     )
-    return fake_quant_ste(rhs, weight, scale_dtype.name)
+    # the param's round trip, then rhs's astype / .T / reshape of it
+    return policies.fake_quant_operand(
+      self, found, rhs, weight, scale_dtype.name, served_round_trip
+    )

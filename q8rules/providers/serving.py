@@ -27,12 +27,10 @@ from q8rules._qwix import (
   PLUMBING_INTERCEPTIONS,
   PtqProvider,
   WithAux,
-  current_module_path,
   current_rule_and_op_id,
   find_param,
   get_attribute,
   get_value_from_path,
-  quantize_param,
   unbox,
 )
 from q8rules.layout import (
@@ -40,9 +38,10 @@ from q8rules.layout import (
   Q8How,
   UnsupportedProduct,
 )
-from q8rules.providers import lookup
+from q8rules.providers import policies, tracking
 from q8rules.providers._common import Product, RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
+from q8rules.providers.views import conform
 from q8rules.q8_0 import Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing, path_str
@@ -73,9 +72,9 @@ def quantize_weight(
   )
 
 
-def _quantize_in_module(value: jax.Array, how: Q8How) -> Q8Array:
-  """`quantize_weight` of a param of the module being run (named by the module's path)."""
-  return quantize_weight(value, how, name=current_module_path() or "(top module)")
+def _quantize_param(value: jax.Array, how: Q8How, name: str) -> Q8Array:
+  """How a provider run quantizes a param (`q8rules.providers.placement.install`)."""
+  return quantize_weight(value, how, name=name)
 
 
 class Q8Provider(RecordingProvider, PtqProvider):
@@ -93,7 +92,6 @@ class Q8Provider(RecordingProvider, PtqProvider):
       "jax.numpy.dot",
       "jax.numpy.einsum",
       "jax.numpy.asarray",
-      "jax.numpy.take",
     }
   )
   """The Qwix interceptions this provider serves (jnp.dot goes through dot_general)."""
@@ -104,11 +102,14 @@ class Q8Provider(RecordingProvider, PtqProvider):
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
     """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
     `jax.lax.conv_general_dilated`) run float and recorded (path 'float', with a note)."""
-    intercepts = super().get_intercept_map() | {"jax.numpy.take": self.take}
+    intercepts = super().get_intercept_map()
     for name in intercepts:
       if name not in self.SERVED | self.PLUMBING:
         intercepts[name] = self._float_op(name)
-    return intercepts
+    # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
+    # q8rules.providers.tracking, decided by q8rules.providers.policies
+    lookups = policies.serve_lookup(self, _quantize_param), policies.q8_lookup(self)
+    return intercepts | tracking.intercepts(lambda: self._run, *lookups)
 
   def _float_op(self, name: str) -> Callable[..., Any]:
     """The op at `name` (e.g. 'jax.lax.conv_general_dilated'), run as it is, in float."""
@@ -133,40 +134,6 @@ class Q8Provider(RecordingProvider, PtqProvider):
   # ---- the intercepted ops (dot_general, einsum: RecordingProvider's; jnp.dot: Qwix's,
   # through dot_general) ------------------------------------------------------
 
-  def take(self, a: Any, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
-    """`jnp.take`: a lookup in a table a rule serves reads its Q8_0 values (`lookup.py`)."""
-    rule, op_id = current_rule_and_op_id(self, lookup.OP)
-    table = unbox(a)
-    if isinstance(table, WithAux) and isinstance(table.how, Q8How):
-      how, weight = table.how, table.array
-      try:
-        layout = lookup.lookup_layout(how.layout.shape, axis)
-        lookup.check_lookup_kwargs(kwargs)
-      except lookup.UnsupportedLookup as e:
-        raise ValueError(
-          f"{op_where(op_id)}: Q8 table used by a lookup it cannot serve: {e}"
-        ) from e
-      if layout != how.layout:
-        raise ValueError(
-          f"{op_where(op_id)}: the Q8 table was laid out as {how.layout} but this lookup"
-          f" needs {layout}"
-        )
-    elif not kwargs.keys() - {"mode"} and (
-      matched := self._match_float_weight(
-        rule, op_id, a, lambda shape: lookup.lookup_layout(shape, axis)
-      )
-    ):
-      name, layout = matched
-      how = Q8How(layout, np.dtype(rule.scale_dtype).name, np.dtype(a.dtype).name)
-      weight = quantize_param(name, a, how, _quantize_in_module).array
-    else:
-      return jnp.take(a, indices, axis=axis, **kwargs)
-    scale_size, float_size = np.dtype(weight.scale.dtype).itemsize, np.dtype(how.dtype).itemsize
-    self._record(
-      rule, op_id, lookup.PATH, **lookup.record_fields(layout, indices, scale_size, float_size)
-    )
-    return lookup.take_q8(weight, layout, indices, how.dtype, kwargs.get("mode"))
-
   def asarray(self, a, dtype=None, order=None, **kwargs):
     """Intercepts jnp.asarray so a Q8 weight passes through unchanged."""
     unboxed = unbox(a)
@@ -186,7 +153,8 @@ class Q8Provider(RecordingProvider, PtqProvider):
     served = self._served_weight(rule, op_id, rhs, product.make_layout)
     if served is None:
       return product.run(rhs, product.precision)
-    how, weight, layout = served
+    q8, layout = served
+    how, weight = q8.how, q8.array
     where = op_where(op_id)
     options = {
       "implementation": rule.implementation if rule is not None else None,
@@ -216,7 +184,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
       n=n,
       float_bytes=k * n * np.dtype(how.dtype).itemsize,
       q8_bytes=weight.nbytes,
-      note=f"K padded {k} -> {k_pad}" if k_pad != k else "",
+      note=policies.weight_note(q8, k, k_pad),
     )
     return y.astype(preferred_element_type or lhs.dtype)
 
@@ -226,35 +194,35 @@ class Q8Provider(RecordingProvider, PtqProvider):
     op_id: str,
     rhs: Any,
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
-  ) -> tuple[Q8How, Q8Array, ProductLayout] | None:
-    """The Q8 weight a product runs on: `rhs` itself when it is one (its layout checked against
-    the product's), else the matched float weight `rhs` quantized (the param swapped for its Q8
-    form); None when the op stays float."""
+  ) -> tuple[WithAux, ProductLayout] | None:
+    """The Q8 weight a product runs on (and the product's layout, conformed to the weight's):
+    `rhs` itself when it is one (its layout checked against the product's), else the param of
+    the matched float weight `rhs` (also through astype / .T / reshape) stored as Q8_0 and
+    viewed as `rhs` is; None when the op stays float."""
     where = op_where(op_id)
-    if isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How):  # a Q8 weight
-      how, weight = rhs.how, rhs.array
-      try:
-        layout = make_layout(how.layout.shape)
-      except UnsupportedProduct as e:
-        raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
-      if layout.weight != how.layout:
-        raise ValueError(
-          f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
-          f" {layout.weight}"
-        )
-    elif matched := self._match_float_weight(rule, op_id, rhs, make_layout):  # a float weight
-      name, layout = matched
-      how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
-      weight = quantize_param(name, rhs, how, _quantize_in_module).array
-    else:
-      return None
+    if not (isinstance(rhs, WithAux) and isinstance(rhs.how, Q8How)):  # a float operand
+      matched = self._match_float_weight(rule, op_id, rhs, make_layout)
+      if not matched:
+        return None
+      # its param stored as Q8_0 (sharding annotation carried over), served as rhs's view of it
+      rhs = policies.serve_operand(self, rule, matched[0], matched[1].weight, _quantize_param)
+    how, weight = rhs.how, rhs.array
+    try:
+      layout = conform(make_layout(how.layout.shape), how.layout)
+    except UnsupportedProduct as e:
+      raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
+    if layout is None:
+      raise ValueError(
+        f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
+        f" {make_layout(how.layout.shape).weight}"
+      )
     k_pad, n = layout.weight.k_padded, layout.weight.n
     if tuple(weight.q.shape) != (k_pad, n):
       raise ValueError(
         f"{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight"
         f" layout ({k_pad}, {n})"
       )
-    return how, weight, layout
+    return rhs, layout
 
 
 def _quantize_stacked(w: jax.Array, how: Q8How, name: str, *, check_finite: bool) -> Q8Array:

@@ -1,0 +1,225 @@
+"""Array ops a model applies to a weight before its product, carried onto its (K, N) layout.
+
+A model may hand a product not its param `w` but `w.T`, `w.astype(dtype)` or
+`w.reshape(shape)` (Tunix's Qwen casts every weight; a tied head is `x @ E.T`).
+None of these changes the Q8_0 matrix: the same int8 values and scales serve
+the view, under a different `WeightLayout` (where the view's axes go in K and
+N). An `Op` maps a layout forward (param -> view: serving a Q8 param through the
+op) and an array forward (QAT: the op applied to the fake-quantised param), and
+`base_layout` maps the layout the product needs back onto the param (which is
+what gets quantized, in its own shape and dtype: never the derived copy).
+
+A reshape is carried when it keeps K and N: the matrix must be the row-major
+(K, N) or (N, K) reading of both shapes. Any other reshape raises `ViewError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from q8rules.layout import ProductLayout, WeightLayout
+
+
+class ViewError(ValueError):
+  """An op on a weight that its Q8_0 matrix cannot serve (the message names the op)."""
+
+
+def _prefix_with_product(shape: tuple[int, ...], size: int) -> int | None:
+  """The shortest length p with prod(shape[:p]) == size (p >= 1), or None."""
+  prod = 1
+  for p, s in enumerate(shape, start=1):
+    prod *= s
+    if prod == size:
+      return p
+    if prod > size and size > 0:
+      return None
+  return None
+
+
+def reshaped(layout: WeightLayout, shape: Sequence[int]) -> WeightLayout:
+  """The layout of `w.reshape(shape)` with the same (K, N) matrix as `w` of `layout`.
+
+  Raises:
+    ViewError: the reshape does not keep K and N (the matrix would change).
+  """
+  shape = tuple(int(s) for s in shape)
+  n_axes = len(layout.shape)
+  order = layout.contract + layout.free
+  if math.prod(shape) != math.prod(layout.shape):
+    raise ViewError(f"reshape {layout.shape} -> {shape} changes the number of elements")
+  if order == tuple(range(n_axes)):  # row-major (K, N)
+    p = _prefix_with_product(shape, layout.k)
+    if p is not None and (p < len(shape) or layout.n == 1):
+      return WeightLayout(shape, tuple(range(p)), tuple(range(p, len(shape))))
+  elif layout.free + layout.contract == tuple(range(n_axes)):  # row-major (N, K)
+    p = _prefix_with_product(shape, layout.n)
+    if p is not None and p < len(shape):
+      return WeightLayout(shape, tuple(range(p, len(shape))), tuple(range(p)))
+  raise ViewError(
+    f"reshape {layout.shape} -> {shape} does not keep the Q8_0 matrix (K={layout.k},"
+    f" N={layout.n}: contraction axes {layout.contract}, other axes {layout.free})"
+  )
+
+
+def transposed(layout: WeightLayout, perm: Sequence[int]) -> WeightLayout:
+  """The layout of `jnp.transpose(w, perm)` (view axis i is axis perm[i] of w)."""
+  perm = tuple(int(p) for p in perm)
+  if sorted(perm) != list(range(len(layout.shape))):
+    raise ViewError(f"transpose axes {perm} are not a permutation of {len(layout.shape)} axes")
+  return WeightLayout(
+    tuple(layout.shape[p] for p in perm),
+    tuple(perm.index(a) for a in layout.contract),
+    tuple(perm.index(a) for a in layout.free),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+  """`jnp.transpose(w, perm)` (`w.T` is the reversed axes)."""
+
+  perm: tuple[int, ...]
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    return transposed(layout, self.perm)
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    return transposed(layout, tuple(int(i) for i in np.argsort(self.perm)))
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return jnp.transpose(w, self.perm)
+
+  def __str__(self) -> str:
+    return f"transpose{self.perm}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+  """`w.reshape(shape)`, carried when it keeps K and N (see `reshaped`)."""
+
+  shape: tuple[int, ...]
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    return reshaped(layout, self.shape)
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    return reshaped(layout, base_shape)
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return jnp.reshape(w, self.shape)
+
+  def __str__(self) -> str:
+    return f"reshape{self.shape}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AsType:
+  """`w.astype(dtype)`: the layout is unchanged; values come back in `dtype`."""
+
+  dtype: str
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    return layout
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    return layout
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return w.astype(self.dtype)
+
+  def __str__(self) -> str:
+    return f"astype({self.dtype})"
+
+
+Op = Transpose | Reshape | AsType
+Chain = tuple[Op, ...]
+
+
+def base_layout(
+  view: WeightLayout, chain: Chain, shapes: Sequence[tuple[int, ...]]
+) -> WeightLayout:
+  """The layout of the param that the view `chain(param)` of layout `view` reads the same
+  (K, N) matrix from. `shapes[i]` is the shape the i-th op of the chain was applied to."""
+  layout = view
+  for op, shape in zip(reversed(chain), reversed(tuple(shapes)), strict=True):
+    layout = op.backward(layout, tuple(shape))
+  if shapes and tuple(layout.shape) != tuple(shapes[0]):
+    raise ViewError(f"the ops {describe(chain)} do not lead back to the param's shape")
+  return layout
+
+
+def forward_layout(layout: WeightLayout, chain: Chain) -> WeightLayout:
+  """The layout of `chain(param)` for a param of `layout`."""
+  for op in chain:
+    layout = op.forward(layout)
+  return layout
+
+
+def apply(chain: Chain, w: jax.Array) -> jax.Array:
+  """`chain` applied to the array `w` (what the model computed from its param)."""
+  for op in chain:
+    w = op.array(w)
+  return w
+
+
+def describe(chain: Chain) -> str:
+  return " -> ".join(map(str, chain)) or "(none)"
+
+
+def conform(product: ProductLayout, stored: WeightLayout) -> ProductLayout | None:
+  """`product` rewritten for a weight laid out as `stored`: the same axes contracted in the same
+  order, the other axes flattened into N in `stored`'s order (the output is put back in the
+  op's order). None when `stored` contracts other axes or orders K differently."""
+  have = product.weight
+  if have == stored:
+    return product
+  if (
+    have.shape != stored.shape
+    or have.contract != stored.contract
+    or sorted(have.free) != sorted(stored.free)
+  ):
+    return None
+  n_lhs = len(product.lhs_free)
+  # symbols: ('x', i) for lhs_free[i], ('w', a) for weight axis a
+  before = [("x", i) for i in range(n_lhs)] + [("w", a) for a in have.free]
+  after = [("x", i) for i in range(n_lhs)] + [("w", a) for a in stored.free]
+  out_order = [before[i] for i in product.out_perm]
+  return dataclasses.replace(
+    product, weight=stored, out_perm=tuple(after.index(s) for s in out_order)
+  )
+
+
+def free_order_for(layout: WeightLayout, entries: Sequence[Any]) -> WeightLayout:
+  """`layout` with the split one of its free axes moved first, so that a PartitionSpec
+  (`entries`, one per float axis) splitting it splits a contiguous range of N (Gemma's kv
+  einsum (2, heads, D, H) split on heads). Layouts with no such axis come back as they are."""
+  split = [a for a in layout.free if a < len(entries) and entries[a] is not None]
+  if len(split) != 1:
+    return layout
+  a = split[0]
+  free = (a,) + tuple(b for b in layout.free if b != a)
+  return dataclasses.replace(layout, free=free)
+
+
+__all__ = [
+  "AsType",
+  "Chain",
+  "Op",
+  "Reshape",
+  "Transpose",
+  "ViewError",
+  "apply",
+  "base_layout",
+  "conform",
+  "describe",
+  "forward_layout",
+  "free_order_for",
+  "reshaped",
+  "transposed",
+]
