@@ -44,6 +44,9 @@ CPU_MAX_ROWS = 16
 TARGET = "q8rules_q8_gemv"
 """The FFI target name the kernel is registered under (CPU platform)."""
 
+TARGET_LAYER = "q8rules_q8_gemv_layer"
+"""The FFI target of the product on one layer of stacked weights, read in place."""
+
 SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 """The kernel's C++ source, shipped as package data."""
 
@@ -117,6 +120,7 @@ def _load() -> ctypes.CDLL | None:
         _build(path)
       lib = ctypes.CDLL(str(path))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Q8Gemv), platform="cpu")
+      jax.ffi.register_ffi_target(TARGET_LAYER, jax.ffi.pycapsule(lib.Q8GemvLayer), platform="cpu")
       _state["lib"] = lib
       _state["path"] = path
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -222,6 +226,32 @@ def slower(p: Problem) -> str | None:
   if p.m > CPU_MAX_ROWS:
     return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
   return None
+
+
+def q8_matmul_cpu_layer(
+  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array
+) -> jax.Array:
+  """`x @ (q[layer] * scale[layer])` with the native kernel reading layer `layer` of the stacked
+  arrays in place (no slice is copied).
+
+  Args:
+    x: (M, K) activations (converted to float32, exactly).
+    q: (L, K, N) int8 stacked Q8_0 values, K a multiple of 32.
+    scale: (L, K/32, N) float32 or float16 scales.
+    layer: () int32, in [0, L) (the kernel fails the call, naming the index, otherwise).
+
+  Returns:
+    (M, N) float32, as `q8_matmul_cpu(x, q[layer], scale[layer])`.
+  """
+  m, k = x.shape
+  n = q.shape[2]
+  if not available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  index = jnp.asarray(layer, jnp.int32)
+  return jax.ffi.ffi_call(TARGET_LAYER, out)(x.astype(jnp.float32), q, scale, index)
 
 
 def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):

@@ -35,6 +35,7 @@ from q8rules._qwix import (
   quantize_param,
   unbox,
 )
+from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import (
   ProductLayout,
   Q8How,
@@ -194,8 +195,11 @@ class Q8Provider(RecordingProvider, PtqProvider):
     }
     try:
       layout.check_lhs(tuple(lhs.shape))
-      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard
-      ran = provider_product(lhs, weight, layout, operand=rhs, **options)
+      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
+      # layer's own arrays (a `LayerSlice` is read in place only unsplit; unused, XLA drops
+      # the slice)
+      whole = weight.take() if isinstance(weight, LayerSlice) else weight
+      ran = provider_product(lhs, whole, layout, operand=rhs, **options)
       if ran is None:
         y2d, path = kernels.run_product(
           layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
@@ -226,7 +230,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     op_id: str,
     rhs: Any,
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
-  ) -> tuple[Q8How, Q8Array, ProductLayout] | None:
+  ) -> tuple[Q8How, Q8Array | LayerSlice, ProductLayout] | None:
     """The Q8 weight a product runs on: `rhs` itself when it is one (its layout checked against
     the product's), else the matched float weight `rhs` quantized (the param swapped for its Q8
     form); None when the op stays float."""
@@ -249,9 +253,9 @@ class Q8Provider(RecordingProvider, PtqProvider):
     else:
       return None
     k_pad, n = layout.weight.k_padded, layout.weight.n
-    if tuple(weight.q.shape) != (k_pad, n):
+    if tuple(weight.shape) != (k_pad, n):
       raise ValueError(
-        f"{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight"
+        f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
         f" layout ({k_pad}, {n})"
       )
     return how, weight, layout

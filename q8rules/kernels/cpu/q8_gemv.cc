@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -573,11 +574,12 @@ int64_t Threads(const Problem& p, int64_t pool_threads) {
   return std::max<int64_t>(t, 1);
 }
 
-ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+// The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
+// of q's and scale's) and first elements; y (M, N).
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
+               const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
+               const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   const auto xd = x.dimensions();
-  const auto qd = q.dimensions();
-  const auto sd = scale.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("q8_gemv: x, q, scale and y must be 2-D");
@@ -592,16 +594,16 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "q8_gemv: expected x (M, K), q (K, N), scale (K/32, N), y (M, N), K a multiple of 32");
   }
-  if (scale.element_type() == ffi::DataType::F32) {
+  if (scale_type == ffi::DataType::F32) {
     p.scale_f16 = false;
-  } else if (scale.element_type() == ffi::DataType::F16) {
+  } else if (scale_type == ffi::DataType::F16) {
     p.scale_f16 = true;
   } else {
     return ffi::Error::InvalidArgument("q8_gemv: scale must be float32 or float16");
   }
   p.x = x.typed_data();
-  p.q = q.typed_data();
-  p.scale = scale.untyped_data();
+  p.q = q;
+  p.scale = scale;
   p.y = y->typed_data();
   if (!SelectIsa(&p.isa)) {
     return ffi::Error::InvalidArgument(
@@ -646,6 +648,36 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+
+ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, q.dimensions(), q.typed_data(), scale.dimensions(), scale.element_type(),
+             scale.untyped_data(), y);
+}
+
+// Layer `layer` of stacked q (L, K, N) and scale (L, K/32, N), read in place (no slice copied).
+ffi::Error Q8GemvLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                           ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions();
+  const auto sd = scale.dimensions();
+  if (qd.size() != 3 || sd.size() != 3 || sd[0] != qd[0] || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv_layer: expected q (L, K, N), scale (L, K/32, N) and one int32 layer index");
+  }
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= qd[0]) {
+    return ffi::Error::InvalidArgument("q8_gemv_layer: layer index " + std::to_string(i) +
+                                       " outside [0, " + std::to_string(qd[0]) + ")");
+  }
+  const int64_t q_layer = qd[1] * qd[2];
+  const int64_t s_layer = sd[1] * sd[2];
+  const int64_t s_bytes = scale.element_type() == ffi::DataType::F16 ? 2 : 4;
+  const auto* s = static_cast<const char*>(scale.untyped_data()) + i * s_layer * s_bytes;
+  return Run(pool, x, qd.last(2), q.typed_data() + i * q_layer, sd.last(2),
+             scale.element_type(), s, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
@@ -654,6 +686,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
                                   .Arg<ffi::Buffer<ffi::S8>>()   // q (K, N)
                                   .Arg<ffi::AnyBuffer>()         // scale (K/32, N) f32 / f16
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvLayer, Q8GemvLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q (L, K, N)
+                                  .Arg<ffi::AnyBuffer>()         // scale (L, K/32, N) f32 / f16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer () int32
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
 );
 
