@@ -11,9 +11,10 @@ intercepted op is recorded for `report()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
@@ -44,7 +45,7 @@ from q8rules.layout import (
 from q8rules.providers import lookup
 from q8rules.providers._common import Product, RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
-from q8rules.q8_0 import Q8Array, checked_finite, quantize
+from q8rules.q8_0 import BLOCK, Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing, path_str
 
@@ -79,6 +80,19 @@ def _quantize_in_module(value: jax.Array, how: Q8How) -> Q8Array:
   return quantize_weight(value, how, name=current_module_path() or "(top module)")
 
 
+def _shapes_only(value: jax.Array, how: Q8How) -> Q8Array:
+  """What `_quantize_in_module` returns, in shapes and dtypes only (zeros; nothing traced but
+  two fills): q (K_padded, N) int8, scale (K_padded/32, N) of how.scale_dtype."""
+  del value
+  k, n = how.layout.k_padded, how.layout.n
+  return Q8Array(
+    jnp.zeros((k, n), jnp.int8),
+    jnp.zeros((k // BLOCK, n), how.scale_dtype),
+    axis=0,
+    dtype=np.dtype(how.dtype),
+  )
+
+
 class Q8Provider(RecordingProvider, PtqProvider):
   """Serve weights of ops matched by `Q8Rule`s as Q8_0.
 
@@ -101,6 +115,19 @@ class Q8Provider(RecordingProvider, PtqProvider):
 
   PLUMBING = PLUMBING_INTERCEPTIONS
   """Qwix interceptions that are not products: kept as `qwix.PtqProvider` has them."""
+
+  _quantize: Callable[[jax.Array, Q8How], Q8Array] = staticmethod(_quantize_in_module)
+
+  @contextlib.contextmanager
+  def shapes_only(self) -> Iterator[None]:
+    """Within it, an `init` makes each Q8 param as zeros of the right shapes and dtypes instead
+    of quantizing the float init: for `jax.eval_shape(model.init, ...)` (the param tree's
+    shapes), which then does not trace the Q8_0 quantizer once per weight."""
+    self._quantize = _shapes_only
+    try:
+      yield
+    finally:
+      del self._quantize
 
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
     """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
@@ -159,7 +186,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     ):
       name, layout = matched
       how = Q8How(layout, np.dtype(rule.scale_dtype).name, np.dtype(a.dtype).name)
-      weight = quantize_param(name, a, how, _quantize_in_module).array
+      weight = quantize_param(name, a, how, self._quantize).array
     else:
       return jnp.take(a, indices, axis=axis, **kwargs)
     scale_size, float_size = np.dtype(weight.scale.dtype).itemsize, np.dtype(how.dtype).itemsize
@@ -249,7 +276,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     elif matched := self._match_float_weight(rule, op_id, rhs, make_layout):  # a float weight
       name, layout = matched
       how = Q8How(layout.weight, np.dtype(rule.scale_dtype).name, np.dtype(rhs.dtype).name)
-      weight = quantize_param(name, rhs, how, _quantize_in_module).array
+      weight = quantize_param(name, rhs, how, self._quantize).array
     else:
       return None
     k_pad, n = layout.weight.k_padded, layout.weight.n
