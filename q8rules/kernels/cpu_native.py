@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.problem import Problem
@@ -172,6 +173,38 @@ def force_scalar(force: bool) -> None:
   if lib is None:
     raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
   lib.Q8GemvForceScalar(int(force))
+
+
+def repack_q8_transposed(blocks: np.ndarray, out: np.ndarray) -> bool:
+  """Write the int8 values of GGUF Q8_0 rows into `out` transposed, read straight from the
+  file's blocks; False (nothing written) when the native library is unavailable here.
+
+  Args:
+    blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a float16 scale and
+      32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF stores them.
+    out: (batch, K, rows) int8, C-contiguous (the (K, N) kernel layout).
+  """
+  lib = _load()
+  if lib is None:
+    return False
+  batch, k, rows = out.shape
+  nb = k // 32
+  if (
+    blocks.dtype != np.uint8
+    or out.dtype != np.int8
+    or not (blocks.flags.c_contiguous and out.flags.c_contiguous)
+    or k % 32
+    or blocks.size != batch * rows * nb * 34
+  ):
+    raise ValueError(
+      f"repack_q8_transposed: expected {batch * rows * nb * 34} C-contiguous uint8 bytes for"
+      f" an int8 out {out.shape}, got {blocks.size} {blocks.dtype} and {out.dtype}"
+    )
+  ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+  lib.Q8RepackTransposed(
+    ptr(blocks.ctypes.data), ptr(out.ctypes.data), i64(batch), i64(rows), i64(nb)
+  )
+  return True
 
 
 def _ffi_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

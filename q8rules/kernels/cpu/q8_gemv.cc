@@ -699,6 +699,77 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvLayer, Q8GemvLayerImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
 );
 
+namespace {
+
+// The 16 x 16 int8 block at s (row stride ls) transposed into d (row stride ld): four rounds of
+// SSE2 unpacks (baseline on x86-64); the column a result register holds is its index with the
+// four bits reversed. Elsewhere, element by element.
+void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
+#if Q8_X86
+  static constexpr int kColumn[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  __m128i x[16], t[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ls));
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      x[4 * i + j] = _mm_unpacklo_epi16(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j + 2] = _mm_unpackhi_epi16(t[4 * i + j], t[4 * i + j + 2]);
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm_unpacklo_epi32(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j + 4] = _mm_unpackhi_epi32(x[8 * i + j], x[8 * i + j + 4]);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    x[j] = _mm_unpacklo_epi64(t[j], t[j + 8]);
+    x[j + 8] = _mm_unpackhi_epi64(t[j], t[j + 8]);
+  }
+  for (int k = 0; k < 16; ++k) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + kColumn[k] * ld), x[k]);
+  }
+#else
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) d[c * ld + r] = s[r * ls + c];
+  }
+#endif
+}
+
+}  // namespace
+
+// The int8 values of Q8_0 rows, transposed: `blocks` holds batch x rows rows of nb 34-byte
+// blocks (a float16 scale, then 32 int8 values) as a GGUF file stores an (N, K) tensor; dst
+// gets (batch, K = nb * 32, rows). Read straight from the file's blocks, in 16 x 16 tiles (the
+// edges element by element): the GGUF loader's one copy of the values.
+extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t batch,
+                                   int64_t rows, int64_t nb) {
+  constexpr int64_t kBlockBytes = 34;
+  const int64_t k = nb * kBlock, row_bytes = nb * kBlockBytes;
+  // the 16 values from K index c on of row r (c a multiple of 16: inside one block)
+  auto at = [&](const uint8_t* s, int64_t r, int64_t c) {
+    return reinterpret_cast<const int8_t*>(s + r * row_bytes + (c / kBlock) * kBlockBytes + 2 +
+                                           c % kBlock);
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint8_t* s = blocks + b * rows * row_bytes;
+    int8_t* d = dst + b * rows * k;
+    const int64_t r16 = rows / 16 * 16;
+    for (int64_t r = 0; r < r16; r += 16) {
+      for (int64_t c = 0; c < k; c += 16) Transpose16(at(s, r, c), row_bytes, d + c * rows + r, rows);
+    }
+    for (int64_t r = r16; r < rows; ++r) {
+      for (int64_t c = 0; c < k; c += 16) {
+        const int8_t* v = at(s, r, c);
+        for (int64_t i = 0; i < 16; ++i) d[(c + i) * rows + r] = v[i];
+      }
+    }
+  }
+}
+
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
 extern "C" int Q8GemvHasAvx2() {
   Isa isa;
