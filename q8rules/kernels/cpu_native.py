@@ -254,8 +254,23 @@ def cannot(p: Problem) -> str | None:
   return None
 
 
+CPU_SMALL_WEIGHT = 1 << 20
+"""Weights of at most this many values (K * N) run the native kernel up to `CPU_MAX_ROWS_SMALL`
+rows: at such sizes XLA's per-call costs outweigh its GEMM (SmolLM-135M's 576-wide layers
+prefill 1.8x faster with the kernel; benchmarks/RESULTS.md, issue 21)."""
+
+CPU_MAX_ROWS_SMALL = 128
+"""The most activation rows the native kernel takes for a weight of <= `CPU_SMALL_WEIGHT`
+values."""
+
+
 def slower(p: Problem) -> str | None:
-  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows."""
+  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows (more than
+  `CPU_MAX_ROWS_SMALL` for a weight of at most `CPU_SMALL_WEIGHT` values)."""
+  if p.k * p.n <= CPU_SMALL_WEIGHT:
+    if p.m > CPU_MAX_ROWS_SMALL:
+      return f"m={p.m} > {CPU_MAX_ROWS_SMALL} rows (XLA's GEMM is faster there)"
+    return None
   if p.m > CPU_MAX_ROWS:
     return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
   return None
