@@ -1,6 +1,6 @@
-"""`unrolled(m)`: a loaded GGUF model with its layers unrolled (no `nn.scan`), for CPU decode.
+"""`unrolled(m)`: a loaded GGUF model with its layers unrolled (no `nn.scan`).
 
-Under `nn.scan` each decode step slices layer i's weights out of the stacked (L, K, N)
+Under `nn.scan`'s own slicing each decode step slices layer i's weights out of the stacked (L, K, N)
 arrays. XLA fuses such a slice into an elementwise consumer, but not into the native Q8
 kernel's custom call, so every step first copies every layer's int8 values and scales
 (the whole model) and then reads the copy: on the 8-layer dim-2048 file that made decode
@@ -12,8 +12,9 @@ The cost: tracing and compiling the unrolled model takes about L times one layer
 processes, not the tracing), and the weights are split once (one copy, the stacked arrays
 are dropped). Logits agree with the scanned model's to float32 rounding (XLA fuses the two
 programs differently), not bit for bit. The scanned model now reads its stacked weights in
-place too (`TransformerConfig.scan_in_place`, `q8rules.kernels.layer`); benchmarks/RESULTS.md
-(section `unrolled`) compares the two.
+place too (`TransformerConfig.scan_in_place`, `q8rules.kernels.layer`), and since then
+unrolling no longer speeds decode up (0.96x on the 8-layer file; benchmarks/RESULTS.md,
+section `unrolled`): this stays for comparison and for programs that need per-layer params.
 """
 
 from __future__ import annotations
