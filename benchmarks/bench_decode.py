@@ -15,7 +15,8 @@ Each measurement runs in a fresh interpreter, both sides with the same CPUs: 1 t
 2 threads the two CPUs. Rounds interleave q8rules and llama.cpp; medians are reported.
 
 q8rules, per run: load (split into metadata, tracing the param shapes, reading / copying
-the file's blocks, XLA transposes, the rest), then with a warm compilation cache the first
+the file's blocks (with the transposes: the native library's, or XLA's where it is
+unavailable), XLA transposes on their own, the rest), then with a warm compilation cache the first
 token (from the start of the load), decode tokens/s with the device loop
 (`q8rules.llm.generate`, 64 tokens after the first) and with the old host loop (one jitted
 call per token, argmax in eager JAX: the lever), and 128-token prefill. A second run per
@@ -65,6 +66,8 @@ mode = sys.argv[2]
 if mode == "noop":  # every native-kernel Q8 product a no-op that still depends on x
   from q8rules.kernels import cpu_native
   cpu_native._product_diff = lambda x, q, s: jnp.broadcast_to(x[:, :1], (x.shape[0], q.shape[1]))
+  cpu_native.q8_matmul_cpu_layer = lambda x, q, s, i: jnp.broadcast_to(
+    x[:, :1].astype(jnp.float32), (x.shape[0], q.shape[2]))  # the scanned layers' products
 import q8rules
 from q8rules.llm import compile_cache, load as load_mod
 from q8rules.checkpoint.gguf import read as read_mod
@@ -82,7 +85,7 @@ def timed(mod, name, key):
 timed(load_mod, "open_gguf", "metadata")
 timed(load_mod, "_abstract_params", "trace_shapes")
 timed(assign_mod, "assign", "assign")
-timed(read_mod, "_repack_q8", "repack")
+timed(read_mod, "_repack_q8_layers", "repack")
 timed(read_mod, "_transpose_last_two", "transpose")
 import_s = time.perf_counter() - T0
 prompt = json.loads(sys.argv[3])
@@ -200,7 +203,9 @@ def theirs(py: str, path: Path, threads: int) -> dict:
 
 
 def med(runs: list[dict], key: str) -> float:
-  return statistics.median(r[key] for r in runs)
+  """The median of `key` over runs (0 where a run has no such timer: e.g. no XLA transpose
+  ran, the native library repacking the values)."""
+  return statistics.median(r.get(key, 0.0) for r in runs)
 
 
 def main() -> None:

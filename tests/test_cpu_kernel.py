@@ -145,6 +145,11 @@ def test_resolve_on_cpu():
   assert resolve(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == "cpu"
   assert resolve(CPU_MAX_ROWS + 1, 4096, 4096, backend="cpu") == "xla"
   assert resolve(64, 4096, 4096, backend="cpu") == "xla"
+  # small weights (<= CPU_SMALL_WEIGHT values) take the kernel up to CPU_MAX_ROWS_SMALL rows
+  small = cpu_native.CPU_SMALL_WEIGHT // 1536
+  assert resolve(cpu_native.CPU_MAX_ROWS_SMALL, small, 1536, backend="cpu") == "cpu"
+  assert resolve(cpu_native.CPU_MAX_ROWS_SMALL + 1, small, 1536, backend="cpu") == "xla"
+  assert resolve(CPU_MAX_ROWS + 1, small + 32, 1536, backend="cpu") == "xla"
   assert resolve(64, 4096, 4096, backend="cpu", implementation="cpu") == "cpu"  # forced: any m
   if jax.default_backend() == "cpu":
     assert resolve(2, 4096, 4096) == "cpu"

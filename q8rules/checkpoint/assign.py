@@ -88,8 +88,8 @@ def _place(value: np.ndarray, leaf: Any) -> Any:
   if isinstance(leaf, np.ndarray):
     return value
   sharding = _sharding(leaf)
-  if sharding is None:
-    return jnp.asarray(value)
+  if sharding is None:  # a transfer (jnp.asarray would compile a conversion per new shape)
+    return jax.device_put(value)
   if sharding.is_fully_addressable:
     return jax.device_put(value, sharding)
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

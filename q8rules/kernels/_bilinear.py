@@ -4,6 +4,10 @@
 (an FFI kernel, a primitive lowered per platform) gets its tangents from the XLA path, which
 is transposable, and its vmap rule from the rows: a batch of x folds into them (one read of
 the weight for the batch), a batched weight runs once per element.
+
+The same rules serve a product on one layer of stacked weights (`q8rules.kernels.layer`):
+extra operands after `scale` (the layer index) pass through, and `select` picks the (K, N)
+weight the XLA tangents read.
 """
 
 from __future__ import annotations
@@ -15,45 +19,54 @@ import jax.numpy as jnp
 
 from q8rules.kernels.xla_chunked import q8_matmul_xla
 
-Product = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-"""(x2d (m, K), q (K, N) int8, scale (K/32, N)) -> (m, N) float32."""
+Product = Callable[..., jax.Array]
+"""(x2d (m, K), q (K, N) int8, scale (K/32, N), *rest) -> (m, N) float32."""
+
+Select = Callable[..., tuple[jax.Array, jax.Array]]
+"""(q, scale, *rest) -> the (K, N) values and (K/32, N) scales the product reads."""
 
 
-def bilinear_product(raw: Product) -> Product:
-  """`raw` with a vmap rule (batched x folds into the rows) and a jvp through the XLA path."""
+def _whole(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return q, scale
+
+
+def bilinear_product(raw: Product, select: Select = _whole) -> Product:
+  """`raw` with a vmap rule (batched x folds into the rows) and a jvp through the XLA path
+  (on `select(q, scale, *rest)`, the weight `raw` reads)."""
 
   @jax.custom_batching.custom_vmap
-  def product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    return raw(x, q, scale)
+  def product(x: jax.Array, q: jax.Array, scale: jax.Array, *rest: jax.Array) -> jax.Array:
+    return raw(x, q, scale, *rest)
 
   @product.def_vmap
-  def product_vmap(axis_size, in_batched, x, q, scale):
-    x_batched, q_batched, scale_batched = in_batched
-    if not (q_batched or scale_batched):
+  def product_vmap(axis_size, in_batched, x, q, scale, *rest):
+    x_batched, *weight_batched = in_batched
+    if not any(weight_batched):
+      n = select(q, scale, *rest)[0].shape[1]
       if not x_batched:
-        return product(x, q, scale), False
+        return product(x, q, scale, *rest), False
       b, m, k = x.shape
-      return product(x.reshape(b * m, k), q, scale).reshape(b, m, q.shape[1]), True
+      return product(x.reshape(b * m, k), q, scale, *rest).reshape(b, m, n), True
 
     def batched(a: jax.Array, is_batched: bool) -> jax.Array:
       return a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
 
-    args = (batched(x, x_batched), batched(q, q_batched), batched(scale, scale_batched))
+    args = tuple(batched(a, bt) for a, bt in zip((x, q, scale, *rest), in_batched, strict=True))
     return jax.lax.map(lambda a: product(*a), args), True
 
   @jax.custom_jvp
-  def differentiable(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    return product(x, q, scale)
+  def differentiable(x: jax.Array, q: jax.Array, scale: jax.Array, *rest: jax.Array) -> jax.Array:
+    return product(x, q, scale, *rest)
 
   def jvp(primals, tangents):
-    x, q, scale = primals
-    dx, _, dscale = tangents
-    y = differentiable(x, q, scale)
+    x, q, scale, *rest = primals
+    dx, _, dscale, *_ = tangents
+    y = differentiable(*primals)
     dy = jnp.zeros_like(y)
     if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-      dy = dy + q8_matmul_xla(dx, q, scale)
+      dy = dy + q8_matmul_xla(dx, *select(q, scale, *rest))
     if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
-      dy = dy + q8_matmul_xla(x, q, dscale)
+      dy = dy + q8_matmul_xla(x, select(q, scale, *rest)[0], select(q, dscale, *rest)[1])
     return y, dy
 
   differentiable.defjvp(jvp, symbolic_zeros=True)

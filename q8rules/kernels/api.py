@@ -25,6 +25,7 @@ from jax.interpreters import mlir
 from q8rules.kernels import cpu_native, fold, reference, xla_chunked, xla_dequant
 from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.cpu_native import CPU_MAX_ROWS
+from q8rules.kernels.layer import LayerSlice, check_stacked
 from q8rules.kernels.problem import (
   ACTIVATION_DTYPES,
   PLATFORM_OF,
@@ -193,9 +194,59 @@ for _lp in _LOWERING_PLATFORMS:
   )
 
 
+def _run_layer_on(platform: str, x2d, q, scale, layer, *, implementation, interpret) -> jax.Array:
+  """The product on layer `layer` of stacked q (L, K, N), scale (L, K/32, N) as `platform` runs
+  it: the native CPU kernel reads the layer in place; every other implementation gets the
+  layer sliced out first (`LayerSlice.take`)."""
+  m, k = x2d.shape
+  name = resolve(m, k, q.shape[2], x2d.dtype, platform, implementation)
+  if name == cpu_native.NAME:
+    return cpu_native.q8_matmul_cpu_layer(x2d, q, scale, layer)
+  w = LayerSlice(Q8Array(q, scale), layer).take()
+  return REGISTRY[name].run(x2d, w.q, w.scale, platform, interpret)
+
+
+q8_layer_product_p = Primitive("q8_layer_product")
+"""x2d (m, K), q (L, K, N) int8, scale (L, K/32, N), layer () int32 -> (m, N) float32: the
+product on one layer of stacked weights, lowered per platform like `q8_product_p`."""
+
+
+@q8_layer_product_p.def_abstract_eval
+def _layer_abstract_eval(x2d, q, scale, layer, **params):
+  del scale, layer, params
+  return jax.core.ShapedArray((x2d.shape[0], q.shape[2]), jnp.float32)
+
+
+@q8_layer_product_p.def_impl
+def _layer_impl(x2d, q, scale, layer, **params):
+  return _run_layer_on(platform_of(), x2d, q, scale, layer, **params)
+
+
+for _lp in _LOWERING_PLATFORMS:
+  mlir.register_lowering(
+    q8_layer_product_p,
+    mlir.lower_fun(functools.partial(_run_layer_on, PLATFORM_OF[_lp]), multiple_results=False),
+    platform=_lp,
+  )
+
+
+def _select_layer(q: jax.Array, scale: jax.Array, layer: jax.Array):
+  w = LayerSlice(Q8Array(q, scale), layer).take()
+  return w.q, w.scale
+
+
 @functools.cache
-def _product(implementation: ImplementationArg, interpret: bool | None):
+def _product(implementation: ImplementationArg, interpret: bool | None, stacked: bool = False):
   """The product for one (implementation, interpret): the primitive with its vmap and jvp."""
+
+  if stacked:
+
+    def bind_layer(x2d, q, scale, layer):
+      return q8_layer_product_p.bind(
+        x2d, q, scale, layer, implementation=implementation, interpret=interpret
+      )
+
+    return bilinear_product(bind_layer, _select_layer)
 
   def bind(x2d, q, scale):
     return q8_product_p.bind(x2d, q, scale, implementation=implementation, interpret=interpret)
@@ -205,7 +256,7 @@ def _product(implementation: ImplementationArg, interpret: bool | None):
 
 def run_product(
   x: jax.Array,
-  w: Q8Array,
+  w: Q8Array | LayerSlice,
   *,
   implementation: ImplementationArg = None,
   interpret: bool | None = None,
@@ -215,8 +266,14 @@ def run_product(
 
   The name is what `resolve` picks at trace time (the one choice callers such as
   the report should show); lowering for another platform picks that platform's own.
+  `w` may be a `LayerSlice` (one layer of stacked weights, read in place where the chosen
+  implementation can: `q8rules.kernels.layer`).
   """
-  check_operands(x, w)
+  if isinstance(w, LayerSlice):
+    check_stacked(w)
+    check_operands(x, w.spec())
+  else:
+    check_operands(x, w)
   k, n = w.shape
   x2d = x.reshape(-1, k)
   chosen = resolve(x2d.shape[0], k, n, x.dtype, None, implementation)
@@ -227,6 +284,8 @@ def run_product(
   )
   if x2d.shape[0] == 0 or n == 0:
     y = jnp.zeros((x2d.shape[0], n), jnp.float32)
+  elif isinstance(w, LayerSlice):
+    y = _product(impl, interpret, True)(x2d, w.stacked.q, w.stacked.scale, w.layer)
   else:
     y = _product(impl, interpret)(x2d, w.q, w.scale)
   return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype), chosen
@@ -268,10 +327,12 @@ __all__ = [
   "REGISTRY",
   "Implementation",
   "ImplementationArg",
+  "LayerSlice",
   "Problem",
   "check_implementation",
   "check_operands",
   "platform_of",
+  "q8_layer_product_p",
   "q8_matmul",
   "q8_product_p",
   "resolve",

@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.problem import Problem
@@ -43,6 +44,9 @@ CPU_MAX_ROWS = 16
 
 TARGET = "q8rules_q8_gemv"
 """The FFI target name the kernel is registered under (CPU platform)."""
+
+TARGET_LAYER = "q8rules_q8_gemv_layer"
+"""The FFI target of the product on one layer of stacked weights, read in place."""
 
 SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 """The kernel's C++ source, shipped as package data."""
@@ -117,6 +121,7 @@ def _load() -> ctypes.CDLL | None:
         _build(path)
       lib = ctypes.CDLL(str(path))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Q8Gemv), platform="cpu")
+      jax.ffi.register_ffi_target(TARGET_LAYER, jax.ffi.pycapsule(lib.Q8GemvLayer), platform="cpu")
       _state["lib"] = lib
       _state["path"] = path
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -170,6 +175,38 @@ def force_scalar(force: bool) -> None:
   lib.Q8GemvForceScalar(int(force))
 
 
+def repack_q8_transposed(blocks: np.ndarray, out: np.ndarray) -> bool:
+  """Write the int8 values of GGUF Q8_0 rows into `out` transposed, read straight from the
+  file's blocks; False (nothing written) when the native library is unavailable here.
+
+  Args:
+    blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a float16 scale and
+      32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF stores them.
+    out: (batch, K, rows) int8, C-contiguous (the (K, N) kernel layout).
+  """
+  lib = _load()
+  if lib is None:
+    return False
+  batch, k, rows = out.shape
+  nb = k // 32
+  if (
+    blocks.dtype != np.uint8
+    or out.dtype != np.int8
+    or not (blocks.flags.c_contiguous and out.flags.c_contiguous)
+    or k % 32
+    or blocks.size != batch * rows * nb * 34
+  ):
+    raise ValueError(
+      f"repack_q8_transposed: expected {batch * rows * nb * 34} C-contiguous uint8 bytes for"
+      f" an int8 out {out.shape}, got {blocks.size} {blocks.dtype} and {out.dtype}"
+    )
+  ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+  lib.Q8RepackTransposed(
+    ptr(blocks.ctypes.data), ptr(out.ctypes.data), i64(batch), i64(rows), i64(nb)
+  )
+  return True
+
+
 def _ffi_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """One kernel call: x (M, K) float32, q (K, N) int8, scale (K/32, N) -> (M, N) float32."""
   m = x.shape[0]
@@ -217,11 +254,52 @@ def cannot(p: Problem) -> str | None:
   return None
 
 
+CPU_SMALL_WEIGHT = 1 << 20
+"""Weights of at most this many values (K * N) run the native kernel up to `CPU_MAX_ROWS_SMALL`
+rows: at such sizes XLA's per-call costs outweigh its GEMM (SmolLM-135M's 576-wide layers
+prefill 1.8x faster with the kernel; benchmarks/RESULTS.md, issue 21)."""
+
+CPU_MAX_ROWS_SMALL = 128
+"""The most activation rows the native kernel takes for a weight of <= `CPU_SMALL_WEIGHT`
+values."""
+
+
 def slower(p: Problem) -> str | None:
-  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows."""
+  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows (more than
+  `CPU_MAX_ROWS_SMALL` for a weight of at most `CPU_SMALL_WEIGHT` values)."""
+  if p.k * p.n <= CPU_SMALL_WEIGHT:
+    if p.m > CPU_MAX_ROWS_SMALL:
+      return f"m={p.m} > {CPU_MAX_ROWS_SMALL} rows (XLA's GEMM is faster there)"
+    return None
   if p.m > CPU_MAX_ROWS:
     return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
   return None
+
+
+def q8_matmul_cpu_layer(
+  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array
+) -> jax.Array:
+  """`x @ (q[layer] * scale[layer])` with the native kernel reading layer `layer` of the stacked
+  arrays in place (no slice is copied).
+
+  Args:
+    x: (M, K) activations (converted to float32, exactly).
+    q: (L, K, N) int8 stacked Q8_0 values, K a multiple of 32.
+    scale: (L, K/32, N) float32 or float16 scales.
+    layer: () int32, in [0, L) (the kernel fails the call, naming the index, otherwise).
+
+  Returns:
+    (M, N) float32, as `q8_matmul_cpu(x, q[layer], scale[layer])`.
+  """
+  m, k = x.shape
+  n = q.shape[2]
+  if not available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  index = jnp.asarray(layer, jnp.int32)
+  return jax.ffi.ffi_call(TARGET_LAYER, out)(x.astype(jnp.float32), q, scale, index)
 
 
 def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):

@@ -13,6 +13,7 @@ one layer is traced. A file that mixes types across layers runs unrolled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -49,12 +50,19 @@ def uniform_across_layers(ckpt: Any, slots: Mapping[str, TensorSlot]) -> bool:
 
 
 def _abstract_params(
-  model: nn.Module, config: TransformerConfig, tensors: StackedTensors, names: dict[str, Any]
+  model: nn.Module,
+  provider: Q8Provider | None,
+  config: TransformerConfig,
+  tensors: StackedTensors,
+  names: dict[str, Any],
 ) -> Any:
-  """The param tree's shapes (`jax.eval_shape` of init: nothing allocated), each float leaf in
-  its file dtype."""
+  """The param tree's shapes (`jax.eval_shape` of init: nothing allocated; the provider makes
+  Q8 params of the right shapes without tracing its quantizer), each float leaf in its file
+  dtype."""
   ids = jnp.zeros((1, 1), jnp.int32)
-  params = jax.eval_shape(model.init, jax.random.key(0), ids, init_cache(config, 1), 0)["params"]
+  with provider.shapes_only() if provider is not None else contextlib.nullcontext():
+    params = jax.eval_shape(model.init, jax.random.key(0), ids, init_cache(config, 1), 0)
+  params = params["params"]
   by_path = {path: name for name, path in names.items()}
 
   def file_dtype(path: tuple[Any, ...], leaf: Any) -> Any:
@@ -181,11 +189,12 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
     )
   q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
   model: nn.Module = Transformer(config)
-  if q8_paths:
-    model = qwix.quantize_model(model, Q8Provider([q8_rule(q8_paths)]))
+  provider = Q8Provider([q8_rule(q8_paths)]) if q8_paths else None
+  if provider is not None:
+    model = qwix.quantize_model(model, provider)
   tensors = StackedTensors(ckpt, slots)
   names = tensors.name_map(slots)
-  abstract = _abstract_params(model, config, tensors, names)
+  abstract = _abstract_params(model, provider, config, tensors, names)
   if mesh is not None:
     check_mesh(mesh, config, ckpt.path, shapes)  # llm/distributed.py: names the tensor
     abstract = _place_on_mesh(abstract, mesh, config)

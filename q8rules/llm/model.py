@@ -86,8 +86,8 @@ class GGUFModel:
     self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # issue 21: decode on device
 
   def unrolled(self) -> GGUFModel:
-    """This model with its layers unrolled (no nn.scan): faster CPU decode on large layers,
-    slower to trace and compile (`q8rules.llm.unstack`)."""
+    """This model with its layers unrolled (no nn.scan): slower to trace and compile, and no
+    faster since the scan reads its weights in place (`q8rules.llm.unstack`)."""
     from q8rules.llm.unstack import unrolled
 
     return unrolled(self)

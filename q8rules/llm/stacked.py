@@ -79,6 +79,12 @@ class StackedTensors(Mapping[str, Any]):
       value = self._ckpt[name]
       self._ckpt.release(name)
       return value
+    get_stacked = getattr(self._ckpt, "get_stacked", None)  # one pass into the stacked arrays
+    value = get_stacked(members) if get_stacked is not None else None
+    if value is not None:
+      for n in members:
+        self._ckpt.release(n)
+      return value
     parts = []
     for n in members:
       parts.append(self._ckpt[n])

@@ -1,6 +1,6 @@
-"""`unrolled(m)`: a loaded GGUF model with its layers unrolled (no `nn.scan`), for CPU decode.
+"""`unrolled(m)`: a loaded GGUF model with its layers unrolled (no `nn.scan`).
 
-Under `nn.scan` each decode step slices layer i's weights out of the stacked (L, K, N)
+Under `nn.scan`'s own slicing each decode step slices layer i's weights out of the stacked (L, K, N)
 arrays. XLA fuses such a slice into an elementwise consumer, but not into the native Q8
 kernel's custom call, so every step first copies every layer's int8 values and scales
 (the whole model) and then reads the copy: on the 8-layer dim-2048 file that made decode
@@ -11,8 +11,10 @@ The cost: tracing and compiling the unrolled model takes about L times one layer
 (the persistent compilation cache, `compile_cache`, keeps the compiled part across
 processes, not the tracing), and the weights are split once (one copy, the stacked arrays
 are dropped). Logits agree with the scanned model's to float32 rounding (XLA fuses the two
-programs differently), not bit for bit. The lasting fix is a kernel that takes the stacked
-weights and the layer index and reads the slice in place.
+programs differently), not bit for bit. The scanned model now reads its stacked weights in
+place too (`TransformerConfig.scan_in_place`, `q8rules.kernels.layer`), and since then
+unrolling no longer speeds decode up (0.96x on the 8-layer file; benchmarks/RESULTS.md,
+section `unrolled`): this stays for comparison and for programs that need per-layer params.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import jax
 import qwix
 
+from q8rules._qwix import is_with_aux
 from q8rules.llm.tensors import q8_rule
 from q8rules.models.transformer import Transformer
 from q8rules.providers import Q8Provider
@@ -44,6 +47,24 @@ def _layer(stacked: Any, i: int) -> Any:
   return jax.tree.map(take, stacked, is_leaf=_is_q8)
 
 
+def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
+  """`m` (a GGUFModel) with `config` and `params` (default: m's), its model quantized by a rule
+  matching the modules whose params are Q8Arrays."""
+  params = m.params if params is None else params
+  paths: list[tuple[str, ...]] = []
+
+  def visit(path: Any, leaf: Any) -> None:  # the param's path (a WithAux's, not its array's)
+    if isinstance(leaf, Q8Array) or is_with_aux(leaf):
+      paths.append(tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path))
+
+  is_param = lambda x: _is_q8(x) or is_with_aux(x)  # noqa: E731
+  jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_param)
+  model: Any = Transformer(config)
+  if paths:
+    model = qwix.quantize_model(model, Q8Provider([q8_rule(paths)]))
+  return dataclasses.replace(m, config=config, model=model, params=params)  # a GGUFModel
+
+
 def unrolled(m: Any) -> Any:
   """`m` with `scan_layers=False`: the same weights as per-layer arrays (`layers_0`, ...), the
   model quantized by a rule matching the same modules. `m` itself is returned when its layers
@@ -55,17 +76,7 @@ def unrolled(m: Any) -> Any:
   stacked = params.pop("layers")
   for i in range(config.layers):
     params[f"layers_{i}"] = _layer(stacked, i)
-  paths: list[tuple[str, ...]] = []
-
-  def visit(path: Any, leaf: Any) -> None:
-    if isinstance(leaf, Q8Array):
-      paths.append(tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path))
-
-  jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_q8)
-  model: Any = Transformer(config)
-  if paths:
-    model = qwix.quantize_model(model, Q8Provider([q8_rule(paths)]))
-  return dataclasses.replace(m, config=config, model=model, params=params)  # a GGUFModel
+  return rebuilt(m, config, params)
 
 
-__all__ = ["unrolled"]
+__all__ = ["rebuilt", "unrolled"]

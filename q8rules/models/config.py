@@ -70,6 +70,10 @@ class TransformerConfig:
     rope_factor_local: positions are divided by it on local layers.
     scan_layers: run the blocks under `nn.scan` (params stacked along a
       leading layer axis, under 'layers') instead of unrolled ('layers_i').
+    scan_in_place: with `scan_layers`, a scan step gets layer i of the stacked params by
+      index (`q8rules.kernels.layer.layer_of`: Q8_0 weights as `LayerSlice`s, which the
+      native CPU kernel reads in place) instead of `nn.scan` slicing (copying) every param;
+      False: `nn.scan`'s slices. Init stacks the params the same way either way.
     dtype: activation dtype (float32 or bfloat16); softmax and norms run in
       float32, logits come back float32.
   """
@@ -108,6 +112,7 @@ class TransformerConfig:
   rope_base_local: float = 10000.0
   rope_factor_local: float = 1.0
   scan_layers: bool = True
+  scan_in_place: bool = True
   dtype: Any = jnp.float32
 
   def __post_init__(self) -> None:

@@ -31,7 +31,10 @@ field of `TransformerConfig` (q8rules/models/config.py says which arch sets what
 
 Layers run under `nn.scan` over stacked params (`scan_layers=True`, the
 default: one layer is traced, whatever the depth) or unrolled
-(`layers_0`, `layers_1`, ...). The scan's per-layer inputs are the layer's kind
+(`layers_0`, `layers_1`, ...). A scanned apply (`scan_in_place`, the default) broadcasts
+the stacked params into the scan and gives step i layer i by index (`layer_of`): a
+Q8_0 weight stays one stacked array that the native CPU kernel reads in place, where
+`nn.scan`'s own slicing made XLA copy every weight every step. The scan's per-layer inputs are the layer's kind
 (local or global) and its index in that kind's stacked cache; a model with both
 kinds runs each layer's attention under `lax.cond`, so every scan step has the
 same shapes.
@@ -49,6 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from q8rules.kernels.layer import layer_of
 from q8rules.models.attention import (
   Cache,
   apply_rope,
@@ -202,6 +206,27 @@ class Block(nn.Module):
     return (x + h, groups), None
 
 
+class LayerStep(nn.Module):
+  """One step of the in-place scan: `Block` on layer i of the stacked params, which the scan
+  broadcasts (`layer_of(params, i)`); its params live where the scanned Block's do.
+
+  Called as `(carry, (kind, i), pos, angles) -> (carry, None)`.
+  """
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(
+    self, carry: tuple[jax.Array, dict[str, Any]], xs: Any, pos: Any, angles: Any
+  ) -> tuple[tuple[jax.Array, dict[str, Any]], None]:
+    kind, i = xs
+    block = nn.map_variables(Block, "params", trans_in_fn=lambda v: layer_of(v, i), mutable=False)(
+      self.config
+    )
+    nn.share_scope(self, block)
+    return block(carry, kind, pos, angles)
+
+
 def cache_length(cache: Any) -> int:
   """The longest cache axis in `cache` (a global layer's length: the context it runs with)."""
   return max(leaf.shape[2] for leaf in jax.tree.leaves(cache))
@@ -242,7 +267,16 @@ class Transformer(nn.Module):
       x = (x.astype(jnp.float32) * jnp.float32(math.sqrt(c.dim))).astype(c.dtype)
     carry = (x, as_groups(c, cache))
     kinds = (c.is_local, c.cache_slots)
-    if c.scan_layers:
+    if c.scan_layers and c.scan_in_place and not self.is_initializing():
+      steps = nn.scan(
+        LayerStep,
+        variable_broadcast="params",
+        in_axes=(0, nn.broadcast, nn.broadcast),
+        length=c.layers,
+      )(c, name="layers")
+      xs = (tuple(jnp.asarray(a) for a in kinds), jnp.arange(c.layers, dtype=jnp.int32))
+      carry, _ = steps(carry, xs, pos, angles)
+    elif c.scan_layers:
       blocks = nn.scan(
         Block,
         variable_axes={"params": 0},
@@ -268,6 +302,7 @@ __all__ = [
   "Block",
   "Cache",
   "Embed",
+  "LayerStep",
   "Mlp",
   "RMSNorm",
   "RopeStyle",

@@ -11,9 +11,10 @@ intercepted op is recorded for `report()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
@@ -33,6 +34,7 @@ from q8rules._qwix import (
   get_value_from_path,
   unbox,
 )
+from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import (
   ProductLayout,
   Q8How,
@@ -42,7 +44,7 @@ from q8rules.providers import policies, tracking
 from q8rules.providers._common import Product, RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
 from q8rules.providers.views import conform
-from q8rules.q8_0 import Q8Array, checked_finite, quantize
+from q8rules.q8_0 import BLOCK, Q8Array, checked_finite, quantize
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing, path_str
 
@@ -77,6 +79,19 @@ def _quantize_param(value: jax.Array, how: Q8How, name: str) -> Q8Array:
   return quantize_weight(value, how, name=name)
 
 
+def _shapes_only(value: jax.Array, how: Q8How, name: str) -> Q8Array:
+  """What `_quantize_param` returns, in shapes and dtypes only (zeros; nothing traced but
+  two fills): q (K_padded, N) int8, scale (K_padded/32, N) of how.scale_dtype."""
+  del value, name
+  k, n = how.layout.k_padded, how.layout.n
+  return Q8Array(
+    jnp.zeros((k, n), jnp.int8),
+    jnp.zeros((k // BLOCK, n), how.scale_dtype),
+    axis=0,
+    dtype=np.dtype(how.dtype),
+  )
+
+
 class Q8Provider(RecordingProvider, PtqProvider):
   """Serve weights of ops matched by `Q8Rule`s as Q8_0.
 
@@ -99,6 +114,23 @@ class Q8Provider(RecordingProvider, PtqProvider):
   PLUMBING = PLUMBING_INTERCEPTIONS
   """Qwix interceptions that are not products: kept as `qwix.PtqProvider` has them."""
 
+  _quantize: Callable[[jax.Array, Q8How, str], Q8Array] = staticmethod(_quantize_param)
+
+  @contextlib.contextmanager
+  def shapes_only(self) -> Iterator[None]:
+    """Within it, an `init` makes each Q8 param as zeros of the right shapes and dtypes instead
+    of quantizing the float init: for `jax.eval_shape(model.init, ...)` (the param tree's
+    shapes), which then does not trace the Q8_0 quantizer once per weight."""
+    self._quantize = _shapes_only
+    try:
+      yield
+    finally:
+      del self._quantize
+
+  def _quantize_now(self, value: jax.Array, how: Q8How, name: str) -> Q8Array:
+    """The param quantizer in force (`_quantize_param`, or zeros under `shapes_only`)."""
+    return self._quantize(value, how, name)
+
   def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
     """Qwix's PTQ interceptions, with every op this provider does not serve (convolutions:
     `jax.lax.conv_general_dilated`) run float and recorded (path 'float', with a note)."""
@@ -108,7 +140,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
         intercepts[name] = self._float_op(name)
     # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
     # q8rules.providers.tracking, decided by q8rules.providers.policies
-    lookups = policies.serve_lookup(self, _quantize_param), policies.q8_lookup(self)
+    lookups = policies.serve_lookup(self, self._quantize_now), policies.q8_lookup(self)
     return intercepts | tracking.intercepts(lambda: self._run, *lookups)
 
   def _float_op(self, name: str) -> Callable[..., Any]:
@@ -162,8 +194,11 @@ class Q8Provider(RecordingProvider, PtqProvider):
     }
     try:
       layout.check_lhs(tuple(lhs.shape))
-      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard
-      ran = provider_product(lhs, weight, layout, operand=rhs, **options)
+      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
+      # layer's own arrays (a `LayerSlice` is read in place only unsplit; unused, XLA drops
+      # the slice)
+      whole = weight.take() if isinstance(weight, LayerSlice) else weight
+      ran = provider_product(lhs, whole, layout, operand=rhs, **options)
       if ran is None:
         y2d, path = kernels.run_product(
           layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
@@ -205,7 +240,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
       if not matched:
         return None
       # its param stored as Q8_0 (sharding annotation carried over), served as rhs's view of it
-      rhs = policies.serve_operand(self, rule, matched[0], matched[1].weight, _quantize_param)
+      rhs = policies.serve_operand(self, rule, matched[0], matched[1].weight, self._quantize_now)
     how, weight = rhs.how, rhs.array
     try:
       layout = conform(make_layout(how.layout.shape), how.layout)
@@ -217,9 +252,9 @@ class Q8Provider(RecordingProvider, PtqProvider):
         f" {make_layout(how.layout.shape).weight}"
       )
     k_pad, n = layout.weight.k_padded, layout.weight.n
-    if tuple(weight.q.shape) != (k_pad, n):
+    if tuple(weight.shape) != (k_pad, n):
       raise ValueError(
-        f"{where}: Q8 values of shape {tuple(weight.q.shape)} do not match the weight"
+        f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
         f" layout ({k_pad}, {n})"
       )
     return rhs, layout

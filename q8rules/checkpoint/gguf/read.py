@@ -7,11 +7,12 @@ layouts and tensor types are described in `q8rules.checkpoint.gguf`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap as mmap_lib
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from q8rules.checkpoint.gguf.layouts import (
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
 from q8rules.checkpoint.shards import region_of
+from q8rules.kernels import cpu_native
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import listing
 
@@ -289,6 +291,30 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {qtype.name}")
     return _owned(arr, layout)
 
+  def get_stacked(self, names: Sequence[str]) -> Q8Array | None:
+    """The Q8_0 tensors `names`, all of one shape, repacked into one stacked Q8Array (q and
+    scale with a leading axis of len(names); the checkpoint's layout): no per-tensor array
+    is made and stacked afterwards. None when they are not all Q8_0 of one shape (read them
+    one by one then)."""
+    infos = [self._info(n) for n in names]
+    shapes = {self.gguf_shape(n) for n in names}
+    if len(shapes) != 1 or any(t.tensor_type != Q8_0 for t in infos):
+      return None
+    (shape,) = shapes
+    try:
+      value = _repack_q8_layers(
+        [t.data for t in infos], shape, self._byteorder, self.scale_dtype, self.layout, self.dtype
+      )
+    except Exception as e:
+      raise CheckpointError(
+        f"{self.path}: tensors {names[0]!r} ... {names[-1]!r} (Q8_0, shape {shape}): cannot"
+        f" read them: {type(e).__name__}: {e}"
+      ) from e
+    for n, t in zip(names, infos, strict=True):
+      self.repacked[n] += 1
+      self.bytes_read += int(t.data.nbytes)
+    return value
+
   def load_all(self, *, progress: bool | None = None) -> dict[str, Q8Array | np.ndarray]:
     """Every tensor, repacked now, in file order (a tqdm bar when `progress`; None:
     this checkpoint's `progress`, and auto when that is None too)."""
@@ -333,28 +359,53 @@ def _repack_q8(
 
   data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`.
   """
+  out = _repack_q8_layers([data], shape, byteorder, scale_dtype, layout, dtype)
+  return dataclasses.replace(out, q=out.q[0], scale=out.scale[0])
+
+
+def _repack_q8_layers(
+  datas: Sequence[np.ndarray],
+  shape: tuple[int, ...],
+  byteorder: str,
+  scale_dtype: np.dtype,
+  layout: Layout,
+  dtype: np.dtype,
+) -> Q8Array:
+  """Tensors of one shape (each `data`'s 34-byte blocks) repacked and stacked along a new
+  leading axis: one copy each of q and d into the stacked arrays (in the kernel layout on a
+  host where the native library runs: read and transposed in one pass).
+
+  shape: each tensor's numpy order `[*lead, n_out, n_in]`; the result's q and scale have a
+  leading axis of len(datas), and its `axis` is one tensor's blocked axis.
+  """
   rows, n_in = shape[:-1], shape[-1]
   nb = n_in // BLOCK
-  blocks = data.reshape(-1).view(block_dtype(byteorder))
-  qs = blocks["qs"].reshape(*rows, nb, BLOCK)  # views of the mapping
-  d = blocks["d"].reshape(*rows, nb)
+  n = len(datas)
   q_shape, scale_shape, axis = q8_shapes(shape, layout)
-  if layout == "kernel" and len(shape) >= 2:
-    lead, n_out = rows[:-1], rows[-1]
-    # Gather the values row by row (32-byte runs), then transpose in XLA's tiled kernel:
-    # numpy's element-wise transposing copy of int8 runs at a fraction of memory speed.
-    rows_k = np.empty((*lead, n_out, nb * BLOCK), np.int8)
-    np.copyto(rows_k.reshape(*lead, n_out, nb, BLOCK), qs)
-    q = np.asarray(_transpose_last_two(rows_k))
-    del rows_k
-    scale = np.empty(scale_shape, scale_dtype)
-    np.copyto(scale, np.swapaxes(d, -1, -2))
-  else:
-    q = np.empty((*rows, nb, BLOCK), np.int8)
-    np.copyto(q, qs)
-    scale = np.empty(scale_shape, scale_dtype)
-    np.copyto(scale, d)
-  return Q8Array(q=q.reshape(q_shape), scale=scale, axis=axis, dtype=dtype)
+  scale = np.empty((n, *scale_shape), scale_dtype)
+  transposed = layout == "kernel" and len(shape) >= 2
+  lead = int(np.prod(rows[:-1]))
+  q = np.empty((n, *q_shape), np.int8)
+  gathered = None
+  for i, data in enumerate(datas):
+    blocks = data.reshape(-1).view(block_dtype(byteorder))
+    d = blocks["d"].reshape(*rows, nb)
+    np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
+    # kernel layout: the native library transposes straight from the file's blocks; else the
+    # values are gathered row by row (32-byte runs) and transposed in XLA's tiled kernel
+    # (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
+    if transposed and cpu_native.repack_q8_transposed(
+      data.reshape(-1), q[i].reshape(lead, nb * BLOCK, rows[-1])
+    ):
+      continue
+    if gathered is None:
+      gathered = np.empty((*rows, nb, BLOCK), np.int8)
+    np.copyto(gathered, blocks["qs"].reshape(*rows, nb, BLOCK))  # from views of the mapping
+    if transposed:
+      q[i] = np.asarray(_transpose_last_two(gathered.reshape(*rows, nb * BLOCK)))
+    else:
+      q[i] = gathered.reshape(q_shape)
+  return Q8Array(q=q.reshape(n, *q_shape), scale=scale, axis=axis, dtype=dtype)
 
 
 def _owned(arr: np.ndarray, layout: Layout) -> np.ndarray:

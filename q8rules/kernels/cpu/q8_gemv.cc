@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -573,11 +574,12 @@ int64_t Threads(const Problem& p, int64_t pool_threads) {
   return std::max<int64_t>(t, 1);
 }
 
-ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+// The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
+// of q's and scale's) and first elements; y (M, N).
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
+               const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
+               const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   const auto xd = x.dimensions();
-  const auto qd = q.dimensions();
-  const auto sd = scale.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("q8_gemv: x, q, scale and y must be 2-D");
@@ -592,16 +594,16 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "q8_gemv: expected x (M, K), q (K, N), scale (K/32, N), y (M, N), K a multiple of 32");
   }
-  if (scale.element_type() == ffi::DataType::F32) {
+  if (scale_type == ffi::DataType::F32) {
     p.scale_f16 = false;
-  } else if (scale.element_type() == ffi::DataType::F16) {
+  } else if (scale_type == ffi::DataType::F16) {
     p.scale_f16 = true;
   } else {
     return ffi::Error::InvalidArgument("q8_gemv: scale must be float32 or float16");
   }
   p.x = x.typed_data();
-  p.q = q.typed_data();
-  p.scale = scale.untyped_data();
+  p.q = q;
+  p.scale = scale;
   p.y = y->typed_data();
   if (!SelectIsa(&p.isa)) {
     return ffi::Error::InvalidArgument(
@@ -646,6 +648,36 @@ ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+
+ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, q.dimensions(), q.typed_data(), scale.dimensions(), scale.element_type(),
+             scale.untyped_data(), y);
+}
+
+// Layer `layer` of stacked q (L, K, N) and scale (L, K/32, N), read in place (no slice copied).
+ffi::Error Q8GemvLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                           ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions();
+  const auto sd = scale.dimensions();
+  if (qd.size() != 3 || sd.size() != 3 || sd[0] != qd[0] || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv_layer: expected q (L, K, N), scale (L, K/32, N) and one int32 layer index");
+  }
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= qd[0]) {
+    return ffi::Error::InvalidArgument("q8_gemv_layer: layer index " + std::to_string(i) +
+                                       " outside [0, " + std::to_string(qd[0]) + ")");
+  }
+  const int64_t q_layer = qd[1] * qd[2];
+  const int64_t s_layer = sd[1] * sd[2];
+  const int64_t s_bytes = scale.element_type() == ffi::DataType::F16 ? 2 : 4;
+  const auto* s = static_cast<const char*>(scale.untyped_data()) + i * s_layer * s_bytes;
+  return Run(pool, x, qd.last(2), q.typed_data() + i * q_layer, sd.last(2),
+             scale.element_type(), s, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
@@ -656,6 +688,87 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
                                   .Arg<ffi::AnyBuffer>()         // scale (K/32, N) f32 / f16
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
 );
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvLayer, Q8GemvLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q (L, K, N)
+                                  .Arg<ffi::AnyBuffer>()         // scale (L, K/32, N) f32 / f16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer () int32
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
+);
+
+namespace {
+
+// The 16 x 16 int8 block at s (row stride ls) transposed into d (row stride ld): four rounds of
+// SSE2 unpacks (baseline on x86-64); the column a result register holds is its index with the
+// four bits reversed. Elsewhere, element by element.
+void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
+#if Q8_X86
+  static constexpr int kColumn[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  __m128i x[16], t[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ls));
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      x[4 * i + j] = _mm_unpacklo_epi16(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j + 2] = _mm_unpackhi_epi16(t[4 * i + j], t[4 * i + j + 2]);
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm_unpacklo_epi32(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j + 4] = _mm_unpackhi_epi32(x[8 * i + j], x[8 * i + j + 4]);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    x[j] = _mm_unpacklo_epi64(t[j], t[j + 8]);
+    x[j + 8] = _mm_unpackhi_epi64(t[j], t[j + 8]);
+  }
+  for (int k = 0; k < 16; ++k) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + kColumn[k] * ld), x[k]);
+  }
+#else
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) d[c * ld + r] = s[r * ls + c];
+  }
+#endif
+}
+
+}  // namespace
+
+// The int8 values of Q8_0 rows, transposed: `blocks` holds batch x rows rows of nb 34-byte
+// blocks (a float16 scale, then 32 int8 values) as a GGUF file stores an (N, K) tensor; dst
+// gets (batch, K = nb * 32, rows). Read straight from the file's blocks, in 16 x 16 tiles (the
+// edges element by element): the GGUF loader's one copy of the values.
+extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t batch,
+                                   int64_t rows, int64_t nb) {
+  constexpr int64_t kBlockBytes = 34;
+  const int64_t k = nb * kBlock, row_bytes = nb * kBlockBytes;
+  // the 16 values from K index c on of row r (c a multiple of 16: inside one block)
+  auto at = [&](const uint8_t* s, int64_t r, int64_t c) {
+    return reinterpret_cast<const int8_t*>(s + r * row_bytes + (c / kBlock) * kBlockBytes + 2 +
+                                           c % kBlock);
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint8_t* s = blocks + b * rows * row_bytes;
+    int8_t* d = dst + b * rows * k;
+    const int64_t r16 = rows / 16 * 16;
+    for (int64_t r = 0; r < r16; r += 16) {
+      for (int64_t c = 0; c < k; c += 16) Transpose16(at(s, r, c), row_bytes, d + c * rows + r, rows);
+    }
+    for (int64_t r = r16; r < rows; ++r) {
+      for (int64_t c = 0; c < k; c += 16) {
+        const int8_t* v = at(s, r, c);
+        for (int64_t i = 0; i < 16; ++i) d[(c + i) * rows + r] = v[i];
+      }
+    }
+  }
+}
 
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
 extern "C" int Q8GemvHasAvx2() {

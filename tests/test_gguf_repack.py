@@ -1,0 +1,66 @@
+"""The GGUF loader's Q8_0 repack: the native library's transposing read of the file's blocks
+(`cpu_native.repack_q8_transposed`) against numpy, and `GGUFCheckpoint.get_stacked` (per-layer
+tensors repacked straight into one stacked Q8Array) against stacking them one by one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from q8rules.checkpoint import gguf as ckpt_gguf
+from q8rules.checkpoint.gguf.read import block_dtype
+from q8rules.kernels import cpu_native
+from tests._utils import weights, write_gguf
+
+
+def random_blocks(rng, batch: int, rows: int, nb: int) -> np.ndarray:
+  """batch x rows x nb random 34-byte Q8_0 blocks (float16 scale, 32 int8 values)."""
+  blocks = np.empty(batch * rows * nb, block_dtype("<"))
+  blocks["d"] = rng.uniform(1e-3, 1e-2, blocks.shape).astype(np.float16)
+  blocks["qs"] = rng.integers(-127, 128, (*blocks.shape, 32), dtype=np.int8)
+  return blocks.view(np.uint8)
+
+
+@pytest.mark.parametrize(
+  "batch,rows,nb", [(1, 16, 1), (1, 40, 3), (3, 33, 2), (2, 1, 1), (1, 64, 4)]
+)
+def test_native_repack_is_numpys_transpose(rng, batch, rows, nb):
+  raw = random_blocks(rng, batch, rows, nb)
+  out = np.full((batch, nb * 32, rows), 99, np.int8)
+  ran = cpu_native.repack_q8_transposed(raw, out)
+  assert ran == cpu_native.available()  # the library runs exactly where it is available
+  if not ran:
+    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  qs = raw.view(block_dtype("<"))["qs"].reshape(batch, rows, nb * 32)
+  np.testing.assert_array_equal(out, np.swapaxes(qs, -1, -2))
+
+
+def test_native_repack_refuses_wrong_sizes(rng):
+  if not cpu_native.available():
+    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  raw = random_blocks(rng, 1, 16, 2)
+  with pytest.raises(ValueError, match="C-contiguous uint8 bytes"):
+    cpu_native.repack_q8_transposed(raw, np.empty((1, 64, 17), np.int8))
+
+
+def q8_bytes(w: np.ndarray) -> np.ndarray:
+  from gguf.quants import quantize
+
+  return quantize(w, T.Q8_0)
+
+
+def test_get_stacked_equals_stacking(tmp_path, rng):
+  tensors = {f"blk.{i}.ffn_up.weight": (q8_bytes(weights(rng, 40, 96)), T.Q8_0) for i in range(3)}
+  tensors["blk.0.ffn_down.weight"] = (q8_bytes(weights(rng, 96, 64)), T.Q8_0)
+  path = tmp_path / "m.gguf"
+  write_gguf(path, tensors)
+  ckpt = ckpt_gguf.load(path)
+  names = [f"blk.{i}.ffn_up.weight" for i in range(3)]
+  got = ckpt.get_stacked(names)
+  assert {n: ckpt.repacked[n] for n in names} == dict.fromkeys(names, 1)
+  parts = [ckpt[n] for n in names]
+  np.testing.assert_array_equal(got.q, np.stack([p.q for p in parts]))
+  np.testing.assert_array_equal(got.scale, np.stack([p.scale for p in parts]))
+  assert (got.axis, got.dtype) == (parts[0].axis, parts[0].dtype)
+  assert ckpt.get_stacked([*names, "blk.0.ffn_down.weight"]) is None  # two shapes
