@@ -154,4 +154,11 @@ def q8_rule(q8_paths: list[tuple[str, ...]]) -> Q8Rule:
   return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16)
 
 
-__all__ = ["BLOCK_TENSORS", "MODEL_TENSORS", "TensorSlot", "check_tensors", "q8_rule", "tensor_slots"]
+__all__ = [
+  "BLOCK_TENSORS",
+  "MODEL_TENSORS",
+  "TensorSlot",
+  "check_tensors",
+  "q8_rule",
+  "tensor_slots",
+]
