@@ -8,10 +8,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from q8rules.llm import load_gguf
 from q8rules.llm.generate import CHUNK
+from tests._utils import rel_err
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
@@ -22,13 +24,11 @@ def m():
 
 
 def host_loop(m, prompt, n, temperature=0.0, seed=0, stop_ids=()):
-  """The host loop GGUFModel.stream ran before the device loop."""
-  tokens = jnp.asarray(prompt, jnp.int32)[None]
-  t = tokens.shape[1]
-  cache = m._cache(t + n)
+  """The host loop GGUFModel.stream ran before the device loop (after the same prefill)."""
+  t = len(prompt)
+  last, cache = m.prefill(prompt, n)
   key = jax.random.key(seed)
-  logits, cache = m._run(tokens, cache, 0)
-  last, out = logits[0, -1], []
+  out = []
   for i in range(n):
     if temperature > 0:
       key, sub = jax.random.split(key)
@@ -44,6 +44,23 @@ def host_loop(m, prompt, n, temperature=0.0, seed=0, stop_ids=()):
 
 
 PROMPT = [0, 41, 70, 77, 77, 80]
+
+
+def test_prefill_runs_the_head_on_the_last_position_only(m):
+  """`prefill` (what `stream` runs on the prompt) gives the last row of `logits` and, bit for
+  bit, the cache of the full pass; the model called with `last_only` returns that one row."""
+  last, cache = m.prefill(PROMPT, 4)
+  assert last.shape == (m.config.vocab,)
+  assert rel_err(last, m.logits(PROMPT)[-1]) <= 1e-6
+  tokens = jnp.asarray(PROMPT, jnp.int32)[None]
+  full, full_cache = m._run(tokens, m._cache(len(PROMPT) + 4), 0)
+  assert rel_err(last, full[0, -1]) <= 1e-6
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(full_cache), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out, _ = m.model.apply(
+    {"params": m.params}, tokens, m._cache(len(PROMPT)), jnp.int32(0), last_only=True
+  )
+  assert out.shape == (1, 1, m.config.vocab)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

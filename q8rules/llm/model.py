@@ -3,6 +3,7 @@
     m = q8rules.load_gguf("model-q8_0.gguf", dtype=jnp.float32)
     m.config                        # TransformerConfig from the file's metadata
     m.logits([1, 2, 3])             # (3, vocab) float32, all positions
+    m.prefill([1, 2, 3])            # the last position's logits (vocab,) and the KV cache
     m.generate(m.tokenizer.encode("Hello"), 32)   # greedy, with a KV cache
 
 The model is `q8rules.models.Transformer` quantized by `q8rules.Q8Provider`
@@ -79,7 +80,7 @@ class GGUFModel:
   bytes_read: int = 0
 
   def __post_init__(self) -> None:
-    self._apply = jax.jit(self.model.apply, donate_argnums=(2,))
+    self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))
     # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
     self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
     context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
@@ -92,14 +93,16 @@ class GGUFModel:
 
     return unrolled(self)
 
-  def _run(self, tokens: jax.Array, cache: Any, pos: int) -> tuple[jax.Array, Any]:
+  def _run(
+    self, tokens: jax.Array, cache: Any, pos: int, last_only: bool = False
+  ) -> tuple[jax.Array, Any]:
     variables = {"params": self.params}
     if self.mesh is None:
-      return self._apply(variables, tokens, cache, jnp.int32(pos))
+      return self._apply(variables, tokens, cache, jnp.int32(pos), last_only=last_only)
     # mesh hook (llm/distributed.py): inputs as global arrays, for runs over several processes
     tokens, at = distributed.on_mesh(tokens, self.mesh), distributed.on_mesh(pos, self.mesh)
     with shard_products(self.mesh, self._specs):
-      return self._apply(variables, tokens, cache, at)
+      return self._apply(variables, tokens, cache, at, last_only=last_only)
 
   def _cache(self, length: int) -> Any:
     if length > self.config.context_length:
@@ -125,6 +128,15 @@ class GGUFModel:
     out, _ = self._run(tokens, self._cache(tokens.shape[1]), 0)
     return distributed.to_host(out[0]).astype(np.float32)
 
+  def prefill(self, token_ids: Sequence[int] | np.ndarray, max_new_tokens: int = 0) -> Any:
+    """The prompt's forward pass as `stream` runs it: (logits (vocab,) float32 of the last
+    position, on the device; the KV cache, room for `max_new_tokens` more). The output head
+    runs on the last position only (`Transformer(..., last_only=True)`)."""
+    tokens = self._check_ids(token_ids)
+    cache = self._cache(tokens.shape[1] + max_new_tokens)
+    logits, cache = self._run(tokens, cache, 0, last_only=True)
+    return logits[0, -1], cache
+
   def stream(
     self,
     prompt_ids: Sequence[int] | np.ndarray,
@@ -142,13 +154,11 @@ class GGUFModel:
     Stops after `max_new_tokens` or after yielding a token in `stop_ids`.
     `on_prefill` is called once the prompt's logits are ready (for timing).
     """
-    tokens = self._check_ids(prompt_ids)
-    t = tokens.shape[1]
-    cache = self._cache(t + max_new_tokens)
+    last, cache = self.prefill(prompt_ids, max_new_tokens)
+    t = np.size(prompt_ids)  # checked by prefill: a 1-D sequence
     key = jax.random.key(seed)
-    logits, cache = self._run(tokens, cache, 0)
     sampler = Sampler(temperature)
-    first, key = first_token(logits[0, -1], key, sampler)
+    first, key = first_token(last, key, sampler)
     first.block_until_ready()
     if on_prefill is not None:
       on_prefill()

@@ -236,7 +236,9 @@ class Transformer(nn.Module):
   """tokens (B, T) int32, cache, pos -> logits (B, T, vocab) float32, the updated cache.
 
   `pos` is the position of tokens[:, 0]; the cache holds positions [0, pos)
-  already and gets [pos, pos + T) written.
+  already and gets [pos, pos + T) written. With `last_only` the logits are those of the
+  last position only, (B, 1, vocab): what a prefill needs, and the final norm and the output
+  head then run on one row per sequence instead of T.
   """
 
   config: TransformerConfig
@@ -253,7 +255,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(
-    self, tokens: jax.Array, cache: Cache, pos: jax.Array | int = 0
+    self, tokens: jax.Array, cache: Cache, pos: jax.Array | int = 0, last_only: bool = False
   ) -> tuple[jax.Array, Cache]:
     c = self.config
     check_cache(c, cache, tokens.shape[0])
@@ -289,6 +291,8 @@ class Transformer(nn.Module):
       for i in range(c.layers):
         carry, _ = Block(c, name=f"layers_{i}")(carry, (kinds[0][i], kinds[1][i]), pos, angles)
     x, groups = carry
+    if last_only:
+      x = x[:, -1:]
     x = _norm(c.dim, "norm", c)(x)
     logits = embed.attend(x) if c.tied_embeddings else _dense(c.vocab, "lm_head", c)(x)
     logits = logits.astype(jnp.float32)
