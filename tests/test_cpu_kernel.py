@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +72,45 @@ def test_low_precision_x_matches_reference_of_rounded_x(rng, dtype):
     x, Q8Array(q, scale, axis=0), implementation="cpu", preferred_element_type=jnp.float32
   )
   assert close_to_float64(out32, x.astype(jnp.float32), weight64(q, scale), TOL)
+
+
+_THREADS_SCRIPT = """
+import hashlib, sys
+import jax, numpy as np
+from q8rules.kernels import cpu_native
+from tests._utils import random_q8, random_x
+rng = np.random.default_rng(7)
+f = jax.jit(cpu_native.q8_matmul_cpu)
+for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576)]:
+  q, scale = random_q8(rng, k, n)
+  x = random_x(rng, (m, k))
+  out = np.asarray(f(x, q, scale))
+  again = np.asarray(f(x, q, scale))
+  assert out.tobytes() == again.tobytes(), (m, k, n)
+  print(m, k, n, cpu_native.last_threads(), hashlib.sha256(out.tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.skipif(os.cpu_count() < 2 or not shutil.which("taskset"), reason="needs 2 CPUs")
+def test_output_does_not_depend_on_the_threads():
+  """A product split over threads (K cut into units fixed by the problem, each unit's sums
+  added in unit order) is bit-equal to the same product on one CPU, and run to run."""
+
+  def run(pin: list[str]) -> list[list[str]]:
+    done = subprocess.run(
+      [*pin, sys.executable, "-c", _THREADS_SCRIPT],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])),
+    )
+    assert done.returncode == 0, done.stderr
+    return [line.split() for line in done.stdout.splitlines()]
+
+  one, many = run(["taskset", "-c", "0"]), run([])
+  assert [r[4] for r in one] == [r[4] for r in many]  # the same bytes
+  assert all(r[3] == "1" for r in one)
+  assert any(int(r[3]) > 1 for r in many)  # these shapes do split over the CPUs
 
 
 def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):

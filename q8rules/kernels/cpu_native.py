@@ -167,6 +167,13 @@ def has_avx2() -> bool:
   return bool(lib is not None and lib.Q8GemvHasAvx2())
 
 
+def last_threads() -> int:
+  """The threads (the caller and pool helpers) the kernel's last call ran on: 0 before the
+  first call or when the kernel is unavailable."""
+  lib = _load()
+  return 0 if lib is None else int(lib.Q8GemvLastThreads())
+
+
 def force_scalar(force: bool) -> None:
   """Run the scalar fallback even on an AVX2 CPU (True) or stop forcing it (False); for tests."""
   lib = _load()

@@ -518,30 +518,32 @@ void Columns(const Problem& p) {
   }
 }
 
-// Work shared between the caller and the pool's threads. K is cut into runs
-// of blocks (units); whoever increments `next` to i does unit i, over all N
-// columns (each q row is read as one contiguous run), into its own
-// accumulator: the caller's is y, a helper's a zeroed M x N buffer that the
-// caller adds into y at the end. Units are claimed dynamically, so a helper
-// that starts late (or shares its core with another process) just does fewer.
+// Work shared between the caller and the pool's threads. K is cut into a fixed
+// number of runs of blocks (units); whoever increments `next` to i does unit i,
+// over all N columns (each q row is read as one contiguous run), into unit i's
+// own accumulator: unit 0's is y, unit i's (i > 0) a zeroed M x N buffer. When
+// every unit is done the caller adds the buffers into y in unit order. Units are
+// claimed dynamically, so a helper that starts late (or shares its core with
+// another process) just does fewer, and the result does not depend on who did
+// which: the units are fixed by the problem (BlocksPerUnit) and their sums added
+// in one order, so the output is the same bit for bit on every run, with any
+// number of threads (one included: it runs every unit), in every process.
 struct Shared {
   Problem p;
   int64_t units = 1;
   int64_t blocks_per_unit = 1;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-  std::atomic<int64_t> helper_ids{0};
-  std::vector<std::vector<float>> partial;  // one per helper, sized on its first unit
+  std::vector<std::vector<float>> partial;  // unit i's accumulator is partial[i - 1]
 
-  // Claim and run units until none is left. helper: -1 for the caller (which
-  // accumulates into y), else the helper's index into `partial`.
-  void Work(int64_t helper) {
+  // Claim and run units until none is left.
+  void Work() {
     const int64_t blocks = p.k / kBlock;
     for (int64_t i = next.fetch_add(1); i < units; i = next.fetch_add(1)) {
       float* acc = p.y;
-      if (helper >= 0) {
-        auto& buf = partial[static_cast<size_t>(helper)];
-        if (buf.empty()) buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
+      if (i > 0) {
+        auto& buf = partial[static_cast<size_t>(i - 1)];
+        buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
         acc = buf.data();
       }
       const int64_t b0 = i * blocks_per_unit;
@@ -562,12 +564,30 @@ int64_t UsableCpus() {
   return std::max<unsigned>(1, std::thread::hardware_concurrency());
 }
 
-// Threads worth using: one per ~1 MiB of q x M (a pool wake-up costs ~10 us, a
-// 1 MiB stream ~40 us), at most the pool's threads plus the caller and the
-// CPUs this process may use.
+// Values of q x M per thread worth waking (and per unit of work: below two of them a
+// product is one unit, on the calling thread).
+constexpr int64_t kWorkPerThread = int64_t{1} << 16;
+
+// The 32-row blocks in each unit K is cut into (see Shared): a function of the
+// problem alone, not of the threads, so the output is the same bit for bit whatever
+// the pool, the CPU count or the scheduling. About 8 units at decode sizes
+// (M <= 16: each unit's buffer, M x N floats, is small next to q), 4 for more rows;
+// one unit (no buffers) for a small product.
+int64_t BlocksPerUnit(const Problem& p) {
+  const int64_t blocks = p.k / kBlock;
+  const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
+  if (work < 2 * kWorkPerThread) return blocks;
+  const int64_t want = std::min(blocks, int64_t{p.m <= kMaxRows ? 8 : 4});
+  return (blocks + want - 1) / want;
+}
+
+// Threads worth using: one per kWorkPerThread values of q x M, at most the pool's threads
+// plus the caller and the CPUs this process may use. (One per 1 MiB left
+// SmolLM-135M's 576-wide layers on one thread at decode: 2 threads decoded it at
+// 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md, issue 21.)
 int64_t Threads(const Problem& p, int64_t pool_threads) {
   const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
-  int64_t t = std::max<int64_t>(1, work / (1 << 20));
+  int64_t t = std::max<int64_t>(1, work / kWorkPerThread);
   t = std::min<int64_t>(t, pool_threads + 1);
   t = std::min<int64_t>(t, p.k / kBlock);
   if (t > 1) t = std::min<int64_t>(t, UsableCpus());
@@ -612,25 +632,37 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
-  const int64_t threads = Threads(p, pool.num_threads());
+  const int64_t blocks = p.k / kBlock;
+  const int64_t per_unit = BlocksPerUnit(p);
+  const int64_t units = (blocks + per_unit - 1) / per_unit;
+  const int64_t threads = std::min(units, Threads(p, pool.num_threads()));
   g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
-  if (threads == 1) {
+  if (units == 1) {
     Columns(p);
+    return ffi::Error::Success();
+  }
+  if (threads == 1) {  // the units one after another: unit 0 into y, each other one into
+    // one reused buffer added into y as it is done (the sums, and so y, as with threads)
+    Columns(Blocks(p, 0, per_unit, p.y));
+    std::vector<float> buf(static_cast<size_t>(p.m * p.n));
+    for (int64_t i = 1; i < units; ++i) {
+      std::fill(buf.begin(), buf.end(), 0.0f);
+      Columns(Blocks(p, i * per_unit, std::min(blocks, (i + 1) * per_unit), buf.data()));
+      for (int64_t j = 0; j < p.m * p.n; ++j) p.y[j] += buf[static_cast<size_t>(j)];
+    }
     return ffi::Error::Success();
   }
   auto shared = std::make_shared<Shared>();
   shared->p = p;
-  // About 8 units per thread (>= 1 block each): fine enough to balance.
-  const int64_t blocks = p.k / kBlock;
-  shared->blocks_per_unit = std::max<int64_t>(1, blocks / (8 * threads));
-  shared->units = (blocks + shared->blocks_per_unit - 1) / shared->blocks_per_unit;
-  shared->partial.resize(static_cast<size_t>(threads - 1));
+  shared->blocks_per_unit = per_unit;
+  shared->units = units;
+  shared->partial.resize(static_cast<size_t>(units - 1));
   // The helpers hold the shared state, so one that wakes up after the caller
   // has done every unit finds nothing to claim and touches no buffer.
   for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([shared] { shared->Work(shared->helper_ids.fetch_add(1)); });
+    pool.Schedule([shared] { shared->Work(); });
   }
-  shared->Work(-1);
+  shared->Work();
   // Wait for the units the helpers claimed (at most one each is still running).
   for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
 #if Q8_X86
@@ -641,8 +673,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
 #endif
     std::this_thread::yield();
   }
-  for (const auto& buf : shared->partial) {  // y += each helper's accumulator
-    if (buf.empty()) continue;
+  for (const auto& buf : shared->partial) {  // y += each unit's accumulator, in unit order
     for (int64_t i = 0; i < p.m * p.n; ++i) p.y[i] += buf[static_cast<size_t>(i)];
   }
   return ffi::Error::Success();
