@@ -25,8 +25,9 @@ os.environ.setdefault("Q8RULES_NO_COMPILE_CACHE", "1")
 
 SLOW_CASES = (
   # The longest cases of the default run, as `pytest --durations` timed them on the 2-core
-  # CI machine (2026-12-01, the whole run 19 min): marked `slow` here, so the README's test
-  # command stays under 10 minutes; `.ci/run` runs them right after it (`pytest -m slow`).
+  # CI machine (2026-12-01, the whole run 19 min; without these, 8 min): marked `slow` here,
+  # so the README's test command stays under 10 minutes; `.ci/run` runs them right after it
+  # (`pytest -m slow`).
   "tests/test_multiprocess.py::test_two_processes_one_model",  # 74 s
   "tests/test_notebooks.py::test_notebook_executes",  # 85 s, 3 notebooks
   "tests/test_readme.py::test_readme_block_runs",  # ~70 s, every README block
@@ -52,6 +53,14 @@ SLOW_CASES = (
   "tests/test_cnn.py::test_linen_cnn_dense_q8_conv_float",  # 11 s
   "tests/test_llm_gguf_errors.py::test_a_tokenizer_that_cannot_be_built_does_not_block",  # 10 s
   "tests/test_unstack.py::test_unrolled_matches_scanned",  # 16 s
+  "tests/ecosystem/test_linen_tied.py::test_qat_apply_first_under_jit_and_grad",  # 12 s
+  "tests/test_layer_slice.py::test_in_place_scan_of_a_float_model",  # 8 s
+  "tests/test_provider.py::test_provider_dispatches_decode_products_to_the_fold",  # 7 s
+  "tests/test_user_errors.py::test_quantize_accepts_every_axis_in_range",  # 7 s
+  "tests/test_qat.py::test_ste_gradient_nnx",  # 7 s
+  "tests/test_llm_cli.py::test_run_prints_text_and_speed",  # 7 s
+  "tests/test_llm_gguf_errors.py::test_sliding_window_pattern_as_an_array",  # 6 s
+  "tests/test_checkpoint_safetensors.py::test_load_like_gives_params_apply_takes",  # 6 s
 )
 """Node-id prefixes of the cases marked `slow` at collection (with the `@pytest.mark.slow`
 ones: tests/test_fold.py's every-shape TPU form, tests/test_multiprocess.py's dying
