@@ -128,7 +128,9 @@ class GGUFModel:
     out, _ = self._run(tokens, self._cache(tokens.shape[1]), 0)
     return distributed.to_host(out[0]).astype(np.float32)
 
-  def prefill(self, token_ids: Sequence[int] | np.ndarray, max_new_tokens: int = 0) -> Any:
+  def prefill(
+    self, token_ids: Sequence[int] | np.ndarray, max_new_tokens: int = 0
+  ) -> tuple[jax.Array, Any]:
     """The prompt's forward pass as `stream` runs it: (logits (vocab,) float32 of the last
     position, on the device; the KV cache, room for `max_new_tokens` more). The output head
     runs on the last position only (`Transformer(..., last_only=True)`)."""

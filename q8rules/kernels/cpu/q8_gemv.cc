@@ -518,6 +518,20 @@ void Columns(const Problem& p) {
   }
 }
 
+// Values of q x M a product multiplies: what its thread count and units follow.
+int64_t WorkOf(const Problem& p) { return p.k * p.n * std::max<int64_t>(p.m, 1); }
+
+// Unit i of p (its blocks [i * per_unit, (i + 1) * per_unit)), accumulated into acc.
+void RunUnit(const Problem& p, int64_t per_unit, int64_t i, float* acc) {
+  const int64_t blocks = p.k / kBlock;
+  Columns(Blocks(p, i * per_unit, std::min(blocks, (i + 1) * per_unit), acc));
+}
+
+// y (M x N) += a unit's accumulator.
+void AddInto(float* y, const std::vector<float>& acc) {
+  for (size_t i = 0; i < acc.size(); ++i) y[i] += acc[i];
+}
+
 // Work shared between the caller and the pool's threads. K is cut into a fixed
 // number of runs of blocks (units); whoever increments `next` to i does unit i,
 // over all N columns (each q row is read as one contiguous run), into unit i's
@@ -538,7 +552,6 @@ struct Shared {
 
   // Claim and run units until none is left.
   void Work() {
-    const int64_t blocks = p.k / kBlock;
     for (int64_t i = next.fetch_add(1); i < units; i = next.fetch_add(1)) {
       float* acc = p.y;
       if (i > 0) {
@@ -546,9 +559,7 @@ struct Shared {
         buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
         acc = buf.data();
       }
-      const int64_t b0 = i * blocks_per_unit;
-      const int64_t b1 = std::min(blocks, b0 + blocks_per_unit);
-      Columns(Blocks(p, b0, b1, acc));
+      RunUnit(p, blocks_per_unit, i, acc);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -575,8 +586,7 @@ constexpr int64_t kWorkPerThread = int64_t{1} << 16;
 // one unit (no buffers) for a small product.
 int64_t BlocksPerUnit(const Problem& p) {
   const int64_t blocks = p.k / kBlock;
-  const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
-  if (work < 2 * kWorkPerThread) return blocks;
+  if (WorkOf(p) < 2 * kWorkPerThread) return blocks;
   const int64_t want = std::min(blocks, int64_t{p.m <= kMaxRows ? 8 : 4});
   return (blocks + want - 1) / want;
 }
@@ -586,8 +596,7 @@ int64_t BlocksPerUnit(const Problem& p) {
 // SmolLM-135M's 576-wide layers on one thread at decode: 2 threads decoded it at
 // 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md, issue 21.)
 int64_t Threads(const Problem& p, int64_t pool_threads) {
-  const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
-  int64_t t = std::max<int64_t>(1, work / kWorkPerThread);
+  int64_t t = std::max<int64_t>(1, WorkOf(p) / kWorkPerThread);
   t = std::min<int64_t>(t, pool_threads + 1);
   t = std::min<int64_t>(t, p.k / kBlock);
   if (t > 1) t = std::min<int64_t>(t, UsableCpus());
@@ -643,12 +652,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   }
   if (threads == 1) {  // the units one after another: unit 0 into y, each other one into
     // one reused buffer added into y as it is done (the sums, and so y, as with threads)
-    Columns(Blocks(p, 0, per_unit, p.y));
+    RunUnit(p, per_unit, 0, p.y);
     std::vector<float> buf(static_cast<size_t>(p.m * p.n));
     for (int64_t i = 1; i < units; ++i) {
       std::fill(buf.begin(), buf.end(), 0.0f);
-      Columns(Blocks(p, i * per_unit, std::min(blocks, (i + 1) * per_unit), buf.data()));
-      for (int64_t j = 0; j < p.m * p.n; ++j) p.y[j] += buf[static_cast<size_t>(j)];
+      RunUnit(p, per_unit, i, buf.data());
+      AddInto(p.y, buf);
     }
     return ffi::Error::Success();
   }
@@ -673,9 +682,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
 #endif
     std::this_thread::yield();
   }
-  for (const auto& buf : shared->partial) {  // y += each unit's accumulator, in unit order
-    for (int64_t i = 0; i < p.m * p.n; ++i) p.y[i] += buf[static_cast<size_t>(i)];
-  }
+  for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
   return ffi::Error::Success();
 }
 
