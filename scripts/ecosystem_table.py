@@ -43,7 +43,7 @@ def row(case: tm.Case) -> str:
     f"{jit_vs_eager:.1e} ({tc.float_jit_vs_eager(s):.1e})",
     "yes" if unchanged else "NO",
     "bit-equal" if tc.quantize_params_bit_equal(s) else "DIFFERS",
-    f"{q.eager_vs_served:.1e} ({q.forward_vs_served:.1e})",
+    f"{q.eager_vs_served:.1e} ({q.jit_vs_served:.1e})",
     f"{'yes' if q.grads_finite else 'NO'}, {q.grad_cosine_to_float:.4f}" if f32 else "-",
   ]
   return "| " + " | ".join(cells) + " |"

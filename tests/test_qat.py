@@ -130,10 +130,12 @@ def test_fake_quant_is_the_serving_round_trip(rng, shape, contract, scale_dtype,
 
 def assert_ste_identity(grads, float_grad, fq, x, y) -> None:
   """QAT `grads` equal `float_grad` (the float model's, jitted) at the fake-quantised
-  params `fq`: within 1e-6 of its float32 value, and as close to float64 as float32 is."""
+  params `fq`: within 1e-5 of its float32 value (QAT's forward runs the serving kernel, which
+  sums in another order than XLA's float product: the activations, hence the gradients,
+  differ in float32's last bits; measured 2e-6), and as close to float64 as float32 is."""
   ref32 = float_grad(jax.tree.map(jnp.asarray, fq), x, y)
   errs = tree_rel_errs(grads, ref32)
-  assert max(errs.values()) <= 1e-6, errs
+  assert max(errs.values()) <= 1e-5, errs
   with jax.enable_x64(True):
     ref64 = jax.tree.map(np.asarray, float_grad(f64(fq), f64(x), f64(y)))
   assert_as_accurate_as_float(grads, ref32, ref64)

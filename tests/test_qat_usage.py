@@ -16,6 +16,7 @@ import qwix
 from flax import nnx
 
 import q8rules
+from q8rules import kernels
 from q8rules.layout import WeightLayout
 from q8rules.providers.qat import fake_quant_ste
 from tests._qat_models import (
@@ -58,8 +59,10 @@ def test_qat_provider_wants_a_q8rule():
     q8rules.Q8QatProvider([qwix.QtRule(weight_qtype="int8")])
 
 
-def test_serving_only_options_are_ignored_and_reported(rng):
-  """implementation/interpret pick the serving kernel, not the value: QAT accepts them."""
+def test_serving_options_choose_the_forward_kernel(rng):
+  """implementation/interpret pick the kernel QAT's forward runs, as they pick the served
+  model's; a shape the named implementation cannot run (the fold at 12 rows > its 8) runs on
+  the default one, said in the report. The values agree within float32 summation order."""
   x, _ = data(rng)
   model = LinenNet()
   params = linen_params(model, x, rng)
@@ -73,8 +76,10 @@ def test_serving_only_options_are_ignored_and_reported(rng):
       np.asarray(jax.jit(qwix.quantize_model(model, provider).apply)({"params": params}, x))
     )
     reports.append(provider.report())
-  np.testing.assert_array_equal(outs[0], outs[1])
-  assert "implementation/interpret apply when serving" in reports[1].ops[0].note
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+  default = kernels.resolve(12, 64, 96, jnp.float32)
+  assert f"forward: the served product ({default})" in reports[0].ops[0].note
+  assert "implementation='fold' cannot run this shape" in reports[1].ops[0].note
   assert "implementation" not in reports[0].ops[0].note
 
 

@@ -39,7 +39,8 @@ class Product:
     rhs: the other operand as the op got it (a float param, a Qwix `WithAux`, or an array).
     make_layout: the weight's shape -> the product's layout (raises `UnsupportedProduct`).
     precision, preferred_element_type: the op's own.
-    run: `run(weight, precision)`, the op itself with `weight` for `rhs` (in float).
+    run: `run(lhs, weight, precision)`, the op itself on `lhs` with `weight` for `rhs` (in
+      float); it closes over no array, so it can run on other operands (a tangent).
   """
 
   rule: Q8Rule | None
@@ -49,7 +50,7 @@ class Product:
   make_layout: Callable[[tuple[int, ...]], ProductLayout]
   precision: Any
   preferred_element_type: Any
-  run: Callable[[Any, Any], jax.Array]
+  run: Callable[[Any, Any, Any], jax.Array]
 
 
 class RecordingProvider:
@@ -101,7 +102,7 @@ class RecordingProvider:
   ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, ...)` as the provider serves it."""
 
-    def run(weight: Any, precision: Any) -> jax.Array:
+    def run(lhs: jax.Array, weight: Any, precision: Any) -> jax.Array:
       return jax.lax.dot_general(
         lhs,
         weight,
@@ -155,7 +156,7 @@ class RecordingProvider:
       lambda shape: from_einsum(einsum_str, lhs.ndim, shape),
       precision,
       preferred_element_type,
-      lambda weight, precision: run(lhs, weight, precision=precision),
+      lambda lhs, weight, precision: run(lhs, weight, precision=precision),
     )
 
   def _serve_op(
@@ -166,7 +167,7 @@ class RecordingProvider:
     make_layout: Callable[[tuple[int, ...]], ProductLayout],
     precision: Any,
     preferred_element_type: Any,
-    run: Callable[[Any, Any], jax.Array],
+    run: Callable[[Any, Any, Any], jax.Array],
   ) -> jax.Array:
     """`_serve` of the product the op `op` ('dot_general', 'einsum': how rules name it) runs."""
     rule, op_id = current_rule_and_op_id(self, op)

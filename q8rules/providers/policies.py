@@ -90,6 +90,15 @@ def _base(found: Derived, view: WeightLayout) -> WeightLayout:
     raise ValueError(f"{found.name}: {views.describe(found.chain)}: {e}") from None
 
 
+def stored_how(found: Derived, view: WeightLayout, scale_dtype: str) -> Q8How:
+  """How the param of `found` is stored as Q8_0 for a product (or lookup) of layout `view` of
+  it: the param's own layout (an annotated split of a free axis moved to the front of N), its
+  scale dtype and float dtype."""
+  box = module_params(found.module)[found.name]
+  layout = stored_layout(_base(found, view), found.chain, annotation(box))
+  return Q8How(layout, scale_dtype, np.dtype(found.base.dtype).name)
+
+
 def _stored(
   provider: Any, found: Derived, view: WeightLayout, rule: Q8Rule | None, q: Quantizer
 ) -> Q8Weight:
@@ -100,8 +109,7 @@ def _stored(
   if weight is None:
     if rule is None:
       raise ValueError(f"{found.name}: no rule for a weight that is not stored as Q8_0")
-    layout = stored_layout(_base(found, view), found.chain, annotation(box))
-    how = Q8How(layout, np.dtype(rule.scale_dtype).name, np.dtype(found.base.dtype).name)
+    how = stored_how(found, view, np.dtype(rule.scale_dtype).name)
     weight = install(found.module, found.name, found.base, how, q)
   provider._run.weights[found.key] = weight.how.scale_dtype
   for op in found.chain:
@@ -203,12 +211,12 @@ def q8_lookup(provider: Any) -> Callable[[Q8Weight, Any, int, Any], jax.Array]:
 
 
 def fake_quant_operand(
-  provider: Any, found: Derived, rhs: Any, view: WeightLayout, scale_dtype: str, fq: FakeQuant
+  found: Derived, base: jax.Array, view: WeightLayout, scale_dtype: str, fq: FakeQuant
 ) -> jax.Array:
-  """The fake-quantised operand `rhs` (= `found`) of a matched product: the param's Q8_0 round
-  trip, then the operand's ops (what serving computes with)."""
-  provider._run.weights[found.key] = scale_dtype
-  return _round_trip(found, rhs, view, scale_dtype, fq)
+  """The fake-quantised operand of a matched product whose weight is `found` (of layout `view`)
+  with the param's value `base`: the param's Q8_0 round trip, then the operand's ops (what
+  serving computes with)."""
+  return _round_trip(found, views.apply(found.chain, base), view, scale_dtype, fq, base=base)
 
 
 def _narrows(found: Derived) -> bool:
@@ -223,20 +231,27 @@ def _narrows(found: Derived) -> bool:
 
 
 def _round_trip(
-  found: Derived, value: jax.Array, view: WeightLayout, scale_dtype: str, fq: FakeQuant
+  found: Derived,
+  value: jax.Array,
+  view: WeightLayout,
+  scale_dtype: str,
+  fq: FakeQuant,
+  *,
+  base: jax.Array | None = None,
 ) -> jax.Array:
   """The Q8_0 round trip of `value` = ops(param), of layout `view`, as serving computes with it.
 
   Transposes, reshapes and widening casts leave the values (hence the blocks) as they are, so
   the round trip of `value` itself is the served one. After a narrowing cast the served
-  values come from the param's own (wider) values: the param's round trip, then the ops
-  that move values (the casts left out: `fq` gives the values in the dtype serving
+  values come from the param's own (wider) values (`base`, by default `found.base`): the
+  param's round trip, then the ops that move values (the casts left out: `fq` gives the values in the dtype serving
   computes in, and the product's result is cast as serving casts it).
   """
   if not _narrows(found):
     return fq(value, view, scale_dtype)
   moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
-  return views.apply(moves, fq(found.base, _base(found, view), scale_dtype))
+  base = found.base if base is None else base
+  return views.apply(moves, fq(base, _base(found, view), scale_dtype))
 
 
 def fake_quant_lookup(provider: Any, fq: FakeQuant) -> Callable[..., jax.Array]:
@@ -287,5 +302,6 @@ __all__ = [
   "refuse_q8_lookup",
   "serve_lookup",
   "serve_operand",
+  "stored_how",
   "weight_note",
 ]

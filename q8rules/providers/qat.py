@@ -1,13 +1,13 @@
 """`Q8QatProvider`: quantization-aware training with Q8_0 fake quant.
 
-Params stay float. A matched product runs on the weight's Q8_0 round trip,
-`fake_quant(w)`, built from the serving path's own layout and quantizer, so the
-served model computes with exactly the values QAT trained against. The gradient
-is the straight-through estimator: the identity through the round trip (absmax
-scales clip nothing, so there is no mask). `implementation` and `interpret`
-choose the serving kernel and are ignored here, so one rule list serves both
-providers. A non-finite weight turns its 32-block NaN (the loss goes NaN, as in
-float training); `quantize_params` on such params raises, naming the param.
+Params stay float. A matched product's forward pass is the served model's own: the serving
+product (`Q8Provider`'s kernels, chosen by the rule's `implementation` and `interpret`) on
+the param's Q8_0 values, quantized as `Q8Provider` stores them, so a QAT model's outputs are
+its served model's bit for bit, in float32 and in bfloat16. Its derivatives are those of the
+product on the weight's Q8_0 round trip, `fake_quant(w)`, with the straight-through
+estimator: the identity through the round trip (absmax scales clip nothing, so there is no
+mask). A non-finite weight turns its 32-block NaN (the loss goes NaN, as in float training);
+`quantize_params` on such params raises, naming the param.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
+from q8rules import kernels
 from q8rules._qwix import QuantizationProvider, is_with_aux
 from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
 from q8rules.providers import policies, tracking
@@ -31,7 +33,11 @@ from q8rules.providers._common import (
   jnp_dot_dimension_numbers,
   op_where,
 )
+from q8rules.providers.placement import param_path
 from q8rules.providers.policies import FAKE_QUANT
+from q8rules.providers.q8_weight import Q8Weight
+from q8rules.providers.serving import quantize_weight, run_served, served_layout
+from q8rules.providers.tracking import Derived
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
 
@@ -158,7 +164,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
   ) -> jax.Array:
     """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
 
-    def run(weight: Any, precision: Any) -> jax.Array:
+    def run(a: jax.Array, weight: Any, precision: Any) -> jax.Array:
       return jnp.dot(
         a,
         weight,
@@ -178,58 +184,149 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       run,
     )
 
-  # ---- the fake quant ------------------------------------------------------
+  # ---- the product ---------------------------------------------------------
 
   def _serve(self, product: Product) -> jax.Array:
-    """The product on the matched float weight's Q8_0 round trip, computed as serving computes
-    it (in float32 at float32's precision, see `matched_precision`; the result in the
-    activations' dtype or `preferred_element_type`), or the op as it is."""
+    """The product on a matched float weight: forward, the serving product on the weight's
+    Q8_0 values (`qat_product`); derivatives, those of the product on its Q8_0 round trip
+    with the straight-through estimator. Any other op as it is."""
     lhs = product.lhs
-    fq = self._maybe_fake_quant(product.rule, product.op_id, lhs, product.rhs, product.make_layout)
-    if fq is product.rhs:
-      return product.run(fq, product.precision)
-    dtype = jnp.result_type(lhs, fq)
-    out = product.run(fq, matched_precision(product.precision, dtype, True))
-    return out.astype(product.preferred_element_type or lhs.dtype)
-
-  def _maybe_fake_quant(
-    self,
-    rule: Q8Rule | None,
-    op_id: str,
-    lhs: jax.Array,
-    rhs: Any,
-    make_layout: Callable[[tuple[int, ...]], ProductLayout],
-  ) -> Any:
-    """`rhs` fake-quantised when the rule matched and it is a float weight, else `rhs`."""
-    where = op_where(op_id)
-    if is_with_aux(rhs):
-      raise TypeError(
-        f"{where}: got a Q8 (serving) weight; Q8QatProvider trains float params. Run"
-        " Q8 params with the Q8Provider model, and QAT with the float params."
-      )
-    matched = self._match_float_weight(rule, op_id, rhs, make_layout)
+    matched = self._matched_weight(product)
     if matched is None:
-      return rhs
+      return product.run(lhs, product.rhs, product.precision)
+    found, layout, scale_dtype = matched
+    self._run.weights[found.key] = scale_dtype  # a later lookup of the param is fake-quantised
+    rule = forward_rule(product.rule, lhs, layout.weight)
+    paths: list[str] = []
+    f = qat_product(product, found, layout.weight, scale_dtype, rule, paths)
+    out = f(lhs, found.base)
+    notes = [f"forward: the served product ({paths[-1]})"] if paths else []
+    if rule is not product.rule:
+      notes.append(
+        f"implementation={product.rule.implementation!r} cannot run this shape: the default"
+        " implementation ran it"
+      )
+    self._record_fake_quant(product, layout, scale_dtype, found.base.dtype, notes)
+    return out
+
+  def _matched_weight(self, product: Product) -> tuple[Derived, ProductLayout, str] | None:
+    """The param the matched float weight `product.rhs` is, the product's layout and the
+    rule's scale dtype; None when the op stays float (recorded). Refuses a Q8 weight."""
+    if is_with_aux(product.rhs):
+      raise TypeError(
+        f"{op_where(product.op_id)}: got a Q8 (serving) weight; Q8QatProvider trains float"
+        " params. Run Q8 params with the Q8Provider model, and QAT with the float params."
+      )
+    rule = product.rule
+    matched = self._match_float_weight(rule, product.op_id, product.rhs, product.make_layout)
+    if matched is None:
+      return None
     found, layout = matched
-    scale_dtype = np.dtype(rule.scale_dtype)
+    return found, layout, np.dtype(rule.scale_dtype).name
+
+  def _record_fake_quant(
+    self,
+    product: Product,
+    layout: ProductLayout,
+    scale_dtype: str,
+    dtype: Any,
+    notes: list[str],
+  ) -> None:
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
-    notes = [f"K padded {k} -> {k_pad}"] if k_pad != k else []
-    if rule.implementation is not None or rule.interpret is not None:
-      notes.append("implementation/interpret apply when serving")
+    notes = ([f"K padded {k} -> {k_pad}"] if k_pad != k else []) + notes
     self._record(
-      rule,
-      op_id,
+      product.rule,
+      product.op_id,
       FAKE_QUANT,
       weight_shape=weight.shape,
-      m=math.prod(lhs.shape[a] for a in layout.lhs_free),
+      m=math.prod(product.lhs.shape[a] for a in layout.lhs_free),
       k=k,
       n=n,
-      float_bytes=k * n * np.dtype(rhs.dtype).itemsize,
-      q8_bytes=k_pad * n + (k_pad // BLOCK) * n * scale_dtype.itemsize,
+      float_bytes=k * n * np.dtype(dtype).itemsize,
+      q8_bytes=k_pad * n + (k_pad // BLOCK) * n * np.dtype(scale_dtype).itemsize,
       note="; ".join(notes),
     )
-    # the param's round trip, then rhs's astype / .T / reshape of it
-    return policies.fake_quant_operand(
-      self, found, rhs, weight, scale_dtype.name, served_round_trip
+
+
+def forward_rule(rule: Q8Rule, lhs: jax.Array, view: WeightLayout) -> Q8Rule:
+  """The rule QAT's forward serves a product by: `rule`, unless none of its `implementation`s
+  can run the product's shape (a rule naming the fold for decode shapes, on a training
+  batch), then the same rule with the default implementation (the served model would refuse
+  that shape; training runs it). `lhs`: the op's activation; `view`: the weight's layout."""
+  if rule.implementation is None:
+    return rule
+  m = math.prod(lhs.shape) // max(view.k, 1)
+  try:
+    kernels.resolve(m, view.k_padded, view.n, lhs.dtype, implementation=rule.implementation)
+  except ValueError:
+    return dataclasses.replace(rule, implementation=None)
+  return rule
+
+
+def qat_product(
+  product: Product,
+  found: Derived,
+  view: WeightLayout,
+  scale_dtype: str,
+  rule: Q8Rule,
+  paths: list[str],
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`f(lhs, param)`: the product `product` runs with its weight `found` (of layout `view`) of
+  the param's value `param`, as QAT computes it; `rule` gives the forward's implementation
+  (`forward_rule`).
+
+  Forward: exactly what the served model computes, the serving product
+  (`serving.run_served`, the rule's `implementation` and `interpret`) on the param's Q8_0
+  values, stored as `Q8Provider` stores them and viewed as the op's operand is, so the QAT
+  model's outputs are the served model's bit for bit in every dtype. Derivative: that of the
+  op on the weight's Q8_0 round trip (`fake_quant_ste`, the straight-through estimator), in
+  float32 at float32's precision (`matched_precision`) for a float32 product. `paths` gets
+  the implementation the forward ran (for the report).
+
+  Returns:
+    f(lhs (the op's activation), param (the param's float value)) -> the op's output in
+    `product.preferred_element_type` or lhs's dtype.
+  """
+  where = op_where(product.op_id)
+  how = policies.stored_how(found, view, scale_dtype)
+  name = param_path(found.module, found.name)
+  chain, operand = found.chain, product.rhs
+  out_dtype = product.preferred_element_type or product.lhs.dtype
+
+  def fake_quant_product(lhs: jax.Array, param: jax.Array) -> jax.Array:
+    fq = policies.fake_quant_operand(found, param, view, scale_dtype, served_round_trip)
+    precision = matched_precision(product.precision, jnp.result_type(lhs, fq), True)
+    return product.run(lhs, fq, precision).astype(out_dtype)
+
+  @jax.custom_jvp
+  def f(lhs: jax.Array, param: jax.Array) -> jax.Array:
+    q8 = Q8Weight(
+      array=quantize_weight(param, how, name=name, check_finite=False), how=how, name=name
     )
+    for op in chain:
+      q8 = q8.view(op)
+    layout = served_layout(q8, product.make_layout, where)
+    y, path = run_served(lhs, q8, layout, rule, operand, product.preferred_element_type, where)
+    paths.append(path)
+    return y.astype(out_dtype)
+
+  def f_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[jax.Array, jax.Array]:
+    lhs, param = primals
+    y = f(lhs, param)
+    live = [not isinstance(t, SymbolicZero) for t in tangents]
+    if not any(live):
+      return y, jnp.zeros_like(y)
+    args = [p for p, on in zip(primals, live, strict=True) if on]
+    dargs = [t for t, on in zip(tangents, live, strict=True) if on]
+
+    def of_live(*xs: jax.Array) -> jax.Array:
+      it = iter(xs)
+      return fake_quant_product(
+        *(next(it) if on else p for p, on in zip(primals, live, strict=True))
+      )
+
+    return y, jax.jvp(of_live, args, dargs)[1]
+
+  f.defjvp(f_jvp, symbolic_zeros=True)
+  return f

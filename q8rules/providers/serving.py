@@ -184,29 +184,10 @@ class Q8Provider(RecordingProvider, PtqProvider):
     preferred_element_type = product.preferred_element_type
     served = self._served_weight(rule, op_id, rhs, product.make_layout)
     if served is None:
-      return product.run(rhs, product.precision)
+      return product.run(lhs, rhs, product.precision)
     q8, layout = served
     how, weight = q8.how, q8.array
-    where = op_where(op_id)
-    options = {
-      "implementation": rule.implementation if rule is not None else None,
-      "interpret": rule.interpret if rule is not None else None,
-    }
-    try:
-      layout.check_lhs(tuple(lhs.shape))
-      # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
-      # layer's own arrays (a `LayerSlice` is read in place only unsplit; unused, XLA drops
-      # the slice)
-      whole = weight.take() if isinstance(weight, LayerSlice) else weight
-      ran = provider_product(lhs, whole, layout, operand=rhs, **options)
-      if ran is None:
-        y2d, path = kernels.run_product(
-          layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
-        )
-        ran = layout.output(y2d, tuple(lhs.shape)), path
-    except (TypeError, ValueError, NotImplementedError) as e:
-      raise type(e)(f"{where}: {e}") from e
-    y, path = ran
+    y, path = run_served(lhs, q8, layout, rule, rhs, preferred_element_type, op_where(op_id))
     m = math.prod(lhs.shape[a] for a in layout.lhs_free)
     k, k_pad, n = layout.weight.k, layout.weight.k_padded, layout.weight.n
     self._record(
@@ -241,23 +222,79 @@ class Q8Provider(RecordingProvider, PtqProvider):
         return None
       # its param stored as Q8_0 (sharding annotation carried over), served as rhs's view of it
       rhs = policies.serve_operand(self, rule, matched[0], matched[1].weight, self._quantize_now)
-    how, weight = rhs.how, rhs.array
-    try:
-      layout = conform(make_layout(how.layout.shape), how.layout)
-    except UnsupportedProduct as e:
-      raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
-    if layout is None:
-      raise ValueError(
-        f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
-        f" {make_layout(how.layout.shape).weight}"
+    return rhs, served_layout(rhs, make_layout, where)
+
+
+def served_layout(
+  q8: WithAux, make_layout: Callable[[tuple[int, ...]], ProductLayout], where: str
+) -> ProductLayout:
+  """The layout of a product on the Q8 weight `q8`, conformed to how the weight is laid out
+  (`make_layout`: the weight's shape -> the op's layout). Raises ValueError, naming the op,
+  when the weight cannot serve the product."""
+  how, weight = q8.how, q8.array
+  try:
+    layout = conform(make_layout(how.layout.shape), how.layout)
+  except UnsupportedProduct as e:
+    raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
+  if layout is None:
+    raise ValueError(
+      f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
+      f" {make_layout(how.layout.shape).weight}"
+    )
+  k_pad, n = layout.weight.k_padded, layout.weight.n
+  if tuple(weight.shape) != (k_pad, n):
+    raise ValueError(
+      f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
+      f" layout ({k_pad}, {n})"
+    )
+  return layout
+
+
+def run_served(
+  lhs: jax.Array,
+  q8: WithAux,
+  layout: ProductLayout,
+  rule: Q8Rule | None,
+  operand: Any,
+  preferred_element_type: Any,
+  where: str,
+) -> tuple[jax.Array, str]:
+  """`lhs` times the Q8 weight `q8` (laid out for this product as `layout`) as serving runs
+  it: per shard where a mesh splits the weight (`provider_product`), else whole through
+  `kernels.run_product` with the rule's `implementation` and `interpret`.
+
+  Args:
+    lhs: the activation as the op got it (any rank; float32, bfloat16 or float16).
+    q8: the Q8 weight (a `Q8Weight` or Qwix `WithAux(Q8Array (K_padded, N), Q8How)`).
+    layout: the product's layout, conformed to the weight's (`Q8Provider._served_weight`).
+    rule: the matched rule (None: the defaults).
+    operand: the op's own weight operand (how a mesh plan finds its param).
+    preferred_element_type: the op's own.
+    where: how errors name the op ('module/path/op_id').
+
+  Returns:
+    (y in the op's output shape, computed in float32 and not yet cast; the path it took).
+  """
+  weight = q8.array
+  options = {
+    "implementation": rule.implementation if rule is not None else None,
+    "interpret": rule.interpret if rule is not None else None,
+  }
+  try:
+    layout.check_lhs(tuple(lhs.shape))
+    # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
+    # layer's own arrays (a `LayerSlice` is read in place only unsplit; unused, XLA drops
+    # the slice)
+    whole = weight.take() if isinstance(weight, LayerSlice) else weight
+    ran = provider_product(lhs, whole, layout, operand=operand, **options)
+    if ran is None:
+      y2d, path = kernels.run_product(
+        layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
       )
-    k_pad, n = layout.weight.k_padded, layout.weight.n
-    if tuple(weight.shape) != (k_pad, n):
-      raise ValueError(
-        f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
-        f" layout ({k_pad}, {n})"
-      )
-    return rhs, layout
+      ran = layout.output(y2d, tuple(lhs.shape)), path
+  except (TypeError, ValueError, NotImplementedError) as e:
+    raise type(e)(f"{where}: {e}") from e
+  return ran
 
 
 def _quantize_stacked(w: jax.Array, how: Q8How, name: str, *, check_finite: bool) -> Q8Array:

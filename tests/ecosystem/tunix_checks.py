@@ -118,22 +118,24 @@ def quantize_params_bit_equal(s: Served) -> bool:
 
 @dataclasses.dataclass
 class Qat:
-  """QAT against serving: `forward_vs_served` is QAT under `nnx.jit` against the served model
-  eagerly; `eager_vs_served` both eagerly (op by op, where XLA rounds every bfloat16 result)."""
+  """QAT against serving: `eager_vs_served` is both models eagerly (op by op), `jit_vs_served`
+  both under `nnx.jit` (QAT's forward from its `nnx.jit(nnx.value_and_grad)` step where the
+  gradients are taken)."""
 
-  forward_vs_served: float
   eager_vs_served: float
+  jit_vs_served: float
   grads_finite: bool
   grad_cosine_to_float: float
 
 
 def qat(s: Served, with_grads: bool = True) -> Qat:
-  """QAT on the same model: its forward pass under `nnx.jit` against the served one, and its
-  gradient (`nnx.jit(nnx.value_and_grad)`, one compile for both) against the float model's."""
+  """QAT on the same model: its forward pass eagerly and under `nnx.jit` against the served
+  model's, and its gradient (`nnx.jit(nnx.value_and_grad)`, one compile for both) against the
+  float model's."""
   model = qwix.quantize_model(s.model, q8rules.Q8QatProvider([q8rules.Q8Rule()]), *s.args)
   eager = rel_err(forward(model, s.args), s.eager)
   if not with_grads:
-    return Qat(rel_err(jit_forward(model, s.args), s.eager), eager, True, float("nan"))
+    return Qat(eager, rel_err(jit_forward(model, s.args), s.jitted), True, float("nan"))
 
   def loss(m: nnx.Module) -> tuple[jax.Array, jax.Array]:
     logits = forward(m, s.args)
@@ -147,7 +149,7 @@ def qat(s: Served, with_grads: bool = True) -> Qat:
   (_, _), g_float = step(s.model)
   g, g_float = flat(g), flat(g_float)
   cosine = float(g @ g_float / np.linalg.norm(g) / np.linalg.norm(g_float))
-  return Qat(rel_err(out, s.eager), eager, bool(np.isfinite(g).all()), cosine)
+  return Qat(eager, rel_err(out, s.jitted), bool(np.isfinite(g).all()), cosine)
 
 
 __all__ = [
