@@ -38,7 +38,8 @@ SHAPES = [
   (1, 256, 200),
   (64, 96, 33),
   (5, 1024, 1100),  # big enough to split the columns across threads
-  (1, 2048, 2051),
+  (1, 2048, 2051),  # one wide row: q streamed whole rows at a time
+  (1, 96, 4160),  # ... in two column stretches (4096 + 64)
 ]
 
 
@@ -81,7 +82,7 @@ from q8rules.kernels import cpu_native
 from tests._utils import random_q8, random_x
 rng = np.random.default_rng(7)
 f = jax.jit(cpu_native.q8_matmul_cpu)
-for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576)]:
+for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576), (1, 1024, 4160)]:
   q, scale = random_q8(rng, k, n)
   x = random_x(rng, (m, k))
   out = np.asarray(f(x, q, scale))
@@ -111,6 +112,20 @@ def test_output_does_not_depend_on_the_threads():
   assert [r[4] for r in one] == [r[4] for r in many]  # the same bytes
   assert all(r[3] == "1" for r in one)
   assert any(int(r[3]) > 1 for r in many)  # these shapes do split over the CPUs
+
+
+@pytest.mark.parametrize("n", [2051, 4160])
+def test_one_row_streamed_equals_the_register_tiles(rng, n):
+  """One wide x row runs the row-streaming loop (q read a few whole rows at a time), two rows
+  the register tiles; each column's sum is the same FMAs in the same order, so a row's output
+  is the same bytes either way."""
+  if not cpu_native.has_avx2():
+    pytest.skip("this CPU has no AVX2/FMA/F16C")
+  q, scale = random_q8(rng, 96, n, np.float16)
+  x = random_x(rng, (2, 96))
+  f = jax.jit(cpu_native.q8_matmul_cpu)
+  one, two = np.asarray(f(x[:1], q, scale)), np.asarray(f(x, q, scale))
+  assert one.tobytes() == two[:1].tobytes()
 
 
 def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):

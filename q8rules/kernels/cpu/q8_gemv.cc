@@ -238,8 +238,52 @@ Q8_AVX2 void TileRows(int64_t mr, const Problem& p, int64_t b, int64_t col, int6
   }
 }
 
-// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. A 64-column
-// stretch (one cache line of each q row) is one 1 x 64 register tile at
+// One x row against columns [c0, c1) of block b (c1 - c0 a multiple of 8 * NV, at most
+// kStreamColumns), reading q R rows at a time over the whole stretch: R long sequential
+// streams, which the 2-core EPYC of issue 21 reads up to twice as fast as the 32 short ones
+// of the register tiles (K = N = 4096 from DRAM, 1 / 2 threads: 11.8 / 19.9 GB/s against
+// 8.1 / 12.5; RESULTS.md). The block's partial sums s (one per column) go through s_buf (L1)
+// between passes; each column's sum is still fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row
+// order and then y = fma(d, s, y), so the result is Tile<1, 8>'s bit for bit. Below
+// kStreamMinColumns columns the rows are short streams anyway and the tiles, with twice the
+// independent FMA chains, were as fast or faster (576 and 1536 columns), so they run there.
+constexpr int64_t kStreamRows = 8;
+constexpr int64_t kStreamColumns = 4096;
+constexpr int64_t kStreamMinColumns = 2048;
+
+template <int R, int NV>
+Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
+                          float* s_buf) {
+  const int8_t* qb = p.q + b * kBlock * p.n;
+  const float* xb = p.x + m0 * p.ldx + b * kBlock;
+  float* yr = p.y + m0 * p.n;
+  for (int64_t r0 = 0; r0 < kBlock; r0 += R) {
+    __m256 xv[R];
+    for (int i = 0; i < R; ++i) xv[i] = _mm256_broadcast_ss(xb + r0 + i);
+    const bool first = r0 == 0, last = r0 + R == kBlock;
+    for (int64_t c = c0; c < c1; c += 8 * NV) {
+      float* sc = s_buf + (c - c0);
+      __m256 acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sc + 8 * v);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qr = qb + (r0 + i) * p.n + c;
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(xv[i], Load8(qr + 8 * v), acc[v]);
+      }
+      if (!last) {
+        for (int v = 0; v < NV; ++v) _mm256_store_ps(sc + 8 * v, acc[v]);
+        continue;
+      }
+      for (int v = 0; v < NV; ++v) {
+        float* yc = yr + c + 8 * v;
+        _mm256_storeu_ps(yc, _mm256_fmadd_ps(LoadScale8(p, b, c + 8 * v), acc[v], _mm256_loadu_ps(yc)));
+      }
+    }
+  }
+}
+
+// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
+// kStreamMinColumns columns streams q whole rows at a time (StreamBlock1). Otherwise a
+// 64-column stretch (one cache line of each q row) is one 1 x 64 register tile at
 // mg = 1, two 2 x 32 or 3 x 32 tiles at mg = 2, 3, and 16-column tiles of up
 // to 6 rows otherwise (from float32 converted once per stretch when mg > 6) (12 accumulators + 2 q vectors + 1 broadcast fit AVX2's
 // 16 registers). Columns past the last multiple of 64 go 8 at a time, and
@@ -249,11 +293,13 @@ Q8_AVX2 void ColumnsAvx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, i
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n8 = n0 + (w & ~int64_t{7});
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    for (int64_t c = n0; c < n64; c += 64) {
-      if (mg == 1) {
-        Tile<1, 8>(p, b, c, m0);
-        continue;
-      }
+    const bool stream = mg == 1 && w >= kStreamMinColumns;
+    if (stream) {  // one x row, wide: q streamed a few whole rows at a time (StreamBlock1)
+      alignas(32) float s_buf[kStreamColumns];
+      for (int64_t c = n0; c < n64; c += kStreamColumns)
+        StreamBlock1<kStreamRows, 4>(p, b, c, std::min(n64, c + kStreamColumns), m0, s_buf);
+    }
+    for (int64_t c = n0; c < n64 && !stream; c += 64) {
       if (mg == 2) {  // 2 x 32 columns: 8 accumulators, half the conversions of 2 x 16
         Tile<2, 4>(p, b, c, m0);
         Tile<2, 4>(p, b, c + 32, m0);
