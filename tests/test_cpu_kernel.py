@@ -40,6 +40,7 @@ SHAPES = [
   (5, 1024, 1100),  # big enough to split the columns across threads
   (1, 2048, 2051),  # one wide row: q streamed whole rows at a time
   (1, 96, 4160),  # ... in two column stretches (4096 + 64)
+  (1, 64, 250),  # ... and a narrow one
 ]
 
 
@@ -114,9 +115,9 @@ def test_output_does_not_depend_on_the_threads():
   assert any(int(r[3]) > 1 for r in many)  # these shapes do split over the CPUs
 
 
-@pytest.mark.parametrize("n", [2051, 4160])
+@pytest.mark.parametrize("n", [200, 2051, 4160])
 def test_one_row_streamed_equals_the_register_tiles(rng, n):
-  """One wide x row runs the row-streaming loop (q read a few whole rows at a time), two rows
+  """One wide (or narrow: <= 256 columns) x row runs the row-streaming loop (q read a few whole rows at a time), two rows
   the register tiles; each column's sum is the same FMAs in the same order, so a row's output
   is the same bytes either way."""
   if not cpu_native.has_avx2():

@@ -244,12 +244,16 @@ Q8_AVX2 void TileRows(int64_t mr, const Problem& p, int64_t b, int64_t col, int6
 // of the register tiles (K = N = 4096 from DRAM, 1 / 2 threads: 11.8 / 19.9 GB/s against
 // 8.1 / 12.5; RESULTS.md). The block's partial sums s (one per column) go through s_buf (L1)
 // between passes; each column's sum is still fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row
-// order and then y = fma(d, s, y), so the result is Tile<1, 8>'s bit for bit. Below
-// kStreamMinColumns columns the rows are short streams anyway and the tiles, with twice the
-// independent FMA chains, were as fast or faster (576 and 1536 columns), so they run there.
+// order and then y = fma(d, s, y), so the result is Tile<1, 8>'s bit for bit. Between
+// kStreamNarrowColumns and kStreamMinColumns columns the tiles, with twice the independent
+// FMA chains, were as fast or faster (576 and 1536 columns); at or below
+// kStreamNarrowColumns (GQA's k and v projections: 192, 256 columns) a block's rows are a
+// few KiB of contiguous memory that the tiles would cut into a few short passes, and the
+// stream, reading it in order, took 0.75-0.8x their time (576 x 192, 2048 x 256).
 constexpr int64_t kStreamRows = 8;
 constexpr int64_t kStreamColumns = 4096;
 constexpr int64_t kStreamMinColumns = 2048;
+constexpr int64_t kStreamNarrowColumns = 256;
 
 template <int R, int NV>
 Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
@@ -282,7 +286,8 @@ Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, i
 }
 
 // Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
-// kStreamMinColumns columns streams q whole rows at a time (StreamBlock1). Otherwise a
+// kStreamMinColumns columns, or 64 to kStreamNarrowColumns, streams q whole rows at a time
+// (StreamBlock1). Otherwise a
 // 64-column stretch (one cache line of each q row) is one 1 x 64 register tile at
 // mg = 1, two 2 x 32 or 3 x 32 tiles at mg = 2, 3, and 16-column tiles of up
 // to 6 rows otherwise (from float32 converted once per stretch when mg > 6) (12 accumulators + 2 q vectors + 1 broadcast fit AVX2's
@@ -293,8 +298,9 @@ Q8_AVX2 void ColumnsAvx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, i
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n8 = n0 + (w & ~int64_t{7});
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    const bool stream = mg == 1 && w >= kStreamMinColumns;
-    if (stream) {  // one x row, wide: q streamed a few whole rows at a time (StreamBlock1)
+    const bool stream =
+        mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
+    if (stream) {  // one x row: q streamed a few whole rows at a time (StreamBlock1)
       alignas(32) float s_buf[kStreamColumns];
       for (int64_t c = n0; c < n64; c += kStreamColumns)
         StreamBlock1<kStreamRows, 4>(p, b, c, std::min(n64, c + kStreamColumns), m0, s_buf);
