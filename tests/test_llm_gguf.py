@@ -26,9 +26,9 @@ ARCHS = ("llama", "qwen2")
 
 
 @functools.cache
-def model(arch: str, kind: str) -> GGUFModel:
+def model(arch: str, kind: str, fuse: bool = True) -> GGUFModel:
   """The committed tiny model, float32 activations (loaded once per session)."""
-  return load_gguf(DATA / f"tiny-{arch}-{kind}.gguf", dtype=jnp.float32)
+  return load_gguf(DATA / f"tiny-{arch}-{kind}.gguf", dtype=jnp.float32, fuse=fuse)
 
 
 @functools.cache
@@ -64,8 +64,10 @@ def test_config_from_metadata(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_params_keep_the_files_tensors(arch):
-  """Every Q8_0 tensor is a Q8Array with the file's int8 values and float16 scales; floats as stored."""
-  m = model(arch, "q8_0")
+  """Every Q8_0 tensor is a Q8Array with the file's int8 values and float16 scales; floats as
+  stored (loaded unfused: one param per file tensor; the fused params are the next test's)."""
+  m = model(arch, "q8_0", fuse=False)
+  assert not m.config.fused_qkv and not m.config.fused_gate_up
   flat = q8rules.checkpoint.assign.flatten(m.params)
   with ckpt_gguf.load(DATA / f"tiny-{arch}-q8_0.gguf") as ckpt:
     from q8rules.llm.tensors import tensor_slots
@@ -82,6 +84,40 @@ def test_params_keep_the_files_tensors(arch):
       else:
         assert np.asarray(got).dtype == want.dtype, name
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "f32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_params_concatenate_the_files_tensors(arch, kind):
+  """`fuse=True` (the default) gives each layer one q | k | v and one gate | up matrix: the
+  unfused params (the file's tensors) concatenated along the output axis, Q8_0 values and
+  scales as they are (qwen2's q, k, v biases too); the logits are the unfused model's."""
+  fused, apart = model(arch, kind), model(arch, kind, fuse=False)
+  assert fused.config.fused_qkv and fused.config.fused_gate_up
+  f = fused.params["layers"]
+  a = apart.params["layers"]
+
+  def values(p):  # a Q8 weight's Q8Array (its metadata names the param), or the array
+    return getattr(p, "array", p)
+
+  def concat(*parts):
+    parts = [values(p) for p in parts]
+    return jax.tree.map(lambda *x: np.concatenate([np.asarray(v) for v in x], axis=-1), *parts)
+
+  def same(got, want):
+    got, want = jax.tree.leaves(values(got)), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+      assert np.asarray(g).dtype == w.dtype
+      np.testing.assert_array_equal(np.asarray(g), w)
+
+  leaves = ("kernel", "bias") if fused.config.qkv_bias else ("kernel",)
+  for leaf in leaves:
+    same(f["attn"]["qkv"][leaf], concat(*(a["attn"][n][leaf] for n in ("q", "k", "v"))))
+  same(f["mlp"]["up"]["kernel"], concat(a["mlp"]["gate"]["kernel"], a["mlp"]["up"]["kernel"]))
+  assert "gate" not in f["mlp"] and not {"q", "k", "v"} & set(f["attn"])
+  ids = refs(arch)["q8_tokens"]
+  assert rel_l2(fused.logits(ids), apart.logits(ids)) < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "f32"])

@@ -31,6 +31,8 @@ from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
 from q8rules.llm import compile_cache  # issue 21 hook
 from q8rules.llm.config import config_from_metadata
 from q8rules.llm.distributed import check_mesh
+from q8rules.llm.fuse import Fusion, fused_paths
+from q8rules.llm.fuse import plan as fuse_plan
 from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.stacked import StackedTensors
 from q8rules.llm.tensors import TensorSlot, check_tensors, q8_rule, tensor_slots
@@ -120,6 +122,7 @@ def load_gguf(
   mesh: Any = None,
   dequantize_other: bool = False,
   progress: bool | None = None,
+  fuse: bool = True,
 ) -> GGUFModel:
   """Load a llama.cpp GGUF model (an arch of `q8rules.llm.SUPPORTED_ARCHS`) to run in JAX.
 
@@ -138,6 +141,10 @@ def load_gguf(
     dequantize_other: load tensors of other quantized types (Q4_0, Q4_K, ...)
       as float32, with a warning; by default they are refused.
     progress: a tqdm bar over tensors (None: when stderr is a terminal).
+    fuse: each layer's q | k | v and gate | up matrices concatenated along their output
+      axis at load, one product each (`q8rules.llm.fuse`: the file's Q8_0 values and
+      scales as they are, the same output columns; `config.fused_qkv` / `fused_gate_up`
+      say what was fused). Not on a mesh, nor for blocks that run unrolled.
 
   Returns:
     A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
@@ -154,12 +161,12 @@ def load_gguf(
     path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
   )
   try:
-    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress)
+    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse)
   finally:
     ckpt.close()
 
 
-def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFModel:
+def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool) -> GGUFModel:
   meta = ckpt.metadata
   shapes = {name: ckpt.gguf_shape(name) for name in ckpt}
   embd = shapes.get("token_embd.weight")
@@ -187,12 +194,15 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None) -> GGUFMod
       f" (dequantize_other=True): {', '.join(other[:8])}{' ...' if len(other) > 8 else ''}",
       stacklevel=3,
     )
+  fusion = fuse_plan(ckpt, config, slots) if fuse and mesh is None else Fusion(config, {}, {})
   q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
+  q8_paths = fused_paths(q8_paths, fusion)
+  config = fusion.config  # the model's (the file's slots stay `slots`)
   model: nn.Module = Transformer(config)
   provider = Q8Provider([q8_rule(q8_paths)]) if q8_paths else None
   if provider is not None:
     model = qwix.quantize_model(model, provider)
-  tensors = StackedTensors(ckpt, slots)
+  tensors = StackedTensors(ckpt, slots, fusion.slots)
   names = tensors.name_map(slots)
   abstract = _abstract_params(model, provider, config, tensors, names)
   if mesh is not None:
