@@ -64,3 +64,42 @@ def test_get_stacked_equals_stacking(tmp_path, rng):
   np.testing.assert_array_equal(got.scale, np.stack([p.scale for p in parts]))
   assert (got.axis, got.dtype) == (parts[0].axis, parts[0].dtype)
   assert ckpt.get_stacked([*names, "blk.0.ffn_down.weight"]) is None  # two shapes
+
+
+def test_native_repack_into_a_column_range(rng):
+  """The repack writes a column range of a wider matrix (load_gguf's fused q | k | v and
+  gate | up) and leaves the other columns alone."""
+  if not cpu_native.available():
+    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  raw = random_blocks(rng, 1, 40, 3)
+  wide = np.full((1, 96, 100), 99, np.int8)
+  assert cpu_native.repack_q8_transposed(raw, wide[:, :, 30:70])
+  qs = raw.view(block_dtype("<"))["qs"].reshape(1, 40, 96)
+  np.testing.assert_array_equal(wide[:, :, 30:70], np.swapaxes(qs, -1, -2))
+  assert (wide[:, :, :30] == 99).all() and (wide[:, :, 70:] == 99).all()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_get_fused_equals_concatenating_the_stacks(tmp_path, rng, monkeypatch, native):
+  """`get_fused` (each member's per-layer tensors straight into its columns) equals
+  `get_stacked` of each member concatenated along N, with the native repack and without it
+  (numpy's gather and XLA's transpose, what a host without the library runs)."""
+  members = {"attn_q": 64, "attn_k": 32, "attn_v": 32}
+  tensors = {
+    f"blk.{i}.{m}.weight": (q8_bytes(weights(rng, rows, 96)), T.Q8_0)
+    for i in range(3)
+    for m, rows in members.items()
+  }
+  path = tmp_path / "m.gguf"
+  write_gguf(path, tensors)
+  ckpt = ckpt_gguf.load(path)
+  groups = [[f"blk.{i}.{m}.weight" for i in range(3)] for m in members]
+  stacks = [ckpt.get_stacked(g) for g in groups]
+  if not native:
+    monkeypatch.setattr(cpu_native, "repack_q8_transposed", lambda *a: False)
+  got = ckpt.get_fused(groups)
+  assert got.q.shape == (3, 96, 128) and got.scale.shape == (3, 3, 128)
+  assert got.axis == stacks[0].axis and got.dtype == stacks[0].dtype
+  np.testing.assert_array_equal(got.q, np.concatenate([s.q for s in stacks], axis=-1))
+  np.testing.assert_array_equal(got.scale, np.concatenate([s.scale for s in stacks], axis=-1))
+  assert ckpt.get_fused([groups[0], groups[1][:2]]) is None  # members of other lengths

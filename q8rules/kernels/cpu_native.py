@@ -189,27 +189,34 @@ def repack_q8_transposed(blocks: np.ndarray, out: np.ndarray) -> bool:
   Args:
     blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a float16 scale and
       32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF stores them.
-    out: (batch, K, rows) int8, C-contiguous (the (K, N) kernel layout).
+    out: (batch, K, rows) int8 whose last axis is contiguous: C-contiguous, or a column
+      range of a wider array (`wide[:, :, n0:n0 + rows]`, each (K, rows) a view with
+      `wide`'s row stride).
   """
   lib = _load()
   if lib is None:
     return False
   batch, k, rows = out.shape
   nb = k // 32
+  ldd = out.strides[1] if k > 1 else rows
   if (
     blocks.dtype != np.uint8
     or out.dtype != np.int8
-    or not (blocks.flags.c_contiguous and out.flags.c_contiguous)
+    or not blocks.flags.c_contiguous
+    or out.strides[2] != 1
+    or ldd < rows
+    or (batch > 1 and out.strides[0] != ldd * k)
     or k % 32
     or blocks.size != batch * rows * nb * 34
   ):
     raise ValueError(
       f"repack_q8_transposed: expected {batch * rows * nb * 34} C-contiguous uint8 bytes for"
-      f" an int8 out {out.shape}, got {blocks.size} {blocks.dtype} and {out.dtype}"
+      f" an int8 out {out.shape} with contiguous rows, got {blocks.size} {blocks.dtype} and"
+      f" {out.dtype} (strides {out.strides})"
     )
   ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-  lib.Q8RepackTransposed(
-    ptr(blocks.ctypes.data), ptr(out.ctypes.data), i64(batch), i64(rows), i64(nb)
+  lib.Q8RepackTransposedInto(
+    ptr(blocks.ctypes.data), ptr(out.ctypes.data), i64(batch), i64(rows), i64(nb), i64(ldd)
   )
   return True
 

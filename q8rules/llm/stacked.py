@@ -118,7 +118,14 @@ class StackedTensors(Mapping[str, Any]):
 
   def __getitem__(self, name: str) -> Any:
     if name in self._fused:
-      return _concat([self._stack(m) for m in self._fused[name]])
+      groups = self._fused[name]
+      get_fused = getattr(self._ckpt, "get_fused", None)  # one pass into the fused arrays
+      value = get_fused(groups) if get_fused is not None else None
+      if value is None:
+        return _concat([self._stack(m) for m in groups])
+      for n in (n for g in groups for n in g):
+        self._ckpt.release(n)
+      return value
     members = self._stacks.get(name)
     if members is None:
       value = self._ckpt[name]

@@ -315,6 +315,42 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       self.bytes_read += int(t.data.nbytes)
     return value
 
+  def get_fused(self, groups: Sequence[Sequence[str]]) -> Q8Array | None:
+    """Stacks of Q8_0 tensors concatenated along N in one pass: `groups[j]` are member j's
+    per-layer tensors (every group as long, all of one n_in), repacked straight into the
+    columns of one (layers, K, sum of the members' N) Q8Array in the kernel layout (what
+    `get_stacked` of each, concatenated, would be, without the copy). None where that does
+    not apply (another type or layout, mismatched shapes): stack and concatenate then."""
+    if self.layout != "kernel" or len({len(g) for g in groups}) != 1:
+      return None
+    infos = [[self._info(n) for n in g] for g in groups]
+    shapes = [{self.gguf_shape(n) for n in g} for g in groups]
+    if any(len(sh) != 1 or len(next(iter(sh))) != 2 for sh in shapes):
+      return None
+    rows = [next(iter(sh))[0] for sh in shapes]
+    n_in = {next(iter(sh))[1] for sh in shapes}
+    if len(n_in) != 1 or any(t.tensor_type != Q8_0 for g in infos for t in g):
+      return None
+    try:
+      value = _repack_q8_fused(
+        [[t.data for t in g] for g in infos],
+        rows,
+        n_in.pop(),
+        self._byteorder,
+        self.scale_dtype,
+        self.dtype,
+      )
+    except Exception as e:
+      raise CheckpointError(
+        f"{self.path}: tensors {groups[0][0]!r} ... {groups[-1][-1]!r} (Q8_0): cannot read"
+        f" them: {type(e).__name__}: {e}"
+      ) from e
+    for g, group_infos in zip(groups, infos, strict=True):
+      for n, t in zip(g, group_infos, strict=True):
+        self.repacked[n] += 1
+        self.bytes_read += int(t.data.nbytes)
+    return value
+
   def load_all(self, *, progress: bool | None = None) -> dict[str, Q8Array | np.ndarray]:
     """Every tensor, repacked now, in file order (a tqdm bar when `progress`; None:
     this checkpoint's `progress`, and auto when that is None too)."""
@@ -406,6 +442,33 @@ def _repack_q8_layers(
     else:
       q[i] = gathered.reshape(q_shape)
   return Q8Array(q=q.reshape(n, *q_shape), scale=scale, axis=axis, dtype=dtype)
+
+
+def _repack_q8_fused(
+  datas: Sequence[Sequence[np.ndarray]],
+  rows: Sequence[int],
+  n_in: int,
+  byteorder: str,
+  scale_dtype: np.dtype,
+  dtype: np.dtype,
+) -> Q8Array:
+  """Member j's per-layer tensors (`datas[j]`, each (rows[j], n_in) as 34-byte blocks) repacked
+  into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
+  layout: each value copied once, straight into its place."""
+  nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
+  q = np.empty((layers, n_in, n), np.int8)
+  scale = np.empty((layers, nb, n), scale_dtype)
+  offsets = np.cumsum([0, *rows])
+  for j, member in enumerate(datas):
+    n0, n1 = int(offsets[j]), int(offsets[j + 1])
+    for i, data in enumerate(member):
+      blocks = data.reshape(-1).view(block_dtype(byteorder))
+      np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
+      if not cpu_native.repack_q8_transposed(data.reshape(-1), q[i : i + 1, :, n0:n1]):
+        gathered = blocks["qs"].reshape(rows[j], nb * BLOCK)
+        q[i, :, n0:n1] = np.asarray(_transpose_last_two(np.ascontiguousarray(gathered)))
+  axis = q8_shapes((n, n_in), "kernel")[2]  # one layer's blocked axis, as `get_stacked` has it
+  return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
 
 
 def _owned(arr: np.ndarray, layout: Layout) -> np.ndarray:

@@ -833,10 +833,12 @@ void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
 
 // The int8 values of Q8_0 rows, transposed: `blocks` holds batch x rows rows of nb 34-byte
 // blocks (a float16 scale, then 32 int8 values) as a GGUF file stores an (N, K) tensor; dst
-// gets (batch, K = nb * 32, rows). Read straight from the file's blocks, in 16 x 16 tiles (the
-// edges element by element): the GGUF loader's one copy of the values.
-extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t batch,
-                                   int64_t rows, int64_t nb) {
+// gets (batch, K = nb * 32, rows) with a row stride of ldd >= rows (so a column range of a
+// wider matrix: load_gguf's fused q | k | v and gate | up). Read straight from the file's
+// blocks, in 16 x 16 tiles (the edges element by element): the GGUF loader's one copy of the
+// values.
+extern "C" void Q8RepackTransposedInto(const uint8_t* blocks, int8_t* dst, int64_t batch,
+                                       int64_t rows, int64_t nb, int64_t ldd) {
   constexpr int64_t kBlockBytes = 34;
   const int64_t k = nb * kBlock, row_bytes = nb * kBlockBytes;
   // the 16 values from K index c on of row r (c a multiple of 16: inside one block)
@@ -846,18 +848,24 @@ extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t b
   };
   for (int64_t b = 0; b < batch; ++b) {
     const uint8_t* s = blocks + b * rows * row_bytes;
-    int8_t* d = dst + b * rows * k;
+    int8_t* d = dst + b * ldd * k;
     const int64_t r16 = rows / 16 * 16;
     for (int64_t r = 0; r < r16; r += 16) {
-      for (int64_t c = 0; c < k; c += 16) Transpose16(at(s, r, c), row_bytes, d + c * rows + r, rows);
+      for (int64_t c = 0; c < k; c += 16) Transpose16(at(s, r, c), row_bytes, d + c * ldd + r, ldd);
     }
     for (int64_t r = r16; r < rows; ++r) {
       for (int64_t c = 0; c < k; c += 16) {
         const int8_t* v = at(s, r, c);
-        for (int64_t i = 0; i < 16; ++i) d[(c + i) * rows + r] = v[i];
+        for (int64_t i = 0; i < 16; ++i) d[(c + i) * ldd + r] = v[i];
       }
     }
   }
+}
+
+// Q8RepackTransposedInto with dst's rows contiguous (ldd = rows).
+extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t batch,
+                                   int64_t rows, int64_t nb) {
+  Q8RepackTransposedInto(blocks, dst, batch, rows, nb, rows);
 }
 
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
