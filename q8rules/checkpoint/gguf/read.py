@@ -12,7 +12,7 @@ import functools
 import mmap as mmap_lib
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,14 +301,30 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     if len(shapes) != 1 or any(t.tensor_type != Q8_0 for t in infos):
       return None
     (shape,) = shapes
-    try:
-      value = _repack_q8_layers(
+    return self._read_q8(
+      names,
+      infos,
+      f"Q8_0, shape {shape}",
+      lambda: _repack_q8_layers(
         [t.data for t in infos], shape, self._byteorder, self.scale_dtype, self.layout, self.dtype
-      )
+      ),
+    )
+
+  def _read_q8(
+    self,
+    names: Sequence[str],
+    infos: Sequence[gguf_lib.ReaderTensor],
+    what: str,
+    repack: Callable[[], Q8Array],
+  ) -> Q8Array:
+    """`repack()` of the Q8_0 tensors `names` (their `infos`): a failure raised naming them
+    (`what`: their type and shape), each counted as read once it is done."""
+    try:
+      value = repack()
     except Exception as e:
       raise CheckpointError(
-        f"{self.path}: tensors {names[0]!r} ... {names[-1]!r} (Q8_0, shape {shape}): cannot"
-        f" read them: {type(e).__name__}: {e}"
+        f"{self.path}: tensors {names[0]!r} ... {names[-1]!r} ({what}): cannot read them:"
+        f" {type(e).__name__}: {e}"
       ) from e
     for n, t in zip(names, infos, strict=True):
       self.repacked[n] += 1
@@ -331,25 +347,15 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     n_in = {next(iter(sh))[1] for sh in shapes}
     if len(n_in) != 1 or any(t.tensor_type != Q8_0 for g in infos for t in g):
       return None
-    try:
-      value = _repack_q8_fused(
-        [[t.data for t in g] for g in infos],
-        rows,
-        n_in.pop(),
-        self._byteorder,
-        self.scale_dtype,
-        self.dtype,
-      )
-    except Exception as e:
-      raise CheckpointError(
-        f"{self.path}: tensors {groups[0][0]!r} ... {groups[-1][-1]!r} (Q8_0): cannot read"
-        f" them: {type(e).__name__}: {e}"
-      ) from e
-    for g, group_infos in zip(groups, infos, strict=True):
-      for n, t in zip(g, group_infos, strict=True):
-        self.repacked[n] += 1
-        self.bytes_read += int(t.data.nbytes)
-    return value
+    n = n_in.pop()
+    return self._read_q8(
+      [name for g in groups for name in g],
+      [t for g in infos for t in g],
+      f"Q8_0, n_in {n}, fused along N",
+      lambda: _repack_q8_fused(
+        [[t.data for t in g] for g in infos], rows, n, self._byteorder, self.scale_dtype, self.dtype
+      ),
+    )
 
   def load_all(self, *, progress: bool | None = None) -> dict[str, Q8Array | np.ndarray]:
     """Every tensor, repacked now, in file order (a tqdm bar when `progress`; None:
