@@ -9,8 +9,6 @@ weights and the digits benchmark: tests/test_qat_usage.py.
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax
 import jax
 import jax.numpy as jnp
@@ -55,19 +53,22 @@ def tree_rel_errs(out, ref) -> dict[str, float]:
 
 
 def assert_as_accurate_as_float(grads, float32_grads, float64_grads) -> None:
-  """QAT's float32 gradient is as close to the float64 one as the float model's own float32
-  gradient (at the same fake-quantised weights) is: fake quant adds no error of its own."""
+  """QAT's float32 gradient is about as close to the float64 one as the float model's own
+  float32 gradient (at the same fake-quantised weights) is: fake quant adds no error of its
+  own. (QAT's forward is the serving kernel, which sums in another order than the float
+  model's XLA dot, so its float32 roundings are others: within 1.5x, or 1e-6.)"""
   qat = tree_rel_errs(grads, float64_grads)
   own = tree_rel_errs(float32_grads, float64_grads)
-  assert all(qat[k] <= 1.01 * own[k] + 1e-7 for k in qat), (qat, own)
+  assert all(qat[k] <= 1.5 * own[k] + 1e-6 for k in qat), (qat, own)
   assert max(own.values()) <= 1e-4, own  # and that is float32 rounding, nothing more
 
 
-def assert_forward_matches(y_qat, y_serve, y_float32, y_float64) -> None:
-  """QAT forward == the float model at the fake-quantised weights (float32, same ops), serving
-  == QAT within fp32 summation order, and both as close to float64 as float32 itself is."""
-  assert rel_err(y_qat, y_float32) <= 1e-6
-  assert rel_err(y_serve, y_qat) <= 1e-6
+def assert_forward_matches(y_qat, y_serve, y_float32, y_float64, tol: float = 1e-6) -> None:
+  """QAT forward == the float model at the fake-quantised weights (float32; within `tol`: QAT
+  runs the serving kernels, which sum in their own order), serving == QAT within fp32
+  summation order, and both as close to float64 as float32 itself is."""
+  assert rel_err(y_qat, y_float32) <= tol
+  assert rel_err(y_serve, y_qat) <= tol
   own = rel_err(y_float32, y_float64)
   assert own <= 1e-5
   assert rel_err(y_qat, y_float64) <= 1.01 * own + 1e-7
@@ -298,7 +299,9 @@ def test_scan_remat_quantizes_each_layer_slice(rng):
   ref_loss, ref_grads = float_grad(jax.tree.map(jnp.asarray, fq), x, y)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   errs = tree_rel_errs(grads, ref_grads)
-  assert max(errs.values()) <= 1e-6, errs
+  # QAT's forward is the serving kernel (another float32 summation order than XLA's dot);
+  # through these three layers of very different ranges the gradients move by up to 1.05e-5
+  assert max(errs.values()) <= 3e-5, errs
   float_apply = jax.jit(model.apply)
   y32 = float_apply({"params": jax.tree.map(jnp.asarray, fq)}, x)
   with jax.enable_x64(True):
@@ -306,14 +309,14 @@ def test_scan_remat_quantizes_each_layer_slice(rng):
     ref64 = jax.tree.map(np.asarray, float_grad(f64(fq), f64(x), f64(y))[1])
   assert_as_accurate_as_float(grads, ref_grads, ref64)
 
-  # Conversion of the stacked params, and serving under the same scan. Served on the
-  # XLA path: through three scanned layers the native CPU kernel's summation order
-  # differs from the QAT forward's by 1.2e-6 (it is the closer of the two to float64:
-  # 6.7e-7 against 9.0e-7), past this test's 1e-6; the one-layer parity tests run it.
-  serving_rules = [dataclasses.replace(r, implementation="xla") for r in rules]
-  serving = qwix.quantize_model(model, q8rules.Q8Provider(serving_rules))
+  # Conversion of the stacked params, and serving under the same scan: the served model
+  # runs QAT's forward (the same kernels on the same values), so its output is QAT's; both
+  # are float32's distance from the float model at the fake-quantised weights (the native
+  # kernel sums per 32-row block: 1.2e-6 through these three layers).
+  serving = qwix.quantize_model(model, q8rules.Q8Provider(rules))
   abstract = jax.eval_shape(serving.init, jax.random.key(0), x)["params"]
   q8 = q8rules.quantize_params(params, abstract)
   y_serve = jax.jit(serving.apply)({"params": q8}, x)
   y_qat = jax.jit(qat.apply)({"params": params}, x)
-  assert_forward_matches(y_qat, y_serve, y32, y64)
+  assert_forward_matches(y_qat, y_serve, y32, y64, tol=3e-6)
+  assert rel_err(y_serve, y_qat) <= 1e-6
