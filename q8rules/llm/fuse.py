@@ -37,12 +37,10 @@ class Fusion:
     slots: fused slot name ('layers/attn/qkv/kernel') -> its members' slot names, in
       output order ('layers/attn/q/kernel', 'layers/attn/k/kernel', ...), for
       `StackedTensors(..., fused=...)`.
-    modules: fused module path -> the member module paths it replaces (for the Q8 rule).
   """
 
   config: TransformerConfig
   slots: dict[str, tuple[str, ...]]
-  modules: dict[tuple[str, ...], tuple[tuple[str, ...], ...]]
 
 
 def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) -> Fusion:
@@ -53,7 +51,7 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
     config: the config read from the file (scanned blocks: `scan_layers`).
     slots: GGUF name -> TensorSlot for `config` (`tensor_slots`).
   """
-  fusion = Fusion(config, {}, {})
+  fusion = Fusion(config, {})
   if not config.scan_layers:
     return fusion
   by_path: dict[tuple[str, ...], list[str]] = {}
@@ -79,8 +77,6 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
     config = dataclasses.replace(config, **{field: True})
     for path, parts in groups.items():
       fusion.slots[slot_name(path)] = tuple(slot_name(p) for p in parts)
-    kernel = groups[("layers", block, fused, "kernel")]
-    fusion.modules[("layers", block, fused)] = tuple(p[:-1] for p in kernel)
   return dataclasses.replace(fusion, config=config)
 
 
@@ -88,10 +84,10 @@ def fused_paths(paths: list[tuple[str, ...]], fusion: Fusion) -> list[tuple[str,
   """Param paths of the file's model (`paths`) as the fused model has them: each fused
   group's member kernels replaced by the fused kernel."""
   out = list(paths)
-  for module, members in fusion.modules.items():
-    kernels = [(*m, "kernel") for m in members]
-    if all(k in out for k in kernels):
-      out = [p for p in out if p not in kernels] + [(*module, "kernel")]
+  for fused, members in fusion.slots.items():
+    kernels = [tuple(m.split("/")) for m in members]
+    if fused.endswith("/kernel") and all(k in out for k in kernels):
+      out = [p for p in out if p not in kernels] + [tuple(fused.split("/"))]
   return out
 
 

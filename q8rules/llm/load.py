@@ -194,7 +194,7 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool
       f" (dequantize_other=True): {', '.join(other[:8])}{' ...' if len(other) > 8 else ''}",
       stacklevel=3,
     )
-  fusion = fuse_plan(ckpt, config, slots) if fuse and mesh is None else Fusion(config, {}, {})
+  fusion = fuse_plan(ckpt, config, slots) if fuse and mesh is None else Fusion(config, {})
   q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
   q8_paths = fused_paths(q8_paths, fusion)
   config = fusion.config  # the model's (the file's slots stay `slots`)

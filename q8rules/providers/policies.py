@@ -244,8 +244,9 @@ def _round_trip(
   Transposes, reshapes and widening casts leave the values (hence the blocks) as they are, so
   the round trip of `value` itself is the served one. After a narrowing cast the served
   values come from the param's own (wider) values (`base`, by default `found.base`): the
-  param's round trip, then the ops that move values (the casts left out: `fq` gives the values in the dtype serving
-  computes in, and the product's result is cast as serving casts it).
+  param's round trip, then the ops that move values (the casts left out: `fq` gives the
+  values in the dtype serving computes in, and the product's result is cast as serving
+  casts it).
   """
   if not _narrows(found):
     return fq(value, view, scale_dtype)

@@ -273,7 +273,9 @@ def run_served(
     where: how errors name the op ('module/path/op_id').
 
   Returns:
-    (y in the op's output shape, computed in float32 and not yet cast; the path it took).
+    (y in the op's output shape, accumulated in float32: in lhs's dtype when split over a mesh,
+    else in `preferred_element_type` or lhs's; the caller casts it to the op's dtype; the path
+    it took).
   """
   weight = q8.array
   options = {

@@ -287,8 +287,8 @@ Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, i
 
 // Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
 // kStreamMinColumns columns, or 64 to kStreamNarrowColumns, streams q whole rows at a time
-// (StreamBlock1). Otherwise a
-// 64-column stretch (one cache line of each q row) is one 1 x 64 register tile at
+// (StreamBlock1). Otherwise a 64-column stretch (one cache line of each q row) is one
+// 1 x 64 register tile at
 // mg = 1, two 2 x 32 or 3 x 32 tiles at mg = 2, 3, and 16-column tiles of up
 // to 6 rows otherwise (from float32 converted once per stretch when mg > 6) (12 accumulators + 2 q vectors + 1 broadcast fit AVX2's
 // 16 registers). Columns past the last multiple of 64 go 8 at a time, and
@@ -297,9 +297,9 @@ Q8_AVX2 void ColumnsAvx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, i
   const int64_t w = n1 - n0;
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n8 = n0 + (w & ~int64_t{7});
+  const bool stream =
+      mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    const bool stream =
-        mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
     if (stream) {  // one x row: q streamed a few whole rows at a time (StreamBlock1)
       alignas(32) float s_buf[kStreamColumns];
       for (int64_t c = n0; c < n64; c += kStreamColumns)
