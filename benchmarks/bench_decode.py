@@ -14,9 +14,10 @@ Each measurement runs in a fresh interpreter, both sides with the same CPUs: 1 t
 `taskset -c 0` (XLA's pool, the native kernel and llama.cpp's n_threads all see one CPU),
 2 threads the two CPUs. Rounds interleave q8rules and llama.cpp; medians are reported.
 
-q8rules, per run: load (split into metadata, tracing the param shapes, reading / copying
-the file's blocks (with the transposes: the native library's, or XLA's where it is
-unavailable), XLA transposes on their own, the rest), then with a warm compilation cache the first
+q8rules, per run: load (split into metadata, the param shapes (`param_specs.file_params`),
+reading / copying the file's blocks (with the transposes: the native library's, or XLA's
+where it is unavailable), XLA transposes on their own, the tokenizer, the rest), then with a
+warm compilation cache the first
 token (from the start of the load), decode tokens/s with the device loop
 (`q8rules.llm.generate`, 64 tokens after the first) and with the old host loop (one jitted
 call per token, argmax in eager JAX: the lever), and 128-token prefill (`GGUFModel.prefill`,
@@ -85,9 +86,11 @@ def timed(mod, name, key):
       timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
   setattr(mod, name, wrapper)
 timed(load_mod, "open_gguf", "metadata")
-timed(load_mod, "_abstract_params", "trace_shapes")
+timed(load_mod.param_specs, "file_params", "param_shapes")
+timed(load_mod, "_tokenizer", "tokenizer")
 timed(assign_mod, "assign", "assign")
 timed(read_mod, "_repack_q8_layers", "repack")
+timed(read_mod, "_repack_q8_fused", "repack")
 timed(read_mod, "_transpose_last_two", "transpose")
 import_s = time.perf_counter() - T0
 prompt = json.loads(sys.argv[3])
@@ -381,10 +384,10 @@ def report(args, threads, results, cold, missing) -> str:
     "",
     f"Load ({t2} threads, warm compilation cache; s, medians):",
     "",
-    "| file | read the file | load_gguf | metadata | tracing param shapes |"
-    " reads / copies | XLA transposes | other | first token after load start"
-    " (warm cache) | first token, cold cache | llama.cpp load |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| file | read the file | load_gguf | metadata | param shapes | reads / copies |"
+    " XLA transposes | tokenizer | other | first token after load start (warm cache) |"
+    " first token, cold cache | llama.cpp load |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for key in args.files:
     o = results.get((key, t2, "ours"), [])
@@ -392,13 +395,14 @@ def report(args, threads, results, cold, missing) -> str:
       continue
     th = results.get((key, t2, "llama.cpp"), [])
     load = med(o, "load_s")
-    parts = [med(o, k) for k in ("metadata", "trace_shapes")]
+    parts = [med(o, k) for k in ("metadata", "param_shapes", "tokenizer")]
     copies = med(o, "repack") - med(o, "transpose")
-    other = load - parts[0] - parts[1] - med(o, "repack")
+    other = load - sum(parts) - med(o, "repack")
     lines.append(
       f"| {key} | {cold[key]['read_s']:.2f} | {load:.2f} ({load / cold[key]['read_s']:.1f}x) |"
       f" {parts[0]:.2f} | {parts[1]:.2f} | {copies:.2f} | {med(o, 'transpose'):.2f} |"
-      f" {other:.2f} | {med(o, 'first_token_s'):.2f} | {cold[key]['first_token_s']:.2f} |"
+      f" {parts[2]:.2f} | {other:.2f} | {med(o, 'first_token_s'):.2f} |"
+      f" {cold[key]['first_token_s']:.2f} |"
       f" {med(th, 'load_s') if th else float('nan'):.2f} |"
     )
   return "\n".join(lines)

@@ -23,17 +23,26 @@ def random_blocks(rng, batch: int, rows: int, nb: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-  "batch,rows,nb", [(1, 16, 1), (1, 40, 3), (3, 33, 2), (2, 1, 1), (1, 64, 4)]
+  "batch,rows,nb",
+  # the last: 2.3 MB, over REPACK_THREAD_BYTES, so the rows are split over the CPUs (1000
+  # rows: uneven ranges and 8 rows past the last multiple of 16)
+  [(1, 16, 1), (1, 40, 3), (3, 33, 2), (2, 1, 1), (1, 64, 4), (2, 1000, 34)],
 )
-def test_native_repack_is_numpys_transpose(rng, batch, rows, nb):
+@pytest.mark.parametrize("scales", [True, False])
+def test_native_repack_is_numpys_transpose(rng, batch, rows, nb, scales):
   raw = random_blocks(rng, batch, rows, nb)
   out = np.full((batch, nb * 32, rows), 99, np.int8)
-  ran = cpu_native.repack_q8_transposed(raw, out)
+  scale_out = np.full((batch, nb, rows), 7, np.float16) if scales else None
+  ran = cpu_native.repack_q8_transposed(raw, out, scale_out)
   assert ran == cpu_native.available()  # the library runs exactly where it is available
   if not ran:
     pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
-  qs = raw.view(block_dtype("<"))["qs"].reshape(batch, rows, nb * 32)
+  blocks = raw.view(block_dtype("<"))
+  qs = blocks["qs"].reshape(batch, rows, nb * 32)
   np.testing.assert_array_equal(out, np.swapaxes(qs, -1, -2))
+  if scales:  # bit for bit
+    d = blocks["d"].reshape(batch, rows, nb)
+    np.testing.assert_array_equal(scale_out.view(np.uint16), np.swapaxes(d, -1, -2).view(np.uint16))
 
 
 def test_native_repack_refuses_wrong_sizes(rng):
@@ -73,10 +82,15 @@ def test_native_repack_into_a_column_range(rng):
     pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
   raw = random_blocks(rng, 1, 40, 3)
   wide = np.full((1, 96, 100), 99, np.int8)
-  assert cpu_native.repack_q8_transposed(raw, wide[:, :, 30:70])
-  qs = raw.view(block_dtype("<"))["qs"].reshape(1, 40, 96)
+  wide_scale = np.full((1, 3, 100), 7, np.float16)
+  assert cpu_native.repack_q8_transposed(raw, wide[:, :, 30:70], wide_scale[:, :, 30:70])
+  blocks = raw.view(block_dtype("<"))
+  qs = blocks["qs"].reshape(1, 40, 96)
   np.testing.assert_array_equal(wide[:, :, 30:70], np.swapaxes(qs, -1, -2))
   assert (wide[:, :, :30] == 99).all() and (wide[:, :, 70:] == 99).all()
+  d = blocks["d"].reshape(1, 40, 3)
+  np.testing.assert_array_equal(wide_scale[:, :, 30:70], np.swapaxes(d, -1, -2))
+  assert (wide_scale[:, :, :30] == 7).all() and (wide_scale[:, :, 70:] == 7).all()
 
 
 @pytest.mark.parametrize("native", [True, False])

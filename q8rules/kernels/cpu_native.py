@@ -182,16 +182,37 @@ def force_scalar(force: bool) -> None:
   lib.Q8GemvForceScalar(int(force))
 
 
-def repack_q8_transposed(blocks: np.ndarray, out: np.ndarray) -> bool:
-  """Write the int8 values of GGUF Q8_0 rows into `out` transposed, read straight from the
-  file's blocks; False (nothing written) when the native library is unavailable here.
+REPACK_THREAD_BYTES = 1 << 20
+"""A repack splits its rows over threads only for tensors of at least this many bytes (below
+it, starting a thread costs about what it saves)."""
+
+
+def _cpus() -> int:
+  """The CPUs this process may run on (a `taskset` is honoured)."""
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except AttributeError:  # not Linux
+    return max(1, os.cpu_count() or 1)
+
+
+def repack_q8_transposed(
+  blocks: np.ndarray, out: np.ndarray, scale_out: np.ndarray | None = None
+) -> bool:
+  """Write the int8 values (and, with `scale_out`, the float16 scales) of GGUF Q8_0 rows into
+  the kernel layout, read straight from the file's blocks; False (nothing written) when the
+  native library is unavailable here.
 
   Args:
-    blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a float16 scale and
-      32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF stores them.
+    blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a little-endian
+      float16 scale and 32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF
+      stores them.
     out: (batch, K, rows) int8 whose last axis is contiguous: C-contiguous, or a column
       range of a wider array (`wide[:, :, n0:n0 + rows]`, each (K, rows) a view with
       `wide`'s row stride).
+    scale_out: None, or (batch, nb, rows) float16 laid out as `out` (C-contiguous or a column
+      range of a wider array): the blocks' scales, transposed, in the same pass.
+
+  The rows are split over this process's CPUs for tensors of at least `REPACK_THREAD_BYTES`.
   """
   lib = _load()
   if lib is None:
@@ -214,9 +235,32 @@ def repack_q8_transposed(blocks: np.ndarray, out: np.ndarray) -> bool:
       f" an int8 out {out.shape} with contiguous rows, got {blocks.size} {blocks.dtype} and"
       f" {out.dtype} (strides {out.strides})"
     )
+  lds = ldd
+  if scale_out is not None:
+    lds = scale_out.strides[1] // 2 if nb > 1 else rows
+    if (
+      scale_out.dtype != np.float16
+      or scale_out.shape != (batch, nb, rows)
+      or scale_out.strides[2] != 2
+      or lds < rows
+      or (batch > 1 and scale_out.strides[0] != lds * nb * 2)
+    ):
+      raise ValueError(
+        f"repack_q8_transposed: expected float16 scales {(batch, nb, rows)} with contiguous"
+        f" rows, got {scale_out.dtype} {scale_out.shape} (strides {scale_out.strides})"
+      )
+  threads = _cpus() if blocks.size >= REPACK_THREAD_BYTES else 1
   ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-  lib.Q8RepackTransposedInto(
-    ptr(blocks.ctypes.data), ptr(out.ctypes.data), i64(batch), i64(rows), i64(nb), i64(ldd)
+  lib.Q8RepackKernelInto(
+    ptr(blocks.ctypes.data),
+    ptr(out.ctypes.data),
+    ptr(None if scale_out is None else scale_out.ctypes.data),
+    i64(batch),
+    i64(rows),
+    i64(nb),
+    i64(ldd),
+    i64(lds),
+    i64(threads),
   )
   return True
 

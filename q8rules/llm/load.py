@@ -13,7 +13,6 @@ one layer is traced. A file that mixes types across layers runs unrolled.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ import qwix
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import assign as ckpt_assign
 from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
-from q8rules.llm import compile_cache  # issue 21 hook
+from q8rules.llm import compile_cache, param_specs  # issue 21 hook
 from q8rules.llm.config import config_from_metadata
 from q8rules.llm.distributed import check_mesh
 from q8rules.llm.fuse import Fusion, fused_paths
@@ -36,7 +35,7 @@ from q8rules.llm.fuse import plan as fuse_plan
 from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.stacked import StackedTensors
 from q8rules.llm.tensors import TensorSlot, check_tensors, q8_rule, tensor_slots
-from q8rules.models.transformer import Transformer, TransformerConfig, init_cache
+from q8rules.models.transformer import Transformer, TransformerConfig
 from q8rules.providers import Q8Provider
 from q8rules.q8_0 import Q8Array
 from q8rules.sharding import param_shardings
@@ -49,35 +48,6 @@ def uniform_across_layers(ckpt: Any, slots: Mapping[str, TensorSlot]) -> bool:
     if slot.layer is not None:
       types.setdefault(slot.path[1:], set()).add(ckpt.tensor_type(name))
   return all(len(t) == 1 for t in types.values())
-
-
-def _abstract_params(
-  model: nn.Module,
-  provider: Q8Provider | None,
-  config: TransformerConfig,
-  tensors: StackedTensors,
-  names: dict[str, Any],
-) -> Any:
-  """The param tree's shapes (`jax.eval_shape` of init: nothing allocated; the provider makes
-  Q8 params of the right shapes without tracing its quantizer), each float leaf in its file
-  dtype."""
-  ids = jnp.zeros((1, 1), jnp.int32)
-  with provider.shapes_only() if provider is not None else contextlib.nullcontext():
-    params = jax.eval_shape(model.init, jax.random.key(0), ids, init_cache(config, 1), 0)
-  params = params["params"]
-  by_path = {path: name for name, path in names.items()}
-
-  def file_dtype(path: tuple[Any, ...], leaf: Any) -> Any:
-    keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-    name = by_path.get(keys)
-    if name is None or isinstance(leaf, Q8Array) or not isinstance(leaf, jax.ShapeDtypeStruct):
-      return leaf
-    spec = tensors.spec(name)
-    return leaf if isinstance(spec, Q8Array) else jax.ShapeDtypeStruct(leaf.shape, spec.dtype)
-
-  return jax.tree_util.tree_map_with_path(
-    file_dtype, params, is_leaf=lambda x: isinstance(x, Q8Array)
-  )
 
 
 def _place_on_mesh(abstract: Any, mesh: Any, config: TransformerConfig) -> Any:
@@ -166,7 +136,33 @@ def load_gguf(
     ckpt.close()
 
 
-def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool) -> GGUFModel:
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+  """What `load_gguf` builds before it reads a tensor.
+
+  Attributes:
+    config: the model's config (fusion applied; `scan_layers` False for a file whose block
+      tensors change type across layers).
+    model: the `Transformer`, quantized by `provider` when a tensor is Q8_0.
+    provider: the `Q8Provider` of `rule`, or None (no Q8_0 matrix in the file).
+    rule: the one Q8 rule, matching exactly the modules of `q8_paths` (float16 scales).
+    q8_paths: the param paths served as Q8_0 (the fused ones in place of their members).
+    tensors: the file's tensors as the model reads them (stacked, fused).
+    names: tensor name (as `tensors` names it) -> param path.
+  """
+
+  config: TransformerConfig
+  model: nn.Module
+  provider: Q8Provider | None
+  rule: Any
+  q8_paths: list[tuple[str, ...]]
+  tensors: StackedTensors
+  names: dict[str, tuple[str, ...]]
+
+
+def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
+  """The config, model and tensor map of `ckpt` (`load_gguf`'s arguments; nothing read but
+  the header). Raises CheckpointError as `load_gguf` does."""
   meta = ckpt.metadata
   shapes = {name: ckpt.gguf_shape(name) for name in ckpt}
   embd = shapes.get("token_embd.weight")
@@ -192,27 +188,36 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool
     warnings.warn(
       f"{ckpt.path}: {len(other)} tensor(s) of other quantized types are loaded as float32"
       f" (dequantize_other=True): {', '.join(other[:8])}{' ...' if len(other) > 8 else ''}",
-      stacklevel=3,
+      stacklevel=4,
     )
   fusion = fuse_plan(ckpt, config, slots) if fuse and mesh is None else Fusion(config, {})
   q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
   q8_paths = fused_paths(q8_paths, fusion)
   config = fusion.config  # the model's (the file's slots stay `slots`)
   model: nn.Module = Transformer(config)
-  provider = Q8Provider([q8_rule(q8_paths)]) if q8_paths else None
+  rule = q8_rule(q8_paths)
+  provider = Q8Provider([rule]) if q8_paths else None
   if provider is not None:
     model = qwix.quantize_model(model, provider)
   tensors = StackedTensors(ckpt, slots, fusion.slots)
   names = tensors.name_map(slots)
-  abstract = _abstract_params(model, provider, config, tensors, names)
+  return LoadPlan(config, model, provider, rule, q8_paths, tensors, names)
+
+
+def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool) -> GGUFModel:
+  plan = plan_load(ckpt, dtype=dtype, mesh=mesh, fuse=fuse)
+  config, tensors, names = plan.config, plan.tensors, plan.names
+  # the tree jax.eval_shape of the model's init gives (param_specs.traced_params), untraced
+  abstract = param_specs.file_params(tensors, names, plan.q8_paths, plan.rule.scale_dtype)
   if mesh is not None:
+    shapes = {name: ckpt.gguf_shape(name) for name in ckpt}
     check_mesh(mesh, config, ckpt.path, shapes)  # llm/distributed.py: names the tensor
     abstract = _place_on_mesh(abstract, mesh, config)
   params = ckpt_assign.assign(abstract, tensors, names, progress=progress)  # shard by shard
-  tokenizer = _tokenizer(meta, str(ckpt.path))
-  out = GGUFModel(ckpt.path, config, model, params, meta, tokenizer, mesh)
+  tokenizer = _tokenizer(ckpt.metadata, str(ckpt.path))
+  out = GGUFModel(ckpt.path, config, plan.model, params, ckpt.metadata, tokenizer, mesh)
   out.bytes_read = tensors.bytes_read
   return out
 
 
-__all__ = ["load_gguf", "uniform_across_layers"]
+__all__ = ["LoadPlan", "load_gguf", "plan_load", "uniform_across_layers"]

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import mmap as mmap_lib
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from q8rules.checkpoint.gguf.layouts import (
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
+from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.checkpoint.shards import region_of
 from q8rules.kernels import cpu_native
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -424,22 +426,27 @@ def _repack_q8_layers(
   nb = n_in // BLOCK
   n = len(datas)
   q_shape, scale_shape, axis = q8_shapes(shape, layout)
-  scale = np.empty((n, *scale_shape), scale_dtype)
+  scale = aligned_empty((n, *scale_shape), scale_dtype)
   transposed = layout == "kernel" and len(shape) >= 2
   lead = int(np.prod(rows[:-1]))
-  q = np.empty((n, *q_shape), np.int8)
+  q = aligned_empty((n, *q_shape), np.int8)
   gathered = None
+  native_scales = _native_scales(byteorder, scale.dtype)
   for i, data in enumerate(datas):
     blocks = data.reshape(-1).view(block_dtype(byteorder))
     d = blocks["d"].reshape(*rows, nb)
-    np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
-    # kernel layout: the native library transposes straight from the file's blocks; else the
-    # values are gathered row by row (32-byte runs) and transposed in XLA's tiled kernel
-    # (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
+    # kernel layout: the native library transposes straight from the file's blocks (the
+    # scales too, in the same pass, when their bytes are the param's); else the values are
+    # gathered row by row (32-byte runs) and transposed in XLA's tiled kernel (numpy's
+    # element-wise transposing copy of int8 runs at a fraction of memory speed)
+    scale_out = scale[i].reshape(lead, nb, rows[-1]) if transposed and native_scales else None
     if transposed and cpu_native.repack_q8_transposed(
-      data.reshape(-1), q[i].reshape(lead, nb * BLOCK, rows[-1])
+      data.reshape(-1), q[i].reshape(lead, nb * BLOCK, rows[-1]), scale_out
     ):
+      if scale_out is None:
+        np.copyto(scale[i], np.swapaxes(d, -1, -2))
       continue
+    np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
     if gathered is None:
       gathered = np.empty((*rows, nb, BLOCK), np.int8)
     np.copyto(gathered, blocks["qs"].reshape(*rows, nb, BLOCK))  # from views of the mapping
@@ -462,26 +469,37 @@ def _repack_q8_fused(
   into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
   layout: each value copied once, straight into its place."""
   nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
-  q = np.empty((layers, n_in, n), np.int8)
-  scale = np.empty((layers, nb, n), scale_dtype)
+  q = aligned_empty((layers, n_in, n), np.int8)
+  scale = aligned_empty((layers, nb, n), scale_dtype)
   offsets = np.cumsum([0, *rows])
+  native_scales = _native_scales(byteorder, scale.dtype)
   for j, member in enumerate(datas):
     n0, n1 = int(offsets[j]), int(offsets[j + 1])
     for i, data in enumerate(member):
       blocks = data.reshape(-1).view(block_dtype(byteorder))
-      np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
-      if not cpu_native.repack_q8_transposed(data.reshape(-1), q[i : i + 1, :, n0:n1]):
+      scale_out = scale[i : i + 1, :, n0:n1] if native_scales else None
+      ran = cpu_native.repack_q8_transposed(data.reshape(-1), q[i : i + 1, :, n0:n1], scale_out)
+      if not ran or scale_out is None:
+        np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
+      if not ran:
         gathered = blocks["qs"].reshape(rows[j], nb * BLOCK)
         q[i, :, n0:n1] = np.asarray(_transpose_last_two(np.ascontiguousarray(gathered)))
   axis = q8_shapes((n, n_in), "kernel")[2]  # one layer's blocked axis, as `get_stacked` has it
   return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
 
 
+def _native_scales(byteorder: str, scale_dtype: np.dtype) -> bool:
+  """Whether the native repack can copy the file's scale bytes as they are: float16 params
+  from a file in this host's byte order (else numpy converts them)."""
+  host = "<" if sys.byteorder == "little" else ">"
+  return np.dtype(scale_dtype) == np.float16 and byteorder == host
+
+
 def _owned(arr: np.ndarray, layout: Layout) -> np.ndarray:
   """A native-byte-order copy of `arr` (numpy order) in `layout`."""
   native = arr.dtype.newbyteorder("=")
   src = np.swapaxes(arr, -1, -2) if layout == "kernel" and arr.ndim >= 2 else arr
-  out = np.empty(src.shape, native)
+  out = aligned_empty(src.shape, native)
   np.copyto(out, src)
   return out
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from q8rules.checkpoint._common import CheckpointError, index_slices, normalize_index
 from q8rules.checkpoint.gguf.layouts import BLOCK_BYTES, block_dtype
+from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.q8_0 import BLOCK, Q8Array
 
 
@@ -57,17 +58,18 @@ def q8_region(
   else:
     sel = blocks[(*index_slices(bounds[:-1]), blk)]  # (*lead, n_out', nb')
   lead, n, nbs = sel.shape[:-2], sel.shape[-2], sel.shape[-1]
-  rows_k = np.empty((*lead, n, nbs, BLOCK), np.int8)
+  rows_k = aligned_empty((*lead, n, nbs, BLOCK), np.int8)
   np.copyto(rows_k, sel["qs"])
   d = sel["d"]
   if kernel:
-    q = np.ascontiguousarray(np.swapaxes(rows_k.reshape(*lead, n, nbs * BLOCK), -1, -2))
-    scale = np.empty((*lead, nbs, n), scale_dtype)
+    q = aligned_empty((*lead, nbs * BLOCK, n), np.int8)
+    np.copyto(q, np.swapaxes(rows_k.reshape(*lead, n, nbs * BLOCK), -1, -2))
+    scale = aligned_empty((*lead, nbs, n), scale_dtype)
     np.copyto(scale, np.swapaxes(d, -1, -2))
     axis = len(shape) - 2
   else:
     q = rows_k.reshape(*lead, n, nbs * BLOCK)
-    scale = np.empty((*lead, n, nbs), scale_dtype)
+    scale = aligned_empty((*lead, n, nbs), scale_dtype)
     np.copyto(scale, d)
     axis = len(shape) - 1
   return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype), sel.size * BLOCK_BYTES
@@ -85,7 +87,7 @@ def plain_region(arr: np.ndarray, layout: str, index: Any) -> tuple[np.ndarray, 
     src = np.swapaxes(arr[file_index], -1, -2)
   else:
     src = arr[index_slices(bounds)]
-  out = np.empty(src.shape, src.dtype.newbyteorder("="))
+  out = aligned_empty(src.shape, src.dtype.newbyteorder("="))
   np.copyto(out, src)
   return out, src.size * src.dtype.itemsize
 

@@ -829,37 +829,72 @@ void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
 #endif
 }
 
-}  // namespace
-
-// The int8 values of Q8_0 rows, transposed: `blocks` holds batch x rows rows of nb 34-byte
-// blocks (a float16 scale, then 32 int8 values) as a GGUF file stores an (N, K) tensor; dst
-// gets (batch, K = nb * 32, rows) with a row stride of ldd >= rows (so a column range of a
-// wider matrix: load_gguf's fused q | k | v and gate | up). Read straight from the file's
-// blocks, in 16 x 16 tiles (the edges element by element): the GGUF loader's one copy of the
-// values.
-extern "C" void Q8RepackTransposedInto(const uint8_t* blocks, int8_t* dst, int64_t batch,
-                                       int64_t rows, int64_t nb, int64_t ldd) {
+// Rows [r0, r1) of one (N = rows, K = nb * 32) tensor of 34-byte Q8_0 blocks `s` (a float16
+// scale, then 32 int8 values), transposed: the values into dq (K, ldq), the scales' bits into
+// ds (nb, lds) when ds is not null. Block column by block column for 16 rows at a time (each
+// block's 32 values two 16 x 16 tiles), the rows past the last multiple of 16 element by
+// element.
+void RepackRows(const uint8_t* s, int8_t* dq, uint16_t* ds, int64_t r0, int64_t r1, int64_t nb,
+                int64_t ldq, int64_t lds) {
   constexpr int64_t kBlockBytes = 34;
-  const int64_t k = nb * kBlock, row_bytes = nb * kBlockBytes;
-  // the 16 values from K index c on of row r (c a multiple of 16: inside one block)
-  auto at = [&](const uint8_t* s, int64_t r, int64_t c) {
-    return reinterpret_cast<const int8_t*>(s + r * row_bytes + (c / kBlock) * kBlockBytes + 2 +
-                                           c % kBlock);
-  };
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint8_t* s = blocks + b * rows * row_bytes;
-    int8_t* d = dst + b * ldd * k;
-    const int64_t r16 = rows / 16 * 16;
-    for (int64_t r = 0; r < r16; r += 16) {
-      for (int64_t c = 0; c < k; c += 16) Transpose16(at(s, r, c), row_bytes, d + c * ldd + r, ldd);
-    }
-    for (int64_t r = r16; r < rows; ++r) {
-      for (int64_t c = 0; c < k; c += 16) {
-        const int8_t* v = at(s, r, c);
-        for (int64_t i = 0; i < 16; ++i) d[(c + i) * ldd + r] = v[i];
+  const int64_t row_bytes = nb * kBlockBytes;
+  int64_t r = r0;
+  for (; r + 16 <= r1; r += 16) {
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* blk = s + r * row_bytes + j * kBlockBytes;
+      for (int h = 0; h < 2; ++h) {
+        Transpose16(reinterpret_cast<const int8_t*>(blk + 2 + 16 * h), row_bytes,
+                    dq + (j * kBlock + 16 * h) * ldq + r, ldq);
+      }
+      if (ds != nullptr) {
+        for (int i = 0; i < 16; ++i) std::memcpy(ds + j * lds + r + i, blk + i * row_bytes, 2);
       }
     }
   }
+  for (; r < r1; ++r) {
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* blk = s + r * row_bytes + j * kBlockBytes;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        dq[(j * kBlock + i) * ldq + r] = static_cast<int8_t>(blk[2 + i]);
+      }
+      if (ds != nullptr) std::memcpy(ds + j * lds + r, blk, 2);
+    }
+  }
+}
+
+}  // namespace
+
+// Q8_0 tensors as a GGUF file stores them, into the kernel layout: `blocks` holds batch x rows
+// rows of nb 34-byte blocks (a float16 scale, then 32 int8 values), each tensor (N = rows,
+// K = nb * 32); dq gets (batch, K, rows) int8 with a row stride of ldq >= rows, ds (when not
+// null) the scales' float16 bits (batch, nb, rows) with a row stride of lds >= rows: so a
+// column range of wider matrices (load_gguf's fused q | k | v and gate | up). Read straight
+// from the file's blocks (the GGUF loader's one copy of the values and scales), the rows split
+// over `threads` threads (in multiples of 16; the caller's thread takes the first range).
+extern "C" void Q8RepackKernelInto(const uint8_t* blocks, int8_t* dq, uint16_t* ds, int64_t batch,
+                                   int64_t rows, int64_t nb, int64_t ldq, int64_t lds,
+                                   int64_t threads) {
+  const int64_t k = nb * kBlock, row_bytes = nb * 34;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16));
+  const int64_t per = (rows / parts + 15) / 16 * 16;
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint8_t* s = blocks + b * rows * row_bytes;
+    int8_t* q = dq + b * k * ldq;
+    uint16_t* sc = ds == nullptr ? nullptr : ds + b * nb * lds;
+    std::vector<std::thread> helpers;
+    for (int64_t p = 1; p < parts; ++p) {
+      const int64_t r0 = std::min(rows, p * per), r1 = p + 1 == parts ? rows : std::min(rows, r0 + per);
+      if (r0 < r1) helpers.emplace_back(RepackRows, s, q, sc, r0, r1, nb, ldq, lds);
+    }
+    RepackRows(s, q, sc, 0, std::min(rows, parts > 1 ? per : rows), nb, ldq, lds);
+    for (auto& t : helpers) t.join();
+  }
+}
+
+// The values alone (Q8RepackKernelInto without scales, one thread), dst's row stride ldd.
+extern "C" void Q8RepackTransposedInto(const uint8_t* blocks, int8_t* dst, int64_t batch,
+                                       int64_t rows, int64_t nb, int64_t ldd) {
+  Q8RepackKernelInto(blocks, dst, nullptr, batch, rows, nb, ldd, ldd, 1);
 }
 
 // Q8RepackTransposedInto with dst's rows contiguous (ldd = rows).
