@@ -4,12 +4,14 @@ tensors repacked straight into one stacked Q8Array) against stacking them one by
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
 from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.checkpoint.gguf.read import block_dtype
+from q8rules.checkpoint.host_buffers import is_aligned
 from q8rules.kernels import cpu_native
 from tests._utils import weights, write_gguf
 
@@ -117,3 +119,20 @@ def test_get_fused_equals_concatenating_the_stacks(tmp_path, rng, monkeypatch, n
   np.testing.assert_array_equal(got.q, np.concatenate([s.q for s in stacks], axis=-1))
   np.testing.assert_array_equal(got.scale, np.concatenate([s.scale for s in stacks], axis=-1))
   assert ckpt.get_fused([groups[0], groups[1][:2]]) is None  # members of other lengths
+
+
+def test_read_tensors_reach_the_device_without_a_copy(tmp_path, rng):
+  """The reader's arrays start on a 64-byte boundary (`checkpoint.host_buffers`), so on the
+  CPU backend `jax.device_put` adopts them (the param is the reader's buffer: no second copy
+  at load); on an accelerator the transfer copies, as any host -> device transfer does."""
+  tensors = {
+    "blk.0.ffn_up.weight": (q8_bytes(weights(rng, 40, 96)), T.Q8_0),
+    "blk.0.ffn_norm.weight": weights(rng, 1, 96)[0],
+  }
+  write_gguf(tmp_path / "m.gguf", tensors)
+  ckpt = ckpt_gguf.load(tmp_path / "m.gguf")
+  q8, norm = ckpt["blk.0.ffn_up.weight"], ckpt["blk.0.ffn_norm.weight"]
+  for host in (q8.q, q8.scale, norm):
+    assert is_aligned(host)
+    aliased = jax.device_put(host).unsafe_buffer_pointer() == host.ctypes.data
+    assert aliased == (jax.default_backend() == "cpu")
