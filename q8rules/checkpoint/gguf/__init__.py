@@ -1,14 +1,16 @@
 """GGUF checkpoints (llama.cpp's files): Q8_0 tensors repacked into `Q8Array`s, and back.
 
-Reading and writing go through llama.cpp's own Python package, `gguf`
-(`gguf.GGUFReader`, `gguf.GGUFWriter`); this package only moves Q8_0 blocks
-between the file's layout and ours, without dequantising them.
+Reading parses the file's header here (`parse`: its fields and tensor table,
+checked) and maps the file once; writing goes through llama.cpp's own Python
+package, `gguf` (`gguf.GGUFWriter`). Q8_0 blocks move between the file's layout
+and ours without being dequantised.
 
 A Q8_0 tensor in a GGUF file is a run of 34-byte blocks: a float16 scale `d`
 (little-endian) then 32 int8 values `qs`, with `w = qs * d`. The blocks run
-along ggml's innermost axis `ne[0]`. `GGUFReader` reports shapes in numpy
-order (ggml's `ne` reversed), so a weight matrix is `[n_out, n_in]` and it is
-blocked along its last numpy axis, `n_in` (the contraction axis).
+along ggml's innermost axis `ne[0]`. Shapes are given in numpy order (ggml's
+`ne` reversed, as gguf-py's reader gives them), so a weight matrix is
+`[n_out, n_in]` and it is blocked along its last numpy axis, `n_in` (the
+contraction axis).
 
 Layouts (`layout=` of `load` and `save`):
 
@@ -28,7 +30,7 @@ Layouts (`layout=` of `load` and `save`):
         (`token_embd.weight`, `[n_vocab, n_embd]`) therefore come back as
         `(n_embd, n_vocab)`: transpose them for an `nn.Embed`, or load them with
         `ckpt.get_tensor(name, layout='gguf')`.
-  * `'gguf'`: numpy order as `GGUFReader` reports it; a Q8_0 tensor
+  * `'gguf'`: numpy order as gguf-py's reader reports it; a Q8_0 tensor
     `[..., n_in]` is a `Q8Array` blocked along its last axis (`axis = ndim - 1`).
 
 Scales keep their float16 values exactly: float16 by default, or widened
@@ -44,8 +46,9 @@ Every array returned is a numpy array on the host, owned (not a view of the
 file). Put it on a device with `jax.device_put`, or let `assign` place it like
 the param it replaces.
 
-Modules: `read` (`load`, `GGUFCheckpoint`), `write` (`save`), `header` (opening
-a file, its tensor table checked), `metadata` (key-value fields), `layouts`
+Modules: `read` (`load`, `GGUFCheckpoint`), `write` (`save`), `parse` (the
+header parsed: fields and tensor table), `header` (opening a file: mapped, its
+tensor table checked), `metadata` (key-value fields as values), `layouts`
 (the Q8_0 block, the tensor types, the two layouts), `split` (`open_gguf`:
 split files as one checkpoint).
 """

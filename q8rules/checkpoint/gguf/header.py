@@ -1,39 +1,26 @@
-"""Opening a GGUF file: the magic, the header, and each tensor's place in the file checked.
+"""Opening a GGUF file: its header parsed, each tensor's place in the file checked, its bytes mapped.
 
-`gguf.GGUFReader` parses the header and maps every tensor's bytes. On a
-truncated file it fails with a bare numpy reshape error, and it accepts a
-tensor whose shape overlaps the next one. `open_reader` checks what llama.cpp's
-`gguf_init_from_file` checks (each tensor starts where the previous one ends,
-padded to the alignment; its bytes lie inside the file; its rows are whole
-blocks of its type) and names the file and the tensor.
+`open_file(path)` maps the file once (`mmap`), parses the header from the mapping
+(`parse.parse_header`), checks what llama.cpp's `gguf_init_from_file` checks (each tensor
+starts where the previous one ends, padded to the alignment; its bytes lie inside the file;
+its rows are whole blocks of its type), naming the file and the tensor, and gives each
+tensor a numpy view of its bytes in the mapping.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import gguf as gguf_lib
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from q8rules.checkpoint._common import CheckpointError
-from q8rules.checkpoint.gguf.fast_fields import FastReader
-
-
-class TensorInfo(NamedTuple):
-  """One entry of the file's tensor table.
-
-  name: the tensor's name; type_id: its ggml type id (int, maybe unknown);
-  shape: numpy order (ggml's `ne` reversed); offset: bytes from the start of
-  the data section.
-  """
-
-  name: str
-  type_id: int
-  shape: tuple[int, ...]
-  offset: int
+from q8rules.checkpoint.gguf.parse import Header, TensorInfo, parse_header
 
 
 def check_tensor_infos(
@@ -80,75 +67,90 @@ def check_tensor_infos(
     prev = (name, qtype.name, shape, nbytes)
 
 
-def _infos_of(reader: gguf_lib.GGUFReader) -> list[TensorInfo]:
-  """The tensor table of a file the reader read, from its public `ReaderTensor`s."""
-  start = int(reader.data_offset)
-  return [
-    TensorInfo(
-      t.name,
-      int(t.tensor_type),
-      tuple(int(d) for d in reversed(t.shape.tolist())),
-      t.data_offset - start,
-    )
-    for t in reader.tensors
-  ]
+_ITEM_DTYPES: dict[GGMLQuantizationType, type[np.generic]] = {
+  GGMLQuantizationType.F16: np.float16,
+  GGMLQuantizationType.F32: np.float32,
+  GGMLQuantizationType.F64: np.float64,
+  GGMLQuantizationType.I8: np.int8,
+  GGMLQuantizationType.I16: np.int16,
+  GGMLQuantizationType.I32: np.int32,
+  GGMLQuantizationType.I64: np.int64,
+}
+"""The types whose bytes are viewed as their values; all others (BF16 too) as uint8 blocks."""
 
 
-def _table_of_unreadable(path: Path) -> tuple[list[TensorInfo], int, int] | None:
-  """(tensor table, data start, alignment) of a file whose tensors `GGUFReader` could not map,
-  or None when its header cannot be parsed either.
+class Tensor(NamedTuple):
+  """One tensor of an open file.
 
-  The one use of gguf-py's private API, written against gguf 0.19.0: `GGUFReader.__init__`
-  parses the header, then hands the tensor table's fields to `_build_tensors(start_offs,
-  fields)`, which maps each tensor (and fails on a cut file). Here that step is replaced by
-  one that keeps the fields; `ReaderField.parts` of a tensor entry is (name length, name
-  bytes, n_dims, dims (ggml order), type id, data offset). Only error messages depend on it:
-  should a later gguf change it, a bad file still fails, without the tensor named.
+  name: its name; tensor_type: its ggml type; shape: numpy order (ggml's `ne` reversed);
+  data_offset: file offset of its first byte; data: a read-only view of its bytes in the
+  file's mapping, as gguf-py's reader views them: for F16, F32, F64 and I8..I64 of shape
+  `shape` and that dtype in the file's byte order; for the block types (BF16 and the
+  quantized ones) uint8 of shape `(*shape[:-1], bytes of a row)`.
   """
-  table: list[tuple[int, list[Any]]] = []
 
-  class TableOnly(gguf_lib.GGUFReader):
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-      table.append((int(start_offs), fields))
-
-  try:
-    reader = TableOnly(path, "r")
-    ((start, fields),) = table
-    infos = []
-    for field in fields:
-      _, name_data, _, dims, raw_type, offset = field.parts
-      name = bytes(name_data).decode("utf-8", errors="replace")
-      shape = tuple(int(d) for d in reversed(dims.tolist()))
-      infos.append(TensorInfo(name, int(raw_type[0]), shape, int(offset[0])))
-    return infos, start, int(reader.alignment)
-  except Exception:
-    return None
+  name: str
+  tensor_type: GGMLQuantizationType
+  shape: tuple[int, ...]
+  data_offset: int
+  data: np.ndarray
 
 
-def open_reader(path: Path) -> gguf_lib.GGUFReader:
-  """The file's `gguf.GGUFReader`, its tensor table checked (see the module docstring).
+class GGUFFile(NamedTuple):
+  """An open GGUF file: its `header`, its `mapping` (the whole file, read-only) and its
+  `tensors` by name in file order, each viewing the mapping."""
+
+  path: Path
+  header: Header
+  mapping: mmap.mmap
+  tensors: dict[str, Tensor]
+
+
+def _tensor(info: TensorInfo, data_start: int, file: np.ndarray, byteorder: str) -> Tensor:
+  """The tensor `info` describes: its bytes in `file` (uint8, the whole mapping) viewed
+  as gguf-py's reader views them."""
+  qtype = GGMLQuantizationType(info.type_id)
+  block, type_size = GGML_QUANT_SIZES[qtype]
+  shape = info.shape
+  item = _ITEM_DTYPES.get(qtype)
+  if item is not None:
+    dtype, view_shape = np.dtype(item).newbyteorder(byteorder), shape
+  else:
+    dtype = np.dtype(np.uint8)
+    view_shape = (*shape[:-1], shape[-1] // block * type_size) if shape else (0,)
+  start = data_start + info.offset
+  nbytes = math.prod(view_shape) * dtype.itemsize
+  data = file[start : start + nbytes].view(dtype).reshape(view_shape)
+  return Tensor(info.name, qtype, shape, start, data)
+
+
+def open_file(path: Path) -> GGUFFile:
+  """The file mapped, its header parsed and its tensor table checked (see the module
+  docstring).
 
   Raises:
     FileNotFoundError: no such file.
-    CheckpointError: not a GGUF file, a header that cannot be read, a tensor whose
-      bytes do not lie where its shape and type say; names the file and tensor.
+    CheckpointError: not a GGUF file, a header that cannot be read (cut or corrupt), a
+      tensor whose bytes do not lie where its shape and type say; names the file and tensor.
   """
   size = os.path.getsize(path)  # FileNotFoundError names the file
   if size < 4:
     raise CheckpointError(f"{path}: not a GGUF file: {size} bytes, shorter than the magic")
   with open(path, "rb") as f:
     magic = f.read(4)
-  if magic != b"GGUF":
-    raise CheckpointError(f"{path}: not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    if magic != b"GGUF":
+      raise CheckpointError(f"{path}: not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
   try:
-    reader = FastReader(path, "r")  # issue 21 hook: gguf.GGUFReader, faster metadata arrays
-  except Exception as e:  # the reader fails in many ways on a cut or corrupt file
-    table = _table_of_unreadable(path)
-    if table is not None:
-      infos, start, alignment = table
-      check_tensor_infos(path, infos, start, alignment, size)
-    raise CheckpointError(
-      f"{path}: cannot read the GGUF header (truncated or corrupt file?): {type(e).__name__}: {e}"
-    ) from e
-  check_tensor_infos(path, _infos_of(reader), int(reader.data_offset), int(reader.alignment), size)
-  return reader
+    header = parse_header(mapping, path)
+    check_tensor_infos(path, header.tensors, header.data_start, header.alignment, size)
+  except BaseException:
+    with contextlib.suppress(BufferError):  # none should be left: parsing copies what it reads
+      mapping.close()
+    raise
+  file = np.frombuffer(mapping, np.uint8)
+  tensors = {t.name: _tensor(t, header.data_start, file, header.byteorder) for t in header.tensors}
+  return GGUFFile(path, header, mapping, tensors)
+
+
+__all__ = ["GGUFFile", "Tensor", "TensorInfo", "check_tensor_infos", "open_file"]

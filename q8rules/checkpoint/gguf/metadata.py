@@ -1,9 +1,8 @@
 """GGUF metadata: the file's key-value fields read as Python values, and values typed to write.
 
-Reading: `read_fields(reader)` gives every field twice, as a plain Python
-value (str, int, float, bool, lists) and as a typed `gguf.GGUFValue(value,
-type, sub_type)`; the reader's `GGUF.*` pseudo-fields (version, counts) are
-left out.
+Reading: `read_fields(header.fields)` gives every field `parse.parse_header`
+parsed twice, as a plain Python value (str, int, float, bool, lists) and as a
+typed `gguf.GGUFValue(value, type, sub_type)`.
 
 Writing: `header_values(path, metadata, arch)` types plain values (see
 `infer_value`) and splits off the two keys `GGUFWriter` takes apart,
@@ -16,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf as gguf_lib
 import numpy as np
 from gguf import GGUFValue, GGUFValueType
 
 from q8rules.checkpoint._common import CheckpointError
+from q8rules.checkpoint.gguf.parse import Field
 
 NP_TYPES: dict[np.dtype, GGUFValueType] = {
   np.dtype(np.uint8): GGUFValueType.UINT8,
@@ -38,24 +37,30 @@ NP_TYPES: dict[np.dtype, GGUFValueType] = {
 """The GGUF value type of a numpy scalar of each dtype."""
 
 
-def field_value(field: gguf_lib.ReaderField) -> tuple[Any, GGUFValue]:
-  """A reader field as a Python value and as a typed `gguf.GGUFValue`.
+def flat(value: list[Any]) -> list[Any]:
+  """The items of an array of arrays (nested lists), flattened in order (as gguf-py's
+  reader gives them)."""
+  return [w for v in value for w in (flat(v) if isinstance(v, list) else [v])]
 
-  Arrays of arrays come back flattened (as `ReaderField.contents` does).
+
+def field_value(field: Field) -> tuple[Any, GGUFValue]:
+  """A parsed field as a Python value and as a typed `gguf.GGUFValue`.
+
+  Arrays of arrays come back flattened, typed ARRAY of their innermost item type (as
+  gguf-py's reader gives them: its `contents()` and `types[-1]`). An empty array is typed
+  ARRAY of the item type the file gives (where gguf-py's reader has none and says ARRAY).
   """
-  value = field.contents()
-  vtype = GGUFValueType(field.types[0])
-  sub_type = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
-  return value, GGUFValue(value, vtype, sub_type)
+  if field.type != GGUFValueType.ARRAY:
+    return field.value, GGUFValue(field.value, field.type, None)
+  value = flat(field.value) if field.sub_type == GGUFValueType.ARRAY else field.value
+  return value, GGUFValue(value, GGUFValueType.ARRAY, field.types[-1])
 
 
-def read_fields(reader: gguf_lib.GGUFReader) -> tuple[dict[str, Any], dict[str, GGUFValue]]:
-  """(key -> Python value, key -> GGUFValue) of the file's fields, `GGUF.*` left out."""
+def read_fields(fields: Mapping[str, Field]) -> tuple[dict[str, Any], dict[str, GGUFValue]]:
+  """(key -> Python value, key -> GGUFValue) of a parsed header's fields, in file order."""
   plain: dict[str, Any] = {}
   typed: dict[str, GGUFValue] = {}
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF."):  # the reader's version / count pseudo-fields
-      continue
+  for key, field in fields.items():
     plain[key], typed[key] = field_value(field)
   return plain, typed
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter
 from q8rules.checkpoint.gguf import regions
-from q8rules.checkpoint.gguf.header import open_reader
+from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
   PLAIN_TYPES,
   Q8_0,
@@ -49,7 +49,7 @@ from q8rules.tree_paths import listing
 class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
   """Every tensor of a GGUF file by its GGUF name, repacked lazily when asked for.
 
-  The file is memory-mapped (by `gguf.GGUFReader`); opening reads only its
+  The file is memory-mapped (once, `header.open_file`); opening reads only its
   header, and `ckpt[name]` reads and repacks that one tensor, each time it is
   asked for (nothing is cached: a file larger than memory can be walked
   tensor by tensor). `repacked` counts the tensors materialised so far.
@@ -73,7 +73,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
   def __init__(
     self,
     path: Path,
-    reader: gguf_lib.GGUFReader,
+    file: GGUFFile,
     *,
     scale_dtype: np.dtype,
     dequantize_other: bool,
@@ -89,9 +89,9 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     self.progress = progress
     self.repacked: Counter[str] = Counter()
     self.bytes_read = 0
-    self._reader: gguf_lib.GGUFReader | None = reader
-    self._tensors = {t.name: t for t in reader.tensors}
-    self._byteorder = ">" if reader.endianess == gguf_lib.GGUFEndian.BIG else "<"
+    self._file: GGUFFile | None = file
+    self._tensors = file.tensors
+    self._byteorder = file.header.byteorder
     self._check_types()
 
   def _check_types(self) -> None:
@@ -115,14 +115,15 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
 
   @functools.cached_property
   def _fields(self) -> tuple[dict[str, Any], dict[str, GGUFValue]]:
-    return read_fields(self._live())
+    return read_fields(self._live().header.fields)
 
   @property
   def metadata(self) -> dict[str, Any]:
     """The file's key-value fields as Python values (str, int, float, bool, lists).
 
-    E.g. `{'general.architecture': 'llama', 'llama.block_count': 32, ...}`;
-    the reader's `GGUF.*` pseudo-fields (version, counts) are left out.
+    E.g. `{'general.architecture': 'llama', 'llama.block_count': 32, ...}`, in file
+    order: the values gguf-py's reader gives (`contents()` of each field), without its
+    `GGUF.*` pseudo-fields (the version and counts, which are not key-value fields).
     """
     return dict(self._fields[0])
 
@@ -139,12 +140,12 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
 
   # ---- tensors ----
 
-  def _live(self) -> gguf_lib.GGUFReader:
-    if self._reader is None:
+  def _live(self) -> GGUFFile:
+    if self._file is None:
       raise CheckpointError(f"{self.path}: the checkpoint is closed")
-    return self._reader
+    return self._file
 
-  def _info(self, name: str) -> gguf_lib.ReaderTensor:
+  def _info(self, name: str) -> Tensor:
     self._live()
     try:
       return self._tensors[name]
@@ -165,12 +166,14 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     return self._info(name).tensor_type
 
   def gguf_shape(self, name: str) -> tuple[int, ...]:
-    """The tensor's shape in numpy order as GGUFReader gives it (ggml's `ne` reversed)."""
-    return tuple(int(d) for d in reversed(self._info(name).shape.tolist()))
+    """The tensor's shape in numpy order (ggml's `ne` reversed), as gguf-py's reader gives it."""
+    return self._info(name).shape
 
   def raw(self, name: str) -> np.ndarray:
-    """The reader's view of the tensor's bytes in the file (uint8 blocks for quantized
-    types), valid while the checkpoint is open. For inspection; nothing is copied."""
+    """A read-only view of the tensor's bytes in the file's mapping, as gguf-py's reader
+    gives it (its values for F16/F32/F64/I8..I64 in the file's byte order;
+    uint8 blocks of shape (..., bytes of a row) for BF16 and quantized types). For
+    inspection; nothing is copied; do not keep it past `close`."""
     return self._info(name).data
 
   def release(self, name: str) -> None:
@@ -178,15 +181,13 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     on the mapping; the page cache keeps them). Reading the tensor again maps them back.
     Loading a file tensor by tensor and releasing each keeps peak memory near the size
     of what was loaded instead of twice it. A no-op where mmap.madvise is unavailable."""
-    data = self._live().data
-    mm = getattr(data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap_lib, "MADV_DONTNEED"):
+    mm = self._live().mapping
+    if not hasattr(mm, "madvise") or not hasattr(mmap_lib, "MADV_DONTNEED"):
       return
-    raw = self._info(name).data
-    start = raw.ctypes.data - data.ctypes.data + int(data.offset) % mmap_lib.ALLOCATIONGRANULARITY
+    t = self._info(name)
     page = mmap_lib.PAGESIZE
-    first = -(-start // page) * page  # whole pages inside the tensor only
-    end = (start + raw.nbytes) // page * page
+    first = -(-t.data_offset // page) * page  # whole pages inside the tensor only
+    end = (t.data_offset + t.data.nbytes) // page * page
     if end > first:
       mm.madvise(mmap_lib.MADV_DONTNEED, first, end - first)
 
@@ -276,9 +277,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     self.bytes_read += int(nbytes)
     return value
 
-  def _repack(
-    self, t: gguf_lib.ReaderTensor, shape: tuple[int, ...], layout: Layout
-  ) -> Q8Array | np.ndarray:
+  def _repack(self, t: Tensor, shape: tuple[int, ...], layout: Layout) -> Q8Array | np.ndarray:
     qtype = t.tensor_type
     if qtype == Q8_0:
       return _repack_q8(t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype)
@@ -315,7 +314,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
   def _read_q8(
     self,
     names: Sequence[str],
-    infos: Sequence[gguf_lib.ReaderTensor],
+    infos: Sequence[Tensor],
     what: str,
     repack: Callable[[], Q8Array],
   ) -> Q8Array:
@@ -369,9 +368,9 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     return {name: self[name] for name in names}
 
   def close(self) -> None:
-    """Drop the file mapping (it is unmapped once no reader view is left). Arrays already
-    returned stay valid: they are copies."""
-    self._reader = None
+    """Drop the file mapping (it is unmapped once no view of it is left, `raw`'s
+    included). Arrays already returned stay valid: they are copies."""
+    self._file = None
     self._tensors = {}
     self.__dict__.pop("_fields", None)
 
@@ -529,7 +528,7 @@ def load(
       are refused, each named with its type.
     layout: 'kernel' (default): Q8 matrices as (K=n_in, N=n_out) blocked along
       axis 0 and every tensor of rank >= 2 with its last two axes swapped;
-      'gguf': numpy order as GGUFReader reports it. See `q8rules.checkpoint.gguf`.
+      'gguf': numpy order as gguf-py's reader reports it. See `q8rules.checkpoint.gguf`.
     dtype: the static `dtype` of the Q8Arrays (what `q8rules.dequantize` gives;
       GGUF does not record it).
     progress: default of `load_all`'s tqdm bar (None: on when more than 16
@@ -545,10 +544,10 @@ def load(
     FileNotFoundError: no such file.
   """
   check_layout(layout)
-  reader = open_reader(Path(path))
+  file = open_file(Path(path))
   return GGUFCheckpoint(
     Path(path),
-    reader,
+    file,
     scale_dtype=check_scale_dtype(scale_dtype),
     dequantize_other=dequantize_other,
     layout=layout,
