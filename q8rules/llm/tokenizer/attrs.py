@@ -10,6 +10,7 @@ text is split on before tokenizing (special.py) and what `decode` prints.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
 from typing import Any
 
 UNDEFINED = 0
@@ -50,7 +51,7 @@ def from_types(types: Sequence[int] | None, n: int) -> list[int]:
   """Attributes of n tokens from their `tokenizer.ggml.token_type` (all NORMAL if None)."""
   if types is None:
     return [NORMAL] * n
-  return [FROM_TYPE.get(int(t), UNDEFINED) for t in list(types)[:n]]
+  return list(map(FROM_TYPE.get, map(int, list(types)[:n]), repeat(UNDEFINED)))
 
 
 def _first(texts: Sequence[str], token_to_id: Mapping[str, int]) -> int | None:
@@ -78,8 +79,8 @@ def mark_special(
       ids[role] = found = _first(texts, token_to_id)
       if found is not None:
         attrs[found] |= CONTROL
-  for i, text in enumerate(tokens):
-    if attrs[i] & CONTROL and "unused" in text:
+  for i in compress(range(len(attrs)), map(CONTROL.__and__, attrs)):
+    if "unused" in tokens[i]:
       attrs[i] |= UNUSED
   eog = {ids[r] for r in ("fim_pad", "fim_rep", "fim_sep") if ids.get(r) is not None}
   for text in _EOG:
@@ -105,7 +106,7 @@ def mark_special(
 def special_ids(attrs: Sequence[int], tokens: Sequence[str]) -> list[int]:
   """Control, user-defined and unknown tokens, longest text (in bytes) first: the order
   llama.cpp splits the text on them (its sort is not stable; ties here go by id)."""
-  ids = [i for i, a in enumerate(attrs) if a & (CONTROL | USER_DEFINED | UNKNOWN)]
+  ids = list(compress(range(len(attrs)), map((CONTROL | USER_DEFINED | UNKNOWN).__and__, attrs)))
   return sorted(ids, key=lambda i: -len(tokens[i].encode()))
 
 

@@ -102,14 +102,16 @@ class Vocab:
     kind = KINDS[model]
     if _K + "tokens" not in meta:
       raise CheckpointError(f"{path}: no {_K}tokens (the vocabulary)")
-    tokens = [str(t) or f"[EMPTY_{i}]" for i, t in enumerate(meta[_K + "tokens"])]
+    tokens = list(map(str, meta[_K + "tokens"]))
+    if not all(tokens):  # llama.cpp names an empty token by its id
+      tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     n = len(tokens)
     scores = _per_token(meta, "scores", n, path, float, 0.0)
     types = _per_token(meta, "token_type", n, path, int, 1)
     pre = _pre_tokenizer(meta, model, path) if kind == "bpe" else None
     ranks = _ranks(meta, pre, path) if pre is not None else {}
     flags = _flags(meta, kind, pre)
-    token_to_id = {t: i for i, t in enumerate(tokens)}
+    token_to_id = dict(zip(tokens, range(n), strict=True))  # a repeated text: its last id
     attrs = A.from_types(types, n)
     ids = _special_ids(meta, kind, pre, n, path)
     eog = A.mark_special(attrs, tokens, token_to_id, ids)
@@ -133,7 +135,7 @@ class Vocab:
       specials=specials,
       pre=pre,
       ranks=ranks,
-      max_token_len=max((len(t) for t in tokens), default=0),
+      max_token_len=max(map(len, tokens), default=0),
       path=path,
       **flags,
     )
@@ -158,7 +160,7 @@ def _per_token(
   values = list(values)
   if len(values) < n:
     raise CheckpointError(f"{path}: {_K}{key} has {len(values)} entries for {n} tokens")
-  return [cast(v) for v in values[:n]]
+  return list(map(cast, values[:n]))
 
 
 def _pre_tokenizer(meta: Mapping[str, Any], model: str, path: str) -> PreTokenizer:
