@@ -51,9 +51,10 @@ TARGET_LAYER = "q8rules_q8_gemv_layer"
 SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 """The kernel's C++ source, shipped as package data."""
 
-CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-w")
+CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-w")
 """Compiler flags. No `-mavx2`: the AVX2 functions carry target attributes, so the scalar
-fallback stays runnable on any x86-64 CPU."""
+fallback stays runnable on any x86-64 CPU. `-pthread`: the repack starts threads (a glibc
+before 2.34 keeps them in libpthread)."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" (ctypes.CDLL) or "reason" (str), once decided
