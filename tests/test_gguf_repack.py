@@ -53,6 +53,11 @@ def test_native_repack_refuses_wrong_sizes(rng):
   raw = random_blocks(rng, 1, 16, 2)
   with pytest.raises(ValueError, match="C-contiguous uint8 bytes"):
     cpu_native.repack_q8_transposed(raw, np.empty((1, 64, 17), np.int8))
+  out = np.empty((1, 64, 16), np.int8)
+  with pytest.raises(ValueError, match=r"float16 scales \(1, 2, 16\)"):
+    cpu_native.repack_q8_transposed(raw, out, np.empty((1, 2, 16), np.float32))
+  with pytest.raises(ValueError, match=r"float16 scales \(1, 2, 16\)"):
+    cpu_native.repack_q8_transposed(raw, out, np.empty((1, 3, 16), np.float16))
 
 
 def q8_bytes(w: np.ndarray) -> np.ndarray:
