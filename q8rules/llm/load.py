@@ -149,6 +149,7 @@ class LoadPlan:
     q8_paths: the param paths served as Q8_0 (the fused ones in place of their members).
     tensors: the file's tensors as the model reads them (stacked, fused).
     names: tensor name (as `tensors` names it) -> param path.
+    shapes: every tensor of the file, GGUF name -> shape in numpy order.
   """
 
   config: TransformerConfig
@@ -158,6 +159,7 @@ class LoadPlan:
   q8_paths: list[tuple[str, ...]]
   tensors: StackedTensors
   names: dict[str, tuple[str, ...]]
+  shapes: dict[str, tuple[int, ...]]
 
 
 def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
@@ -201,7 +203,7 @@ def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
     model = qwix.quantize_model(model, provider)
   tensors = StackedTensors(ckpt, slots, fusion.slots)
   names = tensors.name_map(slots)
-  return LoadPlan(config, model, provider, rule, q8_paths, tensors, names)
+  return LoadPlan(config, model, provider, rule, q8_paths, tensors, names, shapes)
 
 
 def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool) -> GGUFModel:
@@ -210,8 +212,7 @@ def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool
   # the tree jax.eval_shape of the model's init gives (param_specs.traced_params), untraced
   abstract = param_specs.file_params(tensors, names, plan.q8_paths, plan.rule.scale_dtype)
   if mesh is not None:
-    shapes = {name: ckpt.gguf_shape(name) for name in ckpt}
-    check_mesh(mesh, config, ckpt.path, shapes)  # llm/distributed.py: names the tensor
+    check_mesh(mesh, config, ckpt.path, plan.shapes)  # llm/distributed.py: names the tensor
     abstract = _place_on_mesh(abstract, mesh, config)
   params = ckpt_assign.assign(abstract, tensors, names, progress=progress)  # shard by shard
   tokenizer = _tokenizer(ckpt.metadata, str(ckpt.path))
