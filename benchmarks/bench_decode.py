@@ -25,8 +25,10 @@ the prompt pass of `stream`: the head on the last position only, as llama.cpp's;
 parentheses `logits`, all 128 positions' logits). A second run per
 file replaces every Q8 product of the native kernel by a no-op (a broadcast of x's first
 column: the weights are not read) to split a decode step into Q8 products vs everything
-else (attention, norms, RoPE, KV writes, sampling, XLA's per-op cost). llama.cpp: the same
-prompt, 64 greedy tokens, 128-token prefill, load time.
+else (attention, norms, RoPE, KV writes, sampling, XLA's per-op cost). A third run loads
+with `act_qtype='q8_0'` (Q8_0 activations, int8 block dots: llama.cpp's own numerics for Q8_0
+weights; opt-in) for its decode and prefill. llama.cpp: the same prompt, 64 greedy tokens,
+128-token prefill, load time.
 
 The llama.cpp must be built for this CPU; its system info is printed and a ratio is refused
 when it is not (`benchmarks/llamacpp_native.py`).
@@ -97,7 +99,8 @@ prompt = json.loads(sys.argv[3])
 n_new = int(sys.argv[4])
 t = time.perf_counter()
 c0 = compile_cache.stats()
-m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False)
+act_qtype = "q8_0" if mode == "act" else None  # Q8_0 activations, as llama.cpp's
+m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False, act_qtype=act_qtype)
 jax.block_until_ready(m.params)
 load_s = time.perf_counter() - t
 c1 = compile_cache.stats()
@@ -130,6 +133,7 @@ if mode == "full":
       stamps.append(time.perf_counter())
     return (len(stamps) - 2) / (stamps[-1] - stamps[1])  # the first step compiles
   out["host_decode_tps"] = max(host_loop(n_new) for _ in range(2))
+if mode in ("full", "act"):
   long = [(7 * i + 3) % m.config.vocab for i in range(128)]
   for key, run in (("prefill_tps", m.prefill), ("prefill_all_tps", m.logits)):
     times = []
@@ -138,6 +142,7 @@ if mode == "full":
       jax.block_until_ready(run(long))
       times.append(time.perf_counter() - t)
     out[key] = 128 / min(times[1:])  # prefill: the last logits (as llama.cpp); all: 128 rows
+if mode == "full":
   # kernels a decode step launches: top-level instructions of the compiled one-token call
   cache = m._cache(len(prompt) + n_new)
   text = jax.jit(m.model.apply).lower({"params": m.params}, jnp.zeros((1, 1), jnp.int32), cache,
@@ -222,6 +227,9 @@ def main() -> None:
   ap.add_argument("--threads", default="1,2")
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--no-noop", action="store_true", help="skip the no-op-products runs")
+  ap.add_argument(
+    "--no-act", action="store_true", help="skip the act_qtype='q8_0' (Q8_0 activations) runs"
+  )
   ap.add_argument("--xla-flags", default=None, help="XLA_FLAGS for the q8rules runs")
   ap.add_argument("--section", default="decode")
   ap.add_argument("--write", action="store_true", help="write the tables to RESULTS.md")
@@ -270,15 +278,17 @@ def main() -> None:
     print(key, "cold", json.dumps(cold[key]), flush=True)
     for r in range(args.rounds):
       for t in threads:
-        for side in ("ours", "llama.cpp", "noop"):
+        for side in ("ours", "llama.cpp", "act", "noop"):
           if side == "llama.cpp" and not args.llama_cpp_python:
             continue
           if side == "noop" and (args.no_noop or t != max(threads)):
             continue
+          if side == "act" and args.no_act:
+            continue
           res = (
             theirs(args.llama_cpp_python, path, t)
             if side == "llama.cpp"
-            else ours(path, "full" if side == "ours" else "noop", t, env)
+            else ours(path, {"ours": "full"}.get(side, side), t, env)
           )
           results.setdefault((key, t, side), []).append(res)
           print(key, t, side, r, json.dumps(res), f"load {load_average()}", flush=True)
@@ -294,7 +304,7 @@ def parse_log(path: Path) -> tuple[dict, dict]:
     parts = line.split(" ", 4)
     if len(parts) >= 3 and parts[1] == "cold":
       cold[parts[0]] = json.loads(line.split(" ", 2)[2])
-    elif len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "noop"):
+    elif len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop"):
       res = json.loads(parts[4].rsplit(" load ", 1)[0])
       results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)
   return results, cold
@@ -361,6 +371,28 @@ def report(args, threads, results, cold, missing) -> str:
       else:
         row += ["-", "-", prefill, "-", "-"]
       lines.append("| " + " | ".join(row) + " |")
+  act_rows = []
+  for key in args.files:
+    for t in threads:
+      a, th = results.get((key, t, "act"), []), results.get((key, t, "llama.cpp"), [])
+      if not a:
+        continue
+      row = [key, str(t), f"{med(a, 'decode_tps'):.1f}"]
+      row += [ratio(med(a, "decode_tps") / med(th, "decode_tps")) if th else "-"]
+      row += [f"{med(a, 'prefill_tps'):.0f} ({med(a, 'prefill_all_tps'):.0f})"]
+      row += [ratio(med(a, "prefill_tps") / med(th, "prefill_tps")) if th else "-"]
+      act_rows.append("| " + " | ".join(row) + " |")
+  if act_rows:
+    lines += [
+      "",
+      "With `act_qtype='q8_0'` (the activations quantized to Q8_0 too, as llama.cpp does:"
+      " int8 block dots; opt-in), same runs:",
+      "",
+      "| file | threads | decode tok/s | decode ratio | prefill-128 tok/s (all 128 rows) |"
+      " prefill ratio |",
+      "|---|---:|---:|---:|---:|---:|",
+      *act_rows,
+    ]
   if missing:
     lines += ["", refusal(missing)]
   t2 = max(threads)

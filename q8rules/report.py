@@ -16,8 +16,9 @@ class OpRecord:
     op: the op and its index within the module, e.g. 'dot_general0'.
     rule: index of the matched rule, or None.
     path: the implementation that ran (`q8rules.kernels.resolve`: 'fold', 'cpu',
-      'xla', 'xla_dequant', 'reference'; per shard under a mesh), 'fake_quant' (QAT), or 'float'
-      (left untouched).
+      'xla', 'xla_dequant', 'reference'; per shard under a mesh; 'cpu (act q8_0)' and the like
+      where the rule quantizes activations too), 'fake_quant' (QAT), or 'float' (left
+      untouched).
     weight_shape: the float weight's shape (None when the op has no weight).
     m, k, n: the product as (M, K) @ (K, N) (K before padding).
     float_bytes: bytes the weight takes as float (its own dtype).

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules._qwix import QuantizationRule
-from q8rules.kernels import ImplementationArg, check_implementation
+from q8rules.kernels import ImplementationArg, act_q8_0, check_implementation
 
 Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
@@ -19,10 +19,14 @@ Q8_0 = "q8_0"
 class Q8Rule(QuantizationRule):
   """Match ops by `module_path` (a regex on the Flax module path) and `op_names`
   (`'dot_general'`, which also covers `jnp.dot` and `jnp.matmul`, and `'einsum'`), as
-  `qwix.QuantizationRule` does, and quantize their weight to Q8_0 (weight-only:
+  `qwix.QuantizationRule` does, and quantize their weight to Q8_0 (weight-only by default:
   activations stay float).
 
   Attributes:
+    act_qtype: None (weight-only, float32-accurate products), or 'q8_0': the activations are
+      quantized to Q8_0 blocks along K at run time too, as llama.cpp quantizes them, and the
+      product runs on int8 block dots (`q8rules.kernels.act_q8_0`; implementations 'cpu' and
+      'xla'). Opt-in: each activation block is rounded to 255 levels of its absmax.
     scale_dtype: float32 (default, as on the chip) or float16 (GGUF's).
     implementation: None picks the best for the backend and shape; a name of
       `q8rules.kernels.IMPLEMENTATIONS` ('fold', 'cpu', 'xla', 'xla_dequant', 'reference') or a
@@ -59,10 +63,16 @@ def rule_problems(rule: QuantizationRule) -> list[str]:
   problems = []
   if rule.weight_qtype != Q8_0:
     problems.append(f"weight_qtype={rule.weight_qtype!r} (Q8_0 only)")
-  if rule.act_qtype is not None:
-    problems.append(f"act_qtype={rule.act_qtype!r} (weight-only: activations stay float)")
+  if rule.act_qtype is not None and rule.act_qtype not in act_q8_0.ACT_QTYPES:
+    problems.append(
+      f"act_qtype={rule.act_qtype!r} (None, weight-only, or {Q8_0!r}: Q8_0 activations)"
+    )
   if rule.act_static_scale:
-    problems.append("act_static_scale (weight-only)")
+    problems.append("act_static_scale (Q8_0 activations take their scales from each block)")
+  if rule.act_qtype is not None and rule.act_calibration_method not in (None, "absmax"):
+    problems.append(
+      f"act_calibration_method={rule.act_calibration_method!r} (Q8_0 activations are absmax)"
+    )
   if rule.tile_size is not None:
     problems.append(f"tile_size={rule.tile_size!r} (Q8_0 blocks are always 32 rows)")
   if rule.weight_calibration_method != "absmax":
@@ -75,10 +85,21 @@ def rule_problems(rule: QuantizationRule) -> list[str]:
     scale_dtype = None
   if scale_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
     problems.append(f"scale_dtype={rule.scale_dtype!r} (float32 or float16)")
+  implementation = getattr(rule, "implementation", None)
   try:
-    check_implementation(getattr(rule, "implementation", None))
+    check_implementation(implementation)
   except ValueError as e:
     problems.append(str(e))
+  else:
+    if rule.act_qtype in act_q8_0.ACT_QTYPES and implementation is not None:
+      names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+      off = [n for n in names if n not in act_q8_0.IMPLEMENTATIONS]
+      if off:
+        problems.append(
+          f"implementation={implementation!r} with act_qtype={rule.act_qtype!r}"
+          f" (the Q8_0 x Q8_0 product runs on {' or '.join(map(repr, act_q8_0.IMPLEMENTATIONS))},"
+          f" not on {', '.join(map(repr, off))})"
+        )
   return problems
 
 

@@ -127,7 +127,7 @@ def test_validate_rule_refuses(kwargs, message):
 @pytest.mark.parametrize(
   "kwargs,reason",
   [
-    ({"act_qtype": "int8"}, "act_qtype='int8' (weight-only"),
+    ({"act_qtype": "int8"}, "act_qtype='int8' (None, weight-only, or 'q8_0'"),
     ({"tile_size": 64}, "tile_size=64 (Q8_0 blocks are always 32 rows)"),
     ({"implementation": "bogus"}, "implementation='bogus': expected None, one of"),
     ({"scale_dtype": "not a dtype"}, "scale_dtype='not a dtype' (float32 or float16)"),

@@ -5,10 +5,12 @@ in `api.py`; what a product is (its operand check, its `Problem`, the platforms)
 `problem.py`; each implementation is a module named for what it is, with its own
 `cannot`, `slower` and `run`: `fold.py` (over `pallas_mosaic_tpu.py` and
 `pallas_triton.py`, the fold's two forms), `cpu_native.py` (+ `cpu/q8_gemv.cc`),
-`xla_chunked.py`, `xla_dequant.py`, `reference.py`.
+`xla_chunked.py`, `xla_dequant.py`, `reference.py`. With `act_qtype='q8_0'` (opt-in) the
+activations are quantized too: `act_q8_0.py` (implementations 'cpu' and 'xla').
 """
 
 from q8rules.kernels.api import (
+  ACT_DEFAULT_ORDER,
   CPU_MAX_ROWS,
   DEFAULT_ORDER,
   IMPLEMENTATIONS,
@@ -27,6 +29,7 @@ from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks, lowering_
 from q8rules.kernels.fold import fold_applies, q8_fold
 
 __all__ = [
+  "ACT_DEFAULT_ORDER",
   "CPU_MAX_ROWS",
   "CUSTOM_CALL_TARGETS",
   "DEFAULT_ORDER",

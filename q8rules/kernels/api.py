@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from q8rules.kernels import cpu_native, fold, reference, xla_chunked, xla_dequant
+from q8rules.kernels import act_q8_0, cpu_native, fold, reference, xla_chunked, xla_dequant
 from q8rules.kernels._bilinear import bilinear_product
 from q8rules.kernels.cpu_native import CPU_MAX_ROWS
 from q8rules.kernels.layer import LayerSlice, check_stacked
@@ -92,6 +92,38 @@ and TPU the fold takes decode shapes and the dequantise-then-dot the rest (provi
 measured on the devices: docs/design.md, "GPU dispatch")."""
 
 
+ACT_DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+  "cpu": ("cpu", "xla"),
+  "gpu": ("xla",),
+  "tpu": ("xla",),
+}
+"""What `implementation=None` tries for the Q8_0 x Q8_0 product (`act_qtype='q8_0'`,
+`act_q8_0.IMPLEMENTATIONS`), per platform; the last always runs."""
+
+
+def _resolve_act(p: Problem, implementation: ImplementationArg) -> str:
+  """The implementation that runs the Q8_0 x Q8_0 product `p`, as `resolve` picks for the
+  weight-only product (a named one that cannot run it is an error naming why)."""
+  if implementation is None:
+    order = ACT_DEFAULT_ORDER[p.platform]
+    for name in order:
+      if act_q8_0.cannot(name, p) is None and act_q8_0.slower(name, p) is None:
+        return name
+    return order[-1]
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  reasons = []
+  for name in names:
+    reason = act_q8_0.cannot(name, p)
+    if reason is None:
+      return name
+    reasons.append(f"{name!r}: {reason}")
+  raise ValueError(
+    f"implementation={implementation!r} cannot run the act_qtype='q8_0' product"
+    f" ({p.m}, {p.k}) x ({p.k}, {p.n}) on {p.platform}: {'; '.join(reasons)}; use 'xla',"
+    " which runs every shape"
+  )
+
+
 def check_implementation(
   implementation: ImplementationArg, *, what: str = "implementation"
 ) -> None:
@@ -124,6 +156,7 @@ def resolve(
   dtype: Any = jnp.bfloat16,
   backend: str | None = None,
   implementation: ImplementationArg = None,
+  act_qtype: str | None = None,
 ) -> str:
   """The implementation that runs an (m, K) x (K, N) product with `dtype` activations.
 
@@ -134,13 +167,18 @@ def resolve(
     implementation: None (the first of `DEFAULT_ORDER[platform]` that can run
       the product and is not slower than the next), a name (it must be able to
       run the product), or a sequence of names (the first that can).
+    act_qtype: None (weight-only), or 'q8_0': the activations quantized too, whose
+      implementations are `act_q8_0.IMPLEMENTATIONS` ('cpu', 'xla'; `ACT_DEFAULT_ORDER`).
 
   Raises:
     ValueError: no named implementation can run the product; the message gives
       each one's reason.
   """
   check_implementation(implementation)
+  act_q8_0.check_act_qtype(act_qtype)
   p = Problem.of(m, k, n, dtype, backend)
+  if act_qtype is not None:
+    return _resolve_act(p, implementation)
   if implementation is None:
     for name in DEFAULT_ORDER[p.platform]:
       impl = REGISTRY[name]
@@ -163,10 +201,14 @@ def resolve(
 # ---- the product, dispatched when it is lowered ----------------------------------------
 
 
-def _run_on(platform: str, x2d, q, scale, *, implementation, interpret) -> jax.Array:
+def _run_on(
+  platform: str, x2d, q, scale, *, implementation, interpret, act_qtype=None
+) -> jax.Array:
   """The product as `platform` runs it: (m, K) @ (K, N) -> (m, N) float32."""
   m, k = x2d.shape
-  name = resolve(m, k, q.shape[1], x2d.dtype, platform, implementation)
+  name = resolve(m, k, q.shape[1], x2d.dtype, platform, implementation, act_qtype)
+  if act_qtype is not None:
+    return act_q8_0.run(name, x2d, q, scale)
   return REGISTRY[name].run(x2d, q, scale, platform, interpret)
 
 
@@ -194,12 +236,16 @@ for _lp in _LOWERING_PLATFORMS:
   )
 
 
-def _run_layer_on(platform: str, x2d, q, scale, layer, *, implementation, interpret) -> jax.Array:
+def _run_layer_on(
+  platform: str, x2d, q, scale, layer, *, implementation, interpret, act_qtype=None
+) -> jax.Array:
   """The product on layer `layer` of stacked q (L, K, N), scale (L, K/32, N) as `platform` runs
   it: the native CPU kernel reads the layer in place; every other implementation gets the
   layer sliced out first (`LayerSlice.take`)."""
   m, k = x2d.shape
-  name = resolve(m, k, q.shape[2], x2d.dtype, platform, implementation)
+  name = resolve(m, k, q.shape[2], x2d.dtype, platform, implementation, act_qtype)
+  if act_qtype is not None:
+    return act_q8_0.run(name, x2d, q, scale, layer)
   if name == cpu_native.NAME:
     return cpu_native.q8_matmul_cpu_layer(x2d, q, scale, layer)
   w = LayerSlice(Q8Array(q, scale), layer).take()
@@ -236,20 +282,25 @@ def _select_layer(q: jax.Array, scale: jax.Array, layer: jax.Array):
 
 
 @functools.cache
-def _product(implementation: ImplementationArg, interpret: bool | None, stacked: bool = False):
-  """The product for one (implementation, interpret): the primitive with its vmap and jvp."""
+def _product(
+  implementation: ImplementationArg,
+  interpret: bool | None,
+  stacked: bool = False,
+  act_qtype: str | None = None,
+):
+  """The product for one (implementation, interpret, act_qtype): the primitive with its vmap
+  and jvp (with Q8_0 activations, the weight-only product's: straight through their rounding)."""
+  params = {"implementation": implementation, "interpret": interpret, "act_qtype": act_qtype}
 
   if stacked:
 
     def bind_layer(x2d, q, scale, layer):
-      return q8_layer_product_p.bind(
-        x2d, q, scale, layer, implementation=implementation, interpret=interpret
-      )
+      return q8_layer_product_p.bind(x2d, q, scale, layer, **params)
 
     return bilinear_product(bind_layer, _select_layer)
 
   def bind(x2d, q, scale):
-    return q8_product_p.bind(x2d, q, scale, implementation=implementation, interpret=interpret)
+    return q8_product_p.bind(x2d, q, scale, **params)
 
   return bilinear_product(bind)
 
@@ -261,8 +312,10 @@ def run_product(
   implementation: ImplementationArg = None,
   interpret: bool | None = None,
   preferred_element_type: Any = None,
+  act_qtype: str | None = None,
 ) -> tuple[jax.Array, str]:
-  """`q8_matmul`, and the name of the implementation it chose for the default backend.
+  """`q8_matmul`, and the name of the implementation it chose for the default backend
+  (with Q8_0 activations, followed by ' (act q8_0)', e.g. 'cpu (act q8_0)').
 
   The name is what `resolve` picks at trace time (the one choice callers such as
   the report should show); lowering for another platform picks that platform's own.
@@ -276,7 +329,8 @@ def run_product(
     check_operands(x, w)
   k, n = w.shape
   x2d = x.reshape(-1, k)
-  chosen = resolve(x2d.shape[0], k, n, x.dtype, None, implementation)
+  chosen = resolve(x2d.shape[0], k, n, x.dtype, None, implementation, act_qtype)
+  ran = chosen if act_qtype is None else f"{chosen} (act {act_qtype})"
   impl = (
     implementation
     if implementation is None or isinstance(implementation, str)
@@ -285,10 +339,10 @@ def run_product(
   if x2d.shape[0] == 0 or n == 0:
     y = jnp.zeros((x2d.shape[0], n), jnp.float32)
   elif isinstance(w, LayerSlice):
-    y = _product(impl, interpret, True)(x2d, w.stacked.q, w.stacked.scale, w.layer)
+    y = _product(impl, interpret, True, act_qtype)(x2d, w.stacked.q, w.stacked.scale, w.layer)
   else:
-    y = _product(impl, interpret)(x2d, w.q, w.scale)
-  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype), chosen
+    y = _product(impl, interpret, False, act_qtype)(x2d, w.q, w.scale)
+  return y.reshape(*x.shape[:-1], n).astype(preferred_element_type or x.dtype), ran
 
 
 def q8_matmul(
@@ -298,6 +352,7 @@ def q8_matmul(
   implementation: ImplementationArg = None,
   interpret: bool | None = None,
   preferred_element_type: Any = None,
+  act_qtype: str | None = None,
 ) -> jax.Array:
   """`y = x @ W` for x (..., K) float32/bfloat16/float16 and W a (K, N) Q8Array.
 
@@ -305,7 +360,8 @@ def q8_matmul(
   (default: x's dtype). `implementation` as `resolve`; it is checked now for the
   default backend (a clear error at trace time) and resolved again per platform
   when the program is lowered. `interpret` runs the fold in Pallas interpret
-  mode (None: on CPU only). `run_product` also returns the implementation's name.
+  mode (None: on CPU only). `act_qtype='q8_0'` quantizes x to Q8_0 too, as llama.cpp does
+  (opt-in: `q8rules.kernels.act_q8_0`). `run_product` also returns the implementation's name.
   """
   y, _ = run_product(
     x,
@@ -313,12 +369,14 @@ def q8_matmul(
     implementation=implementation,
     interpret=interpret,
     preferred_element_type=preferred_element_type,
+    act_qtype=act_qtype,
   )
   return y
 
 
 __all__ = [
   "ACTIVATION_DTYPES",
+  "ACT_DEFAULT_ORDER",
   "CPU_MAX_ROWS",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",

@@ -48,8 +48,17 @@ TARGET = "q8rules_q8_gemv"
 TARGET_LAYER = "q8rules_q8_gemv_layer"
 """The FFI target of the product on one layer of stacked weights, read in place."""
 
+TARGET_ACT_Q8 = "q8rules_q8_gemv_act_q8"
+"""The FFI target of the product with Q8_0 activations (`q8rules.kernels.act_q8_0`)."""
+
+TARGET_ACT_Q8_LAYER = "q8rules_q8_gemv_act_q8_layer"
+"""The FFI target of the product with Q8_0 activations on one layer of stacked weights."""
+
 SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 """The kernel's C++ source, shipped as package data."""
+
+HEADERS = (SOURCE.with_name("q8_act_int8.h"),)
+"""The headers SOURCE includes (their bytes enter the library's cache key)."""
 
 CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-w")
 """Compiler flags. No `-mavx2`: the AVX2 functions carry target attributes, so the scalar
@@ -77,7 +86,8 @@ def _compiler() -> list[str]:
 def library_path() -> Path:
   """The cached shared library for this source, jaxlib, compiler and flags (may not exist yet)."""
   key = hashlib.sha256()
-  key.update(SOURCE.read_bytes())
+  for part in (SOURCE, *HEADERS):
+    key.update(part.read_bytes())
   key.update(jaxlib.__version__.encode())
   key.update(" ".join(_compiler() + list(CXXFLAGS)).encode())
   key.update(platform.machine().encode())
@@ -123,6 +133,11 @@ def _load() -> ctypes.CDLL | None:
       lib = ctypes.CDLL(str(path))
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Q8Gemv), platform="cpu")
       jax.ffi.register_ffi_target(TARGET_LAYER, jax.ffi.pycapsule(lib.Q8GemvLayer), platform="cpu")
+      for target, symbol in (
+        (TARGET_ACT_Q8, lib.Q8GemvActQ8),
+        (TARGET_ACT_Q8_LAYER, lib.Q8GemvActQ8Layer),
+      ):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
       _state["lib"] = lib
       _state["path"] = path
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -173,6 +188,50 @@ def last_threads() -> int:
   first call or when the kernel is unavailable."""
   lib = _load()
   return 0 if lib is None else int(lib.Q8GemvLastThreads())
+
+
+def has_vnni() -> bool:
+  """Whether the loaded kernel's Q8_0-activation product runs its AVX-512 VNNI path on this CPU
+  (False: its scalar path, or the kernel is unavailable)."""
+  lib = _load()
+  return bool(lib is not None and lib.Q8GemvHasVnni())
+
+
+def last_act_path() -> str | None:
+  """The path the last Q8_0-activation product ran: 'avx512_vnni' or 'scalar' (None: none
+  has run, or the kernel is unavailable)."""
+  lib = _load()
+  code = -1 if lib is None else int(lib.Q8GemvLastActVnni())
+  return None if code < 0 else ("avx512_vnni" if code else "scalar")
+
+
+def quantize_activations_native(
+  x: np.ndarray, simd: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The kernel's own Q8_0 of float32 rows x (m, K), as the Q8_0-activation product uses it:
+  int8 values (m, K), float32 scales (m, K/32: the float16 d widened) and int32 -128 * each
+  block's sum of values; on AVX-512 with `simd` where the CPU has VNNI, else scalar (tests)."""
+  lib = _load()
+  if lib is None:
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  x = np.ascontiguousarray(x, np.float32)
+  m, k = x.shape
+  if k % 32:
+    raise ValueError(f"quantize_activations_native: K = {k} is not a multiple of 32")
+  xq = np.empty((m, k), np.int8)
+  dx = np.empty((m, k // 32), np.float32)
+  xc = np.empty((m, k // 32), np.int32)
+  ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+  lib.Q8QuantizeActivations(
+    ptr(x.ctypes.data),
+    i64(m),
+    i64(k),
+    ptr(xq.ctypes.data),
+    ptr(dx.ctypes.data),
+    ptr(xc.ctypes.data),
+    ctypes.c_int(int(simd)),
+  )
+  return xq, dx, xc
 
 
 def force_scalar(force: bool) -> None:
@@ -360,6 +419,35 @@ def q8_matmul_cpu_layer(
   out = jax.ShapeDtypeStruct((m, n), jnp.float32)
   index = jnp.asarray(layer, jnp.int32)
   return jax.ffi.ffi_call(TARGET_LAYER, out)(x.astype(jnp.float32), q, scale, index)
+
+
+def q8_matmul_cpu_act_q8(
+  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array | None = None
+) -> jax.Array:
+  """`Q8_0(x) @ (q * scale)`: the product with x quantized to Q8_0 along K in the kernel
+  (`q8rules.kernels.act_q8_0`), on the whole weight or, with `layer`, on layer `layer` of
+  stacked q (L, K, N) and scale (L, K/32, N) read in place.
+
+  Args:
+    x: (M, K) activations (converted to float32, exactly).
+    q: (K, N) or (L, K, N) int8 Q8_0 values, K a multiple of 32.
+    scale: (K/32, N) or (L, K/32, N) float32 or float16 scales.
+    layer: None, or () int32 in [0, L).
+
+  Returns:
+    (M, N) float32: exact int32 block dots, each folded in with its two scales' product.
+  """
+  m, k = x.shape
+  n = q.shape[-1]
+  if not available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  x = x.astype(jnp.float32)
+  if layer is None:
+    return jax.ffi.ffi_call(TARGET_ACT_Q8, out)(x, q, scale)
+  return jax.ffi.ffi_call(TARGET_ACT_Q8_LAYER, out)(x, q, scale, jnp.asarray(layer, jnp.int32))
 
 
 def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):

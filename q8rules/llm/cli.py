@@ -41,6 +41,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--float32", action="store_true", help="float32 activations (default bfloat16)")
   p.add_argument("--dequantize-other", action="store_true", help="load Q4_0, Q4_K, ... as float")
   p.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+  p.add_argument(
+    "--act-qtype",
+    choices=["q8_0"],
+    default=None,
+    help="quantize the Q8_0 products' activations too, as llama.cpp does (int8 block dots;"
+    " default: weight-only, float32-accurate products)",
+  )
   return p.parse_args(argv)
 
 
@@ -55,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dtype=jnp.float32 if args.float32 else jnp.bfloat16,
     dequantize_other=args.dequantize_other,
     progress=not args.no_progress,
+    act_qtype=args.act_qtype,
   )
   load_s = time.perf_counter() - t0
   c = m.config

@@ -93,6 +93,7 @@ def load_gguf(
   dequantize_other: bool = False,
   progress: bool | None = None,
   fuse: bool = True,
+  act_qtype: str | None = None,
 ) -> GGUFModel:
   """Load a llama.cpp GGUF model (an arch of `q8rules.llm.SUPPORTED_ARCHS`) to run in JAX.
 
@@ -115,6 +116,9 @@ def load_gguf(
       axis at load, one product each (`q8rules.llm.fuse`: the file's Q8_0 values and
       scales as they are, the same output columns; `config.fused_qkv` / `fused_gate_up`
       say what was fused). Not on a mesh, nor for blocks that run unrolled.
+    act_qtype: None (weight-only: float32-accurate products, the default), or 'q8_0': the
+      activations of every Q8_0 product quantized to Q8_0 as llama.cpp does, products on
+      int8 block dots (`q8rules.kernels.act_q8_0`; AVX-512 VNNI on the CPU).
 
   Returns:
     A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
@@ -131,7 +135,7 @@ def load_gguf(
     path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
   )
   try:
-    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse)
+    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse, act_qtype=act_qtype)
   finally:
     ckpt.close()
 
@@ -162,7 +166,9 @@ class LoadPlan:
   shapes: dict[str, tuple[int, ...]]
 
 
-def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
+def plan_load(
+  ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool, act_qtype: str | None = None
+) -> LoadPlan:
   """The config, model and tensor map of `ckpt` (`load_gguf`'s arguments; nothing read but
   the header). Raises CheckpointError as `load_gguf` does."""
   meta = ckpt.metadata
@@ -197,7 +203,7 @@ def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
   q8_paths = fused_paths(q8_paths, fusion)
   config = fusion.config  # the model's (the file's slots stay `slots`)
   model: nn.Module = Transformer(config)
-  rule = q8_rule(q8_paths)
+  rule = q8_rule(q8_paths, act_qtype)
   provider = Q8Provider([rule]) if q8_paths else None
   if provider is not None:
     model = qwix.quantize_model(model, provider)
@@ -206,8 +212,16 @@ def plan_load(ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool) -> LoadPlan:
   return LoadPlan(config, model, provider, rule, q8_paths, tensors, names, shapes)
 
 
-def _load(ckpt: Any, *, dtype: Any, mesh: Any, progress: bool | None, fuse: bool) -> GGUFModel:
-  plan = plan_load(ckpt, dtype=dtype, mesh=mesh, fuse=fuse)
+def _load(
+  ckpt: Any,
+  *,
+  dtype: Any,
+  mesh: Any,
+  progress: bool | None,
+  fuse: bool,
+  act_qtype: str | None,
+) -> GGUFModel:
+  plan = plan_load(ckpt, dtype=dtype, mesh=mesh, fuse=fuse, act_qtype=act_qtype)
   config, tensors, names = plan.config, plan.tensors, plan.names
   # the tree jax.eval_shape of the model's init gives (param_specs.traced_params), untraced
   abstract = param_specs.file_params(tensors, names, plan.q8_paths, plan.rule.scale_dtype)

@@ -225,6 +225,7 @@ def provider_product(
   operand: Any = None,
   implementation: kernels.ImplementationArg = None,
   interpret: bool | None = None,
+  act_qtype: str | None = None,
 ) -> tuple[jax.Array, str] | None:
   """The provider's hook: a matched product run per shard as `plan_product` splits it, or
   None to run it unsharded.
@@ -240,7 +241,7 @@ def provider_product(
     layout: the product's layout (`q8rules.layout.ProductLayout`).
     operand: the weight operand as the intercepted op got it (the param, or
       `WithAux`): its param path is looked up in `shard_products`'s specs.
-    implementation, interpret: the rule's; None picks per shard.
+    implementation, interpret, act_qtype: the rule's; None picks per shard.
 
   Returns:
     The op's output in lhs's dtype, split along the weight's N axes (on the
@@ -262,6 +263,7 @@ def provider_product(
     from_matrix=plan.local.output,
     implementation=implementation,
     interpret=interpret,
+    act_qtype=act_qtype,
   )
 
 

@@ -258,7 +258,14 @@ def forward_rule(rule: Q8Rule, lhs: jax.Array, view: WeightLayout) -> Q8Rule:
     return rule
   m = math.prod(lhs.shape) // max(view.k, 1)
   try:
-    kernels.resolve(m, view.k_padded, view.n, lhs.dtype, implementation=rule.implementation)
+    kernels.resolve(
+      m,
+      view.k_padded,
+      view.n,
+      lhs.dtype,
+      implementation=rule.implementation,
+      act_qtype=rule.act_qtype,
+    )
   except ValueError:
     return dataclasses.replace(rule, implementation=None)
   return rule

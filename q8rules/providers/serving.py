@@ -281,6 +281,7 @@ def run_served(
   options = {
     "implementation": rule.implementation if rule is not None else None,
     "interpret": rule.interpret if rule is not None else None,
+    "act_qtype": rule.act_qtype if rule is not None else None,
   }
   try:
     layout.check_lhs(tuple(lhs.shape))

@@ -91,6 +91,7 @@ def run_sharded(
   from_matrix: Callable[[jax.Array, tuple[int, ...]], jax.Array] | None = None,
   implementation: kernels.ImplementationArg = None,
   interpret: bool | None = None,
+  act_qtype: str | None = None,
 ) -> tuple[jax.Array, str]:
   """The one sharded product: each device multiplies the shards it holds, in `shard_map`.
 
@@ -112,7 +113,8 @@ def run_sharded(
     to_matrix: a device's x shard -> (m, K_local) (default: `reshape(-1, K_local)`).
     from_matrix: (m, N_local) in x's dtype and the x shard's shape -> the output shard
       (default: `reshape(*x_shard.shape[:-1], N_local)`).
-    implementation, interpret: as `kernels.q8_matmul`, per shard.
+    implementation, interpret, act_qtype: as `kernels.q8_matmul`, per shard (Q8_0 activation
+      blocks lie within a K shard: shards are whole blocks).
 
   Returns:
     The output, split by `out_spec`, and the implementation the shards ran.
@@ -128,6 +130,7 @@ def run_sharded(
       implementation=implementation,
       interpret=interpret,
       preferred_element_type=jnp.float32,
+      act_qtype=act_qtype,
     )
     ran.append(name)
     if k_axes:  # row-parallel: float32 partial sums, added before the cast

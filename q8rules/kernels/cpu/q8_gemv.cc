@@ -29,6 +29,7 @@
 #define Q8_X86 0
 #endif
 
+#include "q8_act_int8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -57,12 +58,23 @@ struct Problem {
   int64_t m, k, n;
   int64_t ldx;          // x's row stride (the full K)
   Isa isa;              // the path every thread runs
+  // Q8_0 activations (q8_act_int8.h), else null: x's values (M, K), scales and -128 * block
+  // sums (M, K/32), row strides ldx and ldx / 32; y is then stretch-permuted until the end.
+  const int8_t* xq = nullptr;
+  const float* dx = nullptr;
+  const int32_t* xc = nullptr;
+  bool vnni = false;    // the Q8_0-activation product's path: VNNI, else scalar
 };
 
 // The blocks [b0, b1) of p, accumulating into y.
 Problem Blocks(const Problem& p, int64_t b0, int64_t b1, float* y) {
   Problem s = p;
   s.x = p.x + b0 * kBlock;
+  if (p.xq != nullptr) {
+    s.xq = p.xq + b0 * kBlock;
+    s.dx = p.dx + b0;
+    s.xc = p.xc + b0;
+  }
   s.q = p.q + b0 * kBlock * p.n;
   s.scale = static_cast<const char*>(p.scale) + b0 * p.n * (p.scale_f16 ? 2 : 4);
   s.k = (b1 - b0) * kBlock;
@@ -511,6 +523,8 @@ std::atomic<bool> g_force_scalar{false};
 // The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
 std::atomic<int> g_last_isa{-1};
 std::atomic<int> g_last_threads{0};
+// Whether the last Q8_0-activation product ran on VNNI (1) or scalar (0); -1: none yet.
+std::atomic<int> g_last_act_vnni{-1};
 
 // The best path this CPU supports.
 Isa BestIsa() {
@@ -555,6 +569,15 @@ void Columns(const Problem& p) {
   std::vector<float> s;  // the scalar path's partial sums
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
     const int64_t mg = std::min(kMaxRows, p.m - m0);
+    if (p.xq != nullptr) {
+      const int64_t nb = p.ldx / kBlock;
+      const q8act::Int8Operands o{p.xq + m0 * p.ldx, p.dx + m0 * nb, p.xc + m0 * nb,
+                                  p.q,               p.scale,        p.scale_f16,
+                                  p.y + m0 * p.n,    mg,             p.k,
+                                  p.n,               p.ldx,          nb};
+      q8act::ColumnsInt8(o, p.vnni);
+      continue;
+    }
 #if Q8_X86
     if (p.isa == kAvx512) {
       ColumnsAvx512(p, 0, p.n, m0, mg);
@@ -657,9 +680,56 @@ int64_t Threads(const Problem& p, int64_t pool_threads) {
 
 // The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
 // of q's and scale's) and first elements; y (M, N).
+// The product p (y zeroed) on the caller and up to the pool's threads, in units (Shared).
+void Compute(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t blocks = p.k / kBlock;
+  const int64_t per_unit = BlocksPerUnit(p);
+  const int64_t units = (blocks + per_unit - 1) / per_unit;
+  const int64_t threads = std::min(units, Threads(p, pool.num_threads()));
+  g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
+  if (units == 1) {
+    Columns(p);
+    return;
+  }
+  if (threads == 1) {  // the units one after another: unit 0 into y, each other one into
+    // one reused buffer added into y as it is done (the sums, and so y, as with threads)
+    RunUnit(p, per_unit, 0, p.y);
+    std::vector<float> buf(static_cast<size_t>(p.m * p.n));
+    for (int64_t i = 1; i < units; ++i) {
+      std::fill(buf.begin(), buf.end(), 0.0f);
+      RunUnit(p, per_unit, i, buf.data());
+      AddInto(p.y, buf);
+    }
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->p = p;
+  shared->blocks_per_unit = per_unit;
+  shared->units = units;
+  shared->partial.resize(static_cast<size_t>(units - 1));
+  // The helpers hold the shared state, so one that wakes up after the caller
+  // has done every unit finds nothing to claim and touches no buffer.
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([shared] { shared->Work(); });
+  }
+  shared->Work();
+  // Wait for the units the helpers claimed (at most one each is still running).
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
+#if Q8_X86
+    if (spins < 4096) {
+      _mm_pause();
+      continue;
+    }
+#endif
+    std::this_thread::yield();
+  }
+  for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
+  return;
+}
+
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
                const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
-               const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+               const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool act_q8) {
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
@@ -693,59 +763,35 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
-  const int64_t blocks = p.k / kBlock;
-  const int64_t per_unit = BlocksPerUnit(p);
-  const int64_t units = (blocks + per_unit - 1) / per_unit;
-  const int64_t threads = std::min(units, Threads(p, pool.num_threads()));
-  g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
-  if (units == 1) {
-    Columns(p);
-    return ffi::Error::Success();
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> xc;
+  if (act_q8) {  // Q8_0 activations, once for every thread's share (q8_act_int8.h)
+    p.vnni = p.isa == kAvx512 && q8act::HasVnni();
+    xq.resize(static_cast<size_t>(p.m * p.k));
+    dx.resize(static_cast<size_t>(p.m * (p.k / kBlock)));
+    xc.resize(dx.size());
+    q8act::QuantizeRows(p.x, p.m, p.k, p.ldx, xq.data(), dx.data(), xc.data(), p.vnni);
+    p.xq = xq.data();
+    p.dx = dx.data();
+    p.xc = xc.data();
+    g_last_act_vnni.store(p.vnni ? 1 : 0, std::memory_order_relaxed);
   }
-  if (threads == 1) {  // the units one after another: unit 0 into y, each other one into
-    // one reused buffer added into y as it is done (the sums, and so y, as with threads)
-    RunUnit(p, per_unit, 0, p.y);
-    std::vector<float> buf(static_cast<size_t>(p.m * p.n));
-    for (int64_t i = 1; i < units; ++i) {
-      std::fill(buf.begin(), buf.end(), 0.0f);
-      RunUnit(p, per_unit, i, buf.data());
-      AddInto(p.y, buf);
-    }
-    return ffi::Error::Success();
-  }
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->blocks_per_unit = per_unit;
-  shared->units = units;
-  shared->partial.resize(static_cast<size_t>(units - 1));
-  // The helpers hold the shared state, so one that wakes up after the caller
-  // has done every unit finds nothing to claim and touches no buffer.
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([shared] { shared->Work(); });
-  }
-  shared->Work();
-  // Wait for the units the helpers claimed (at most one each is still running).
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
-#if Q8_X86
-    if (spins < 4096) {
-      _mm_pause();
-      continue;
-    }
-#endif
-    std::this_thread::yield();
-  }
-  for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
+  Compute(pool, p);
+  if (act_q8) q8act::UnpermuteColumns(p.y, p.m, p.n);
   return ffi::Error::Success();
 }
 
 
+template <bool kActQ8>
 ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                       ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
   return Run(pool, x, q.dimensions(), q.typed_data(), scale.dimensions(), scale.element_type(),
-             scale.untyped_data(), y);
+             scale.untyped_data(), y, kActQ8);
 }
 
 // Layer `layer` of stacked q (L, K, N) and scale (L, K/32, N), read in place (no slice copied).
+template <bool kActQ8>
 ffi::Error Q8GemvLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                            ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
                            ffi::ResultBuffer<ffi::F32> y) {
@@ -765,12 +811,12 @@ ffi::Error Q8GemvLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t s_bytes = scale.element_type() == ffi::DataType::F16 ? 2 : 4;
   const auto* s = static_cast<const char*>(scale.untyped_data()) + i * s_layer * s_bytes;
   return Run(pool, x, qd.last(2), q.typed_data() + i * q_layer, sd.last(2),
-             scale.element_type(), s, y);
+             scale.element_type(), s, y, kActQ8);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
@@ -779,7 +825,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8Gemv, Q8GemvImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvLayer, Q8GemvLayerImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvLayer, Q8GemvLayerImpl<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q (L, K, N)
+                                  .Arg<ffi::AnyBuffer>()         // scale (L, K/32, N) f32 / f16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer () int32
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
+);
+
+// The same products with Q8_0 activations (q8_act_int8.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvActQ8, Q8GemvImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q (K, N)
+                                  .Arg<ffi::AnyBuffer>()         // scale (K/32, N) f32 / f16
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvActQ8Layer, Q8GemvLayerImpl<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
@@ -926,6 +992,20 @@ extern "C" int Q8GemvLastIsa() { return g_last_isa.load(); }
 
 // The threads the last call used (the caller and pool helpers), 0 before the first call.
 extern "C" int Q8GemvLastThreads() { return g_last_threads.load(); }
+
+// 1: the last Q8_0-activation product ran on AVX-512 VNNI; 0: scalar; -1: none has run.
+extern "C" int Q8GemvLastActVnni() { return g_last_act_vnni.load(); }
+
+// Whether this CPU has the Q8_0-activation product's VNNI path.
+extern "C" int Q8GemvHasVnni() { return q8act::HasVnni() ? 1 : 0; }
+
+// Q8_0 of x (m, k) as the Q8_0-activation product quantizes it: int8 values, scales (the
+// float16 d widened) and -128 * block sums; on AVX-512 when `simd` (and the CPU has it), else
+// scalar. For tests against gguf.quants.
+extern "C" void Q8QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* xq,
+                                      float* dx, int32_t* xc, int simd) {
+  q8act::QuantizeRows(x, m, k, k, xq, dx, xc, simd != 0 && q8act::HasVnni());
+}
 
 // The name of path `isa` ("scalar", "avx2", "avx512"), or "" if there is none.
 extern "C" const char* Q8GemvIsaName(int isa) {
