@@ -472,7 +472,43 @@ Q8_AVX512 void TileF16Rows(int64_t mr, const Problem& p, int64_t b, const float*
   }
 }
 
-// Columns [n0, n1) for x rows [m0, m0 + mg), block by block, in 64-column
+// StreamBlock1 on AVX-512: one x row against columns [c0, c1) of block b (c1 - c0 a multiple
+// of 16 * NV, at most kStreamColumns), q read R rows at a time over the whole stretch; each
+// column's sum is fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row order, then y = fma(d, s, y):
+// Tile16<1, NV>'s bit for bit.
+template <int R, int NV>
+Q8_AVX512 void StreamBlock16(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
+                             float* s_buf) {
+  const int8_t* qb = p.q + b * kBlock * p.n;
+  const float* xb = p.x + m0 * p.ldx + b * kBlock;
+  float* yr = p.y + m0 * p.n;
+  for (int64_t r0 = 0; r0 < kBlock; r0 += R) {
+    __m512 xv[R];
+    for (int i = 0; i < R; ++i) xv[i] = _mm512_set1_ps(xb[r0 + i]);
+    const bool first = r0 == 0, last = r0 + R == kBlock;
+    for (int64_t c = c0; c < c1; c += 16 * NV) {
+      float* sc = s_buf + (c - c0);
+      __m512 acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = first ? _mm512_setzero_ps() : _mm512_load_ps(sc + 16 * v);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qr = qb + (r0 + i) * p.n + c;
+        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(xv[i], Load16(qr + 16 * v), acc[v]);
+      }
+      if (!last) {
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(sc + 16 * v, acc[v]);
+        continue;
+      }
+      for (int v = 0; v < NV; ++v) {
+        float* yc = yr + c + 16 * v;
+        _mm512_storeu_ps(yc, _mm512_fmadd_ps(LoadScale16(p, b, c + 16 * v), acc[v], _mm512_loadu_ps(yc)));
+      }
+    }
+  }
+}
+
+// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
+// kStreamMinColumns columns, or 64 to kStreamNarrowColumns, streams q (StreamBlock16), as on
+// AVX2. Otherwise in 64-column
 // stretches (one cache line of each q row): mg <= 6 is one mg x 64 tile
 // (at most 24 accumulators + 4 q vectors), mg = 7, 8 two mg x 32 tiles, and
 // mg > 8 converts the stretch to float32 once (8 KiB, L1) for 8 x 32 tiles.
@@ -481,8 +517,17 @@ Q8_AVX512 void ColumnsAvx512(const Problem& p, int64_t n0, int64_t n1, int64_t m
   const int64_t w = n1 - n0;
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n16 = n0 + (w & ~int64_t{15});
+  // as on AVX2: at K x N = 4096 x 4096, 2048 x 5632, 5632 x 2048, 2048 x 2560 the stream
+  // took 0.75-0.95x the tiles' time on the AVX-512 EPYC of issue 21 (one thread; RESULTS.md)
+  const bool stream =
+      mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    for (int64_t c = n0; c < n64; c += 64) {
+    if (stream) {  // one x row: q streamed a few whole rows at a time (StreamBlock16)
+      alignas(64) float s_buf[kStreamColumns];
+      for (int64_t c = n0; c < n64; c += kStreamColumns)
+        StreamBlock16<kStreamRows, 4>(p, b, c, std::min(n64, c + kStreamColumns), m0, s_buf);
+    }
+    for (int64_t c = n0; c < n64 && !stream; c += 64) {
       if (mg <= 6) {
         Tile16Rows<4>(mg, p, b, c, m0);
       } else if (mg <= 8) {
