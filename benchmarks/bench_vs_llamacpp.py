@@ -21,6 +21,9 @@ float16 scale per 32 rows, as GGUF stores it), timed three ways on the same weig
   q8 cpu     `q8rules.q8_matmul(x, w, implementation='cpu')` under `jax.jit`: the native C++
              kernel (float32 activations, float32 block sums; the ISA path it picked is shown)
   q8 xla     `q8rules.q8_matmul(x, w, implementation='xla')`, for reference
+  q8 act     `q8rules.q8_matmul(x, w, implementation='cpu', act_qtype='q8_0')`: the native
+             kernel with x quantized to Q8_0 in the kernel (int8 block dots, AVX-512 VNNI where
+             the CPU has it): llama.cpp's own numerics, opt-in (`q8rules.kernels.act_q8_0`)
   llama.cpp  ggml's own `mul_mat` of a Q8_0 weight and a float32 activation, run through
              ggml's CPU backend (`ggml_graph_plan` + `ggml_graph_compute`, the route llama.cpp's
              CPU backend takes for one matmul node; no repacking of Q8_0 exists on x86), called
@@ -244,6 +247,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
   rng = np.random.default_rng(0)
   jit_cpu = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="cpu"))
   jit_xla = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="xla"))
+  jit_act = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="cpu", act_qtype="q8_0"))
   lib = ctypes.CDLL(str(cpu.loaded_path()))
   lib.Q8GemvIsaName.restype = ctypes.c_char_p
 
@@ -281,7 +285,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
     state[k, n] = dict(ours=ours, ggml=gm, x={m: jnp.asarray(xs[m]) for m in rows}, copies=copies)
     print(f"K={k} N={n}: {copies} copies of {q8_bytes / 2**20:.1f} MiB on each side", flush=True)
 
-  paths = ("q8 cpu", "q8 xla", "llama.cpp")
+  paths = ("q8 cpu", "q8 xla", "q8 act", "llama.cpp")
   best = {}  # least per-round median
   least = {}  # fastest single call
   info = {}
@@ -293,6 +297,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
         fns = {  # call i: copy i
           "q8 cpu": lambda i, x=x, ours=ours: jit_cpu(x, ours[i]),
           "q8 xla": lambda i, x=x, ours=ours: jit_xla(x, ours[i]),
+          "q8 act": lambda i, x=x, ours=ours: jit_act(x, ours[i]),
           "llama.cpp": lambda i, gm=gm, m=m: gm(i, m),
         }
         if r == 0:  # compile, check, and read every copy once
@@ -302,9 +307,13 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
           y_cpu = np.asarray(jit_cpu(x, ours[0]), np.float64)
           gm(0, m)
           y_ggml = gm.result(0, m).astype(np.float64)
+          isa = lib.Q8GemvIsaName(lib.Q8GemvLastIsa()).decode()
+          y_act = np.asarray(jit_act(x, ours[0]), np.float64)
           info[k, n, m] = dict(
-            isa=lib.Q8GemvIsaName(lib.Q8GemvLastIsa()).decode(),
+            isa=isa,
+            act_path=cpu.last_act_path(),
             diff=float(np.linalg.norm(y_ggml - y_cpu) / np.linalg.norm(y_cpu)),
+            act_diff=float(np.linalg.norm(y_ggml - y_act) / np.linalg.norm(y_act)),
           )
         for path in paths:
           # Let the other side's spinning threads (XLA's pool, ggml's OpenMP team) go to sleep.
@@ -324,6 +333,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
       gb = (k * n * 34 // 32) / 1e9
       rec = dict(k=k, n=n, m=m, **{p: t[p] for p in paths}, **info[k, n, m])
       rec["ratio"] = t["q8 cpu"] / t["llama.cpp"]
+      rec["act_ratio"] = t["q8 act"] / t["llama.cpp"]
       rec["min_cpu"] = least[k, n, m, "q8 cpu"]
       rec["min_ggml"] = least[k, n, m, "llama.cpp"]
       rec["min_ratio"] = rec["min_cpu"] / rec["min_ggml"]
@@ -332,8 +342,10 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
       records.append(rec)
       print(
         f"K={k:5d} N={n:5d} m={m:2d}  q8 cpu ({rec['isa']}) {t['q8 cpu']:8.3f}  q8 xla"
-        f" {t['q8 xla']:8.3f}  llama.cpp {t['llama.cpp']:8.3f} ms  cpu/llama {rec['ratio']:.2f}"
-        f"  |y_llama - y_cpu|/|y_cpu| {rec['diff']:.1e}",
+        f" {t['q8 xla']:8.3f}  q8 act ({rec['act_path']}) {t['q8 act']:8.3f}  llama.cpp"
+        f" {t['llama.cpp']:8.3f} ms  cpu/llama {rec['ratio']:.2f}  act/llama {rec['act_ratio']:.2f}"
+        f"  |y_llama - y_cpu|/|y_cpu| {rec['diff']:.1e}  |y_llama - y_act|/|y_act|"
+        f" {rec['act_diff']:.1e}",
         flush=True,
       )
   return records, overhead
@@ -342,15 +354,17 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
 def table(records: list[dict]) -> str:
   lines = [
     "| K | N | m | q8 cpu ms | q8 xla ms | llama.cpp ms | q8 cpu / llama.cpp | fastest call:"
-    " q8 cpu / llama.cpp ms | ratio | q8 cpu GB/s | llama.cpp GB/s | ISA | rel diff of outputs |",
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    " q8 cpu / llama.cpp ms | ratio | q8 cpu GB/s | llama.cpp GB/s | ISA | rel diff of outputs |"
+    " q8 act ms (Q8_0 activations) | q8 act / llama.cpp | act path | act's rel diff |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
   ]
   for r in records:
     lines.append(
       f"| {r['k']} | {r['n']} | {r['m']} | {r['q8 cpu']:.3f} | {r['q8 xla']:.3f}"
       f" | {r['llama.cpp']:.3f} | **{r['ratio']:.2f}** | {r['min_cpu']:.3f} / {r['min_ggml']:.3f}"
       f" | {r['min_ratio']:.2f} | {r['gbs_cpu']:.1f} | {r['gbs_ggml']:.1f} | {r['isa']}"
-      f" | {r['diff']:.1e} |"
+      f" | {r['diff']:.1e} | {r['q8 act']:.3f} | **{r['act_ratio']:.2f}** | {r['act_path']}"
+      f" | {r['act_diff']:.1e} |"
     )
   return "\n".join(lines)
 
