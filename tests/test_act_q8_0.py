@@ -75,17 +75,18 @@ def test_kernel_quantizes_as_gguf_bit_for_bit(rng, simd):
   np.testing.assert_array_equal(corr, -128 * q.reshape(6, -1, 32).astype(np.int32).sum(-1))
 
 
-# (m, K, N): one row (the streamed path), tile remainders (3, 5), a tile's 4 and 8 rows, more
-# than one row group of 16; N below, at and past a 64-column stretch.
+# (m, K, N, scale dtype): one row (the streamed path), tile remainders (3, 5), a tile's 4 and 8
+# rows, more than one row group of 16; N below, at and past a 64-column stretch; float32 and
+# float16 (GGUF's) scales in turn.
 CASES = [
-  (1, 32, 64),
-  (1, 2048, 192),
-  (3, 96, 40),
-  (4, 256, 128),
-  (5, 128, 200),
-  (8, 1024, 130),
-  (17, 64, 64),
-  (1, 64, 7),
+  (1, 32, 64, np.float16),
+  (1, 2048, 192, np.float32),
+  (3, 96, 40, np.float16),
+  (4, 256, 128, np.float32),
+  (5, 128, 200, np.float16),
+  (8, 1024, 130, np.float32),
+  (17, 64, 64, np.float16),
+  (1, 64, 7, np.float32),
 ]
 
 
@@ -99,8 +100,7 @@ def impl_params():
 
 
 @pytest.mark.parametrize("name,isa", impl_params())
-@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("m,k,n", CASES)
+@pytest.mark.parametrize("m,k,n,scale_dtype", CASES)
 def test_product_matches_float64_of_the_q8_0_activations(
   rng, monkeypatch, name, isa, m, k, n, scale_dtype
 ):
@@ -233,3 +233,24 @@ def test_load_gguf_with_q8_0_activations():
   ids = [1, 5, 9, 3]
   a, b = np.asarray(plain.logits(ids)), np.asarray(act.logits(ids))
   assert 0 < rel_err(b, a) < 5e-2
+
+
+def test_export_carries_each_platforms_q8_0_product(rng):
+  """One `jax.export` for ('cpu', 'cuda', 'tpu') of an act_qtype product: the CPU module calls
+  the native kernel's Q8_0-activation target where the dispatcher picks it, the others run
+  XLA's int8 dots; the artifact runs here and matches the float64 reference."""
+  from jax import export
+
+  from q8rules.kernels import export_checks, lowering_context
+
+  q, scale = random_q8(rng, 256, 64, np.float16)
+  x = random_x(rng, (2, 256))
+  f = jax.jit(lambda x, q, s: q8_matmul(x, Q8Array(q, s), act_qtype="q8_0"))
+  with lowering_context(("cpu", "cuda", "tpu")):
+    exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=export_checks())(
+      x, q, scale
+    )
+  on_cpu = resolve(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
+  assert (cpu_native.TARGET_ACT_Q8 in exp.mlir_module()) == on_cpu
+  ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
+  assert rel_err(exp.call(x, q, scale), ref) <= 1e-6
