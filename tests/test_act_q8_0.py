@@ -254,3 +254,28 @@ def test_export_carries_each_platforms_q8_0_product(rng):
   assert (cpu_native.TARGET_ACT_Q8 in exp.mlir_module()) == on_cpu
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(exp.call(x, q, scale), ref) <= 1e-6
+
+
+@pytest.mark.parametrize("w_spec", ["column", "row"])
+def test_sharded_product_quantizes_the_unsharded_blocks(rng, w_spec):
+  """Split over 4 devices, column- or row-parallel: each shard quantizes its own K slice (whole
+  32-blocks), so the product is the unsharded Q8_0 x Q8_0 product's, to float32 rounding."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from q8rules import sharding
+
+  devices = jax.devices()
+  if len(devices) < 4:
+    pytest.skip(f"needs 4 devices; the {jax.default_backend()} backend has {len(devices)}")
+  mesh = jax.make_mesh((4,), ("tp",), devices=devices[:4])
+  spec = P(None, "tp") if w_spec == "column" else P("tp", None)
+  q, scale = random_q8(rng, 512, 128, np.float16)
+  w = sharding.shard_q8(Q8Array(q, scale), mesh, spec)
+  x = random_x(rng, (3, 512))
+  x = jax.device_put(x, NamedSharding(mesh, P(None, "tp") if w_spec == "row" else P()))
+  y = jax.jit(lambda x, w: sharding.q8_matmul_sharded(x, w, mesh, w_spec=spec, act_qtype="q8_0"))(
+    x, w
+  )
+  ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
+  assert rel_err(y, ref) <= 1e-6

@@ -154,6 +154,7 @@ def q8_matmul_sharded(
   x_spec: Any = None,
   implementation: kernels.ImplementationArg = None,
   interpret: bool | None = None,
+  act_qtype: str | None = None,
 ) -> jax.Array:
   """`y = x @ W` with W's (K, N) matrix split over `mesh` by `w_spec`, per shard in `shard_map`.
 
@@ -172,6 +173,8 @@ def q8_matmul_sharded(
     implementation: as `q8_matmul` ('xla', 'pallas', 'reference', None), chosen
       per shard from the shard's shape when None.
     interpret: Pallas interpret mode for the fold (None: on CPU).
+    act_qtype: None, or 'q8_0': each shard quantizes its activations to Q8_0 (its K slice is
+      whole 32-blocks, so the blocks are the unsharded product's).
 
   Returns:
     (..., N) in x's dtype, sharded as `P(*x_spec[:-1], w_spec[1])`: columns
@@ -208,6 +211,7 @@ def q8_matmul_sharded(
     out_spec=P(*out_entries),
     implementation=implementation,
     interpret=interpret,
+    act_qtype=act_qtype,
   )
   assert y.shape == (*x.shape[:-1], w.shape[1]), (y.shape, x.shape, w.shape)
   return y
