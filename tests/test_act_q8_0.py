@@ -112,18 +112,32 @@ def test_product_matches_float64_of_the_q8_0_activations(
   assert y.shape == (m, n) and y.dtype == jnp.float32
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(y, ref) <= 1e-6, rel_err(y, ref)
-  if name == "cpu":
-    expect = "scalar" if isa or not cpu_native.has_vnni() else "avx512_vnni"
-    assert cpu_native.last_act_path() == expect
+  if name == "cpu" and act_q8_0.int8_kernel_runs():
+    assert cpu_native.last_act_path() == "avx512_vnni"
   # against the weight-only float64 product: the activations' rounding, well under 1 %
   assert rel_err(y, np.asarray(x, np.float64) @ weight64(q, scale)) < 1e-2
 
 
+@needs_native
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 192), (5, 128, 200), (17, 64, 70)])
+def test_kernels_scalar_int8_path(rng, monkeypatch, m, k, n):
+  """The native kernel's own int8 product with its SIMD paths capped (`$Q8RULES_CPU_ISA`):
+  the scalar path, the same integers and folds (the dispatcher runs the round trip there)."""
+  monkeypatch.setenv("Q8RULES_CPU_ISA", "scalar")
+  q, scale = random_q8(rng, k, n, np.float16)
+  x = random_x(rng, (m, k))
+  y = cpu_native.q8_matmul_cpu_act_q8(x, q, scale)
+  assert cpu_native.last_act_path() == "scalar"
+  ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
+  assert rel_err(y, ref) <= 1e-6
+
+
 def test_default_implementation_per_backend(rng):
-  """What `implementation=None` runs, from the dispatcher's own rules: the native kernel on a
-  CPU whose kernel has VNNI, else XLA (GPU and TPU: XLA)."""
+  """What `implementation=None` runs, from the dispatcher's own rules: the native kernel on the
+  CPU (its int8 product with VNNI, else the round trip through its float32 product), else XLA
+  (GPU and TPU: XLA)."""
   backend = jax.default_backend()
-  want = "cpu" if backend == "cpu" and cpu_native.available() and cpu_native.has_vnni() else "xla"
+  want = "cpu" if backend == "cpu" and cpu_native.available() else "xla"
   assert resolve(1, 4096, 4096, jnp.float32, act_qtype="q8_0") == want
   assert resolve(1, 4096, 4096, backend="tpu", act_qtype="q8_0") == "xla"
   q, scale = random_q8(rng, 64, 32)
@@ -138,7 +152,8 @@ def test_stacked_layer_is_read_in_place_with_q8_0_activations(rng):
   x = random_x(rng, (2, 256))
   run = jax.jit(lambda x, i: q8_matmul(x, LayerSlice(w, i), act_qtype="q8_0", implementation="cpu"))
   hlo = run.lower(x, jnp.int32(1)).compile().as_text()
-  assert cpu_native.TARGET_ACT_Q8_LAYER in hlo
+  int8 = act_q8_0.int8_kernel_runs()  # else the round trip through the float32 layer kernel
+  assert (cpu_native.TARGET_ACT_Q8_LAYER if int8 else cpu_native.TARGET_LAYER) in hlo
   for i, (q, s) in enumerate(parts):
     ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(s))
     assert rel_err(run(x, jnp.int32(i)), ref) <= 1e-6
@@ -251,7 +266,10 @@ def test_export_carries_each_platforms_q8_0_product(rng):
       x, q, scale
     )
   on_cpu = resolve(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
-  assert (cpu_native.TARGET_ACT_Q8 in exp.mlir_module()) == on_cpu
+  int8 = on_cpu and act_q8_0.int8_kernel_runs()
+  text = exp.mlir_module()
+  assert (cpu_native.TARGET_ACT_Q8 in text) == int8
+  assert (f"@{cpu_native.TARGET}(" in text) == (on_cpu and not int8)
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(exp.call(x, q, scale), ref) <= 1e-6
 

@@ -7,18 +7,23 @@ along K, with integer block dots (VNNI's `vpdpbusd` on x86). This is that produc
 is float32-accurate; this one is not: each activation is rounded to one of 255 levels of its
 block's absmax (relative error about 0.4 % of ‖x‖ per block), as in llama.cpp.
 
-Numerics, the same in every implementation:
+Numerics, the same in every implementation to float32 rounding:
   xq, dx = Q8_0(x) per row, blocks of 32 along K: gguf.quants' quantizer bit for bit
            (`q8rules.q8_0.quantize`), dx the float16 scale as GGUF stores it, widened;
   y[r, n] = sum_b (dx[r, b] * dw[b, n]) * sum_i xq[r, 32b + i] * q[32b + i, n],
-the block dots exact in int32, accumulated in float32. Derivatives are the weight-only
-product's (a straight-through estimator on the activations' rounding).
+accumulated in float32 (`reference_float64` is the float64 reference the tests hold every
+implementation to, within 1e-6). Derivatives are the weight-only product's (a
+straight-through estimator on the activations' rounding).
 
 Implementations (`implementation=` picks, as for the weight-only product; `kernels.resolve`
 with `act_qtype='q8_0'` chooses, `ACT_DEFAULT_ORDER` there):
-  'cpu' : the native CPU kernel (`cpu_native.q8_matmul_cpu_act_q8`): AVX-512 VNNI where the CPU
-          has it, else a scalar path; reads a stacked layer in place.
-  'xla' : int32 block dots in XLA, on every backend (the reference the kernel is held to).
+  'cpu' : on a CPU with AVX-512 VNNI (and `$Q8RULES_CPU_ISA` not capping the kernel below
+          AVX-512), the native kernel's int8 product (`cpu_native.q8_matmul_cpu_act_q8`:
+          exact int32 block dots); elsewhere the activations' Q8_0 round trip (`round_trip`:
+          dx * xq, exact in float32) through the native kernel's float32 product, which is as
+          fast as the weight-only product there (XLA's int8 dot on a CPU ran 10-25x slower).
+          Reads a stacked layer in place either way.
+  'xla' : the round trip through XLA's weight-only product (`xla_chunked`), on every backend.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 
 from q8rules.kernels import cpu_native
 from q8rules.kernels.problem import Problem
+from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, quantize
 
 ACT_QTYPES = ("q8_0",)
@@ -36,9 +42,6 @@ ACT_QTYPES = ("q8_0",)
 
 IMPLEMENTATIONS = ("cpu", "xla")
 """The implementations of the Q8_0 x Q8_0 product."""
-
-CHUNK_VALUES = 1 << 22
-"""The most int32 block dots (m x blocks x N) the XLA implementation holds at once."""
 
 
 def check_act_qtype(act_qtype: object) -> None:
@@ -59,12 +62,17 @@ def cannot(name: str, p: Problem) -> str | None:
   return None
 
 
+def int8_kernel_runs() -> bool:
+  """Whether 'cpu' runs the native kernel's int8 product here (AVX-512 VNNI, the kernel's
+  selected path AVX-512), rather than the round trip through its float32 product."""
+  return cpu_native.has_vnni() and cpu_native.isa("selected") == "avx512"
+
+
 def slower(name: str, p: Problem) -> str | None:
-  """Why `implementation=None` passes `name` over: the native kernel without VNNI (its scalar
-  path is slower than XLA's)."""
-  del p
-  if name == "cpu" and not cpu_native.has_vnni():
-    return "this CPU lacks AVX-512 VNNI (the native kernel would run its scalar path)"
+  """Why `implementation=None` passes `name` over: where 'cpu' runs the round trip, the
+  weight-only kernel's own reason (more rows than it takes; XLA's GEMM is faster there)."""
+  if name == "cpu" and not int8_kernel_runs():
+    return cpu_native.slower(p)
   return None
 
 
@@ -76,26 +84,20 @@ def quantize_activations(x2d: jax.Array) -> tuple[jax.Array, jax.Array]:
   return a.q, a.scale.astype(jnp.float32)
 
 
+def round_trip(x2d: jax.Array) -> jax.Array:
+  """The activations as their Q8_0 blocks hold them: dx * xq, (m, K) float32 (exact: an 11-bit
+  scale times a 7-bit integer). A weight-only product of it is the Q8_0 x Q8_0 product to
+  float32 rounding (each dx * xq * q needs up to 25 bits)."""
+  m, k = x2d.shape
+  xq, dx = quantize_activations(x2d)
+  blocks = xq.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK) * dx[:, :, None]
+  return blocks.reshape(m, k)
+
+
 def q8_matmul_act_xla(x2d: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """`Q8_0(x2d) @ (q * scale)` in XLA: x2d (m, K) float, q (K, N) int8, scale (K/32, N) float32
-  or float16 -> (m, N) float32. Exact int32 block dots, scaled by dx * dw, summed in float32
-  over runs of blocks of at most `CHUNK_VALUES` dots."""
-  m, k = x2d.shape
-  n = q.shape[1]
-  nb = k // BLOCK
-  xq, dx = quantize_activations(x2d)
-  xb = xq.reshape(m, nb, BLOCK)
-  qb = q.reshape(nb, BLOCK, n)
-  dw = scale.astype(jnp.float32)
-  per = max(1, min(nb, CHUNK_VALUES // max(1, m * n)))
-  y = jnp.zeros((m, n), jnp.float32)
-  for b0 in range(0, nb, per):
-    b1 = min(nb, b0 + per)
-    dots = jnp.einsum(
-      "mbi,bin->mbn", xb[:, b0:b1], qb[b0:b1], preferred_element_type=jnp.int32
-    ).astype(jnp.float32)
-    y = y + jnp.sum(dots * (dx[:, b0:b1, None] * dw[None, b0:b1]), axis=1)
-  return y
+  or float16 -> (m, N) float32: the round trip through `xla_chunked`'s product."""
+  return q8_matmul_xla(round_trip(x2d), q, scale)
 
 
 def run(
@@ -104,7 +106,11 @@ def run(
   """Implementation `name` on x2d (m, K) and the weight q (K, N), scale (K/32, N) or, with
   `layer`, layer `layer` of stacked q (L, K, N), scale (L, K/32, N); (m, N) float32."""
   if name == "cpu":
-    return cpu_native.q8_matmul_cpu_act_q8(x2d, q, scale, layer)
+    if int8_kernel_runs():
+      return cpu_native.q8_matmul_cpu_act_q8(x2d, q, scale, layer)
+    if layer is None:
+      return cpu_native.q8_matmul_cpu(round_trip(x2d), q, scale)
+    return cpu_native.q8_matmul_cpu_layer(round_trip(x2d), q, scale, layer)
   if layer is not None:
     q = jax.lax.dynamic_index_in_dim(q, layer, 0, keepdims=False)
     scale = jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
