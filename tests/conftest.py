@@ -50,6 +50,11 @@ SLOW_CASES = (
   "tests/test_layer_slice.py::test_in_place_scan_gives_the_sliced_scans_logits[gemma3]",  # 13 s
   "tests/test_compile_cache.py::test_second_run_compiles_nothing",  # 13 s
   "tests/test_compile_cache.py::test_switched_off",  # 9 s
+  # the Q8_0-activation product's model-level cases (2026-12-02, a Zen 4 VM: 2-4 s each)
+  "tests/test_act_q8_0.py::test_quantize_model_runs_the_q8_0_product_and_reports_it",
+  "tests/test_act_q8_0.py::test_qat_forward_is_the_served_q8_0_product",
+  "tests/test_act_q8_0.py::test_load_gguf_with_q8_0_activations",
+  "tests/test_act_q8_0.py::test_export_carries_each_platforms_q8_0_product",
   "tests/test_cnn.py::test_linen_cnn_dense_q8_conv_float",  # 11 s
   "tests/test_llm_gguf_errors.py::test_a_tokenizer_that_cannot_be_built_does_not_block",  # 10 s
   "tests/test_unstack.py::test_unrolled_matches_scanned",  # 16 s
