@@ -83,29 +83,7 @@ Problem Blocks(const Problem& p, int64_t b0, int64_t b1, float* y) {
 }
 
 // IEEE half -> float without F16C (the scalar path).
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {  // inf / nan
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {  // normal
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {  // zero
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+float HalfToFloat(uint16_t h) { return q8act::HalfBitsToFloat(h); }
 
 float ScaleAt(const Problem& p, int64_t b, int64_t col) {
   const int64_t i = b * p.n + col;
