@@ -101,26 +101,32 @@ ACT_DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 `act_q8_0.IMPLEMENTATIONS`), per platform; the last always runs."""
 
 
-def _resolve_act(p: Problem, implementation: ImplementationArg) -> str:
-  """The implementation that runs the Q8_0 x Q8_0 product `p`, as `resolve` picks for the
-  weight-only product (a named one that cannot run it is an error naming why)."""
+def _pick(
+  p: Problem,
+  implementation: ImplementationArg,
+  order: tuple[str, ...],
+  cannot: Callable[[str, Problem], str | None],
+  slower: Callable[[str, Problem], str | None],
+  product: str,
+) -> str:
+  """`resolve`'s one choice: with `implementation=None` the first of `order` that can run `p`
+  and is not slower (else the last); otherwise the first named one that can run it, or a
+  ValueError giving each one's reason (`product`: how the message names the product)."""
   if implementation is None:
-    order = ACT_DEFAULT_ORDER[p.platform]
     for name in order:
-      if act_q8_0.cannot(name, p) is None and act_q8_0.slower(name, p) is None:
+      if cannot(name, p) is None and slower(name, p) is None:
         return name
     return order[-1]
   names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   reasons = []
   for name in names:
-    reason = act_q8_0.cannot(name, p)
+    reason = cannot(name, p)
     if reason is None:
       return name
     reasons.append(f"{name!r}: {reason}")
   raise ValueError(
-    f"implementation={implementation!r} cannot run the act_qtype='q8_0' product"
-    f" ({p.m}, {p.k}) x ({p.k}, {p.n}) on {p.platform}: {'; '.join(reasons)}; use 'xla',"
-    " which runs every shape"
+    f"implementation={implementation!r} cannot run {product}({p.m}, {p.k}) x ({p.k}, {p.n}) on"
+    f" {p.platform}: {'; '.join(reasons)}; use 'xla', which runs every shape"
   )
 
 
@@ -178,23 +184,21 @@ def resolve(
   act_q8_0.check_act_qtype(act_qtype)
   p = Problem.of(m, k, n, dtype, backend)
   if act_qtype is not None:
-    return _resolve_act(p, implementation)
-  if implementation is None:
-    for name in DEFAULT_ORDER[p.platform]:
-      impl = REGISTRY[name]
-      if impl.cannot(p) is None and impl.slower(p) is None:
-        return name
-    return DEFAULT_ORDER[p.platform][-1]
-  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-  reasons = []
-  for name in names:
-    reason = REGISTRY[name].cannot(p)
-    if reason is None:
-      return name
-    reasons.append(f"{name!r}: {reason}")
-  raise ValueError(
-    f"implementation={implementation!r} cannot run ({p.m}, {p.k}) x ({p.k}, {p.n}) on"
-    f" {p.platform}: {'; '.join(reasons)}; use 'xla', which runs every shape"
+    return _pick(
+      p,
+      implementation,
+      ACT_DEFAULT_ORDER[p.platform],
+      act_q8_0.cannot,
+      act_q8_0.slower,
+      "the act_qtype='q8_0' product ",
+    )
+  return _pick(
+    p,
+    implementation,
+    DEFAULT_ORDER[p.platform],
+    lambda name, p: REGISTRY[name].cannot(p),
+    lambda name, p: REGISTRY[name].slower(p),
+    "",
   )
 
 
