@@ -115,11 +115,11 @@ def test_output_does_not_depend_on_the_threads():
   assert any(int(r[3]) > 1 for r in many)  # these shapes do split over the CPUs
 
 
-@pytest.mark.parametrize("n", [200, 2051, 4160])
+@pytest.mark.parametrize("n", [200, 576, 600, 2051, 4160])
 def test_one_row_streamed_equals_the_register_tiles(rng, n):
-  """One wide (or narrow: <= 256 columns) x row runs the row-streaming loop (q read a few whole rows at a time), two rows
-  the register tiles; each column's sum is the same FMAs in the same order, so a row's output
-  is the same bytes either way."""
+  """One x row (against at least 64 columns) runs the row-streaming loop (q read a few whole
+  rows at a time, prefetched ahead), two rows the register tiles; each column's sum is the same
+  FMAs in the same order, so a row's output is the same bytes either way."""
   if not cpu_native.has_avx2():
     pytest.skip("this CPU has no AVX2/FMA/F16C")
   q, scale = random_q8(rng, 96, n, np.float16)

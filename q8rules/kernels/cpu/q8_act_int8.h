@@ -36,6 +36,15 @@ constexpr int64_t kStretch = 64;  // columns of one interleaved stretch (a cache
 // Bytes ahead in each q row that the interleave prefetches (into L1). 0 took 1.1-1.4x the time
 // at M = 1 and 8 (K = N = 4096, one thread); 192, 256 and an L2 hint were within the noise.
 constexpr int64_t kPrefetchAhead = 128;
+// Bytes ahead in q's memory order that one x row's stream (StreamInt8Row) also prefetches into
+// L2. A stream reads q in its memory order, so this is about 1 us of DRAM reads ahead; without
+// it the core's loads and the hardware prefetcher alone kept too few lines in flight: the
+// 576-wide products of SmolLM-135M read 6-7 GB/s from DRAM on one thread against 15.5 for a
+// plain read of the same bytes. 16 KiB (L2 hint) took 0.6-0.67x the time at 576 x 576,
+// 576 x 960 and 1536 x 576, 0.9x at 576 x 3072, the same at 4096 x 4096 and 576 x 49152 (8-32
+// KiB were close); an L1 hint at 16 KiB 0.8x (one thread, 15 interleaved rounds). SmolLM's
+// 121 products of a decode step: 14.5-16.6 -> 11.2-11.6 ms on one thread.
+constexpr int64_t kStreamAheadL2 = 16384;
 constexpr int32_t kOffset = 128;  // added to the weight's values for vpdpbusd's unsigned side
 
 // The column of y's storage that holds column `col` while the product runs: within each
@@ -239,12 +248,17 @@ Q8_VNNI inline __m512 WeightScale16(const Int8Operands& p, int64_t b, int64_t co
 
 // Rows 4t..4t+3 of block b's stretch at column c, interleaved: g[i] holds the 16 columns of
 // group i (StoredColumn's order), four rows' values + 128 (q ^ 0x80) to a 32-bit lane.
+// kStream: the caller reads q in its memory order (StreamInt8Row), which also prefetches
+// kStreamAheadL2 bytes ahead into L2.
+template <bool kStream = false>
 Q8_VNNI inline void InterleaveQuad(const Int8Operands& p, int64_t b, int64_t c, int t,
                                    __m512i* g) {
   const int8_t* row = p.q + (b * kBlock + 4 * t) * p.n + c;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i r[4];
   for (int i = 0; i < 4; ++i) {
+    if (kStream)
+      _mm_prefetch(reinterpret_cast<const char*>(row + i * p.n + kStreamAheadL2), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(row + i * p.n + kPrefetchAhead), _MM_HINT_T0);
     r[i] = _mm512_xor_si512(_mm512_loadu_si512(row + i * p.n), flip);
   }
@@ -352,7 +366,7 @@ Q8_VNNI inline void StreamInt8Row(const Int8Operands& p, int64_t b, int64_t n64,
         acc[g] = first ? start : _mm512_loadu_si512(sums + c + 16 * g);
       for (int u = 0; u < kStreamQuads; ++u) {
         __m512i w[4];
-        InterleaveQuad(p, b, c, t0 + u, w);
+        InterleaveQuad<true>(p, b, c, t0 + u, w);
         for (int g = 0; g < 4; ++g) acc[g] = _mm512_dpbusd_epi32(acc[g], w[g], xv[u]);
       }
       if (!last) {

@@ -234,16 +234,18 @@ Q8_AVX2 void TileRows(int64_t mr, const Problem& p, int64_t b, int64_t col, int6
 // of the register tiles (K = N = 4096 from DRAM, 1 / 2 threads: 11.8 / 19.9 GB/s against
 // 8.1 / 12.5; RESULTS.md). The block's partial sums s (one per column) go through s_buf (L1)
 // between passes; each column's sum is still fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row
-// order and then y = fma(d, s, y), so the result is Tile<1, 8>'s bit for bit. Between
-// kStreamNarrowColumns and kStreamMinColumns columns the tiles, with twice the independent
-// FMA chains, were as fast or faster (576 and 1536 columns); at or below
-// kStreamNarrowColumns (GQA's k and v projections: 192, 256 columns) a block's rows are a
-// few KiB of contiguous memory that the tiles would cut into a few short passes, and the
-// stream, reading it in order, took 0.75-0.8x their time (576 x 192, 2048 x 256).
+// order and then y = fma(d, s, y), so the result is Tile<1, 8>'s bit for bit.
+// Each row's loads also prefetch kStreamAheadL2 bytes ahead into L2: the stream reads q in its
+// memory order, so that is about 1 us of DRAM reads ahead. Without it the core kept too few
+// lines in flight, and the stream lost to the tiles between 256 and 2048 columns (so they ran
+// there); with it the stream is the faster one at every width: SmolLM-135M's 121 products of a
+// decode step (576 to 3072 columns, and the 49152-column head) went from 14.4-16.5 to
+// 10.2-11.5 ms on one thread and 8.8-10.2 to 7.2-8.0 on two, and 8 layers of TinyLlama's
+// (2048 to 11264 columns) from 32.7 to 24.9-27.9 ms on one thread (AVX-512; capped at AVX2:
+// 16.2-17.6 -> 10.6 ms and 37.2 -> 27.7 ms; issue 21's Zen 4 EPYC, RESULTS.md).
 constexpr int64_t kStreamRows = 8;
 constexpr int64_t kStreamColumns = 4096;
-constexpr int64_t kStreamMinColumns = 2048;
-constexpr int64_t kStreamNarrowColumns = 256;
+constexpr int64_t kStreamAheadL2 = q8act::kStreamAheadL2;
 
 template <int R, int NV>
 Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
@@ -261,6 +263,7 @@ Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, i
       for (int v = 0; v < NV; ++v) acc[v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sc + 8 * v);
       for (int i = 0; i < R; ++i) {
         const int8_t* qr = qb + (r0 + i) * p.n + c;
+        _mm_prefetch(reinterpret_cast<const char*>(qr + kStreamAheadL2), _MM_HINT_T1);
         for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(xv[i], Load8(qr + 8 * v), acc[v]);
       }
       if (!last) {
@@ -275,10 +278,9 @@ Q8_AVX2 void StreamBlock1(const Problem& p, int64_t b, int64_t c0, int64_t c1, i
   }
 }
 
-// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
-// kStreamMinColumns columns, or 64 to kStreamNarrowColumns, streams q whole rows at a time
-// (StreamBlock1). Otherwise a 64-column stretch (one cache line of each q row) is one
-// 1 x 64 register tile at
+// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least 64
+// columns streams q whole rows at a time (StreamBlock1). Otherwise a 64-column stretch (one
+// cache line of each q row) is one 1 x 64 register tile at
 // mg = 1, two 2 x 32 or 3 x 32 tiles at mg = 2, 3, and 16-column tiles of up
 // to 6 rows otherwise (from float32 converted once per stretch when mg > 6) (12 accumulators + 2 q vectors + 1 broadcast fit AVX2's
 // 16 registers). Columns past the last multiple of 64 go 8 at a time, and
@@ -287,8 +289,7 @@ Q8_AVX2 void ColumnsAvx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, i
   const int64_t w = n1 - n0;
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n8 = n0 + (w & ~int64_t{7});
-  const bool stream =
-      mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
+  const bool stream = mg == 1 && w >= 64;
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
     if (stream) {  // one x row: q streamed a few whole rows at a time (StreamBlock1)
       alignas(32) float s_buf[kStreamColumns];
@@ -470,6 +471,7 @@ Q8_AVX512 void StreamBlock16(const Problem& p, int64_t b, int64_t c0, int64_t c1
       for (int v = 0; v < NV; ++v) acc[v] = first ? _mm512_setzero_ps() : _mm512_load_ps(sc + 16 * v);
       for (int i = 0; i < R; ++i) {
         const int8_t* qr = qb + (r0 + i) * p.n + c;
+        _mm_prefetch(reinterpret_cast<const char*>(qr + kStreamAheadL2), _MM_HINT_T1);
         for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(xv[i], Load16(qr + 16 * v), acc[v]);
       }
       if (!last) {
@@ -484,9 +486,8 @@ Q8_AVX512 void StreamBlock16(const Problem& p, int64_t b, int64_t c0, int64_t c1
   }
 }
 
-// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least
-// kStreamMinColumns columns, or 64 to kStreamNarrowColumns, streams q (StreamBlock16), as on
-// AVX2. Otherwise in 64-column
+// Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least 64
+// columns streams q (StreamBlock16), as on AVX2. Otherwise in 64-column
 // stretches (one cache line of each q row): mg <= 6 is one mg x 64 tile
 // (at most 24 accumulators + 4 q vectors), mg = 7, 8 two mg x 32 tiles, and
 // mg > 8 converts the stretch to float32 once (8 KiB, L1) for 8 x 32 tiles.
@@ -495,10 +496,7 @@ Q8_AVX512 void ColumnsAvx512(const Problem& p, int64_t n0, int64_t n1, int64_t m
   const int64_t w = n1 - n0;
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t n16 = n0 + (w & ~int64_t{15});
-  // as on AVX2: at K x N = 4096 x 4096, 2048 x 5632, 5632 x 2048, 2048 x 2560 the stream
-  // took 0.75-0.95x the tiles' time on the AVX-512 EPYC of issue 21 (one thread; RESULTS.md)
-  const bool stream =
-      mg == 1 && w >= 64 && (w >= kStreamMinColumns || w <= kStreamNarrowColumns);
+  const bool stream = mg == 1 && w >= 64;  // as on AVX2 (StreamBlock1's comment has the times)
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
     if (stream) {  // one x row: q streamed a few whole rows at a time (StreamBlock16)
       alignas(64) float s_buf[kStreamColumns];
