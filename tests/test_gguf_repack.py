@@ -26,9 +26,10 @@ def random_blocks(rng, batch: int, rows: int, nb: int) -> np.ndarray:
 
 @pytest.mark.parametrize(
   "batch,rows,nb",
-  # the last: 2.3 MB, over REPACK_THREAD_BYTES, so the rows are split over the CPUs (1000
-  # rows: uneven ranges and 8 rows past the last multiple of 16)
-  [(1, 16, 1), (1, 40, 3), (3, 33, 2), (2, 1, 1), (1, 64, 4), (2, 1000, 34)],
+  # the last two over REPACK_THREAD_BYTES, so the work is split over the CPUs: 2 tensors, one
+  # to each thread; one tensor's rows, in runs of 64 (1000 rows: uneven ranges, and 8 rows
+  # past the last multiple of 16)
+  [(1, 16, 1), (1, 40, 3), (3, 33, 2), (2, 1, 1), (1, 64, 4), (2, 1000, 34), (1, 1000, 34)],
 )
 @pytest.mark.parametrize("scales", [True, False])
 def test_native_repack_is_numpys_transpose(rng, batch, rows, nb, scales):
@@ -58,6 +59,31 @@ def test_native_repack_refuses_wrong_sizes(rng):
     cpu_native.repack_q8_transposed(raw, out, np.empty((1, 2, 16), np.float32))
   with pytest.raises(ValueError, match=r"float16 scales \(1, 2, 16\)"):
     cpu_native.repack_q8_transposed(raw, out, np.empty((1, 3, 16), np.float16))
+  two = np.empty((2, 64, 16), np.int8)  # one array per tensor: as many as out has, each whole
+  with pytest.raises(ValueError, match="2 tensor"):
+    cpu_native.repack_q8_transposed([raw, raw, raw], two)
+  with pytest.raises(ValueError, match="2 tensor"):
+    cpu_native.repack_q8_transposed([raw, raw[:-34]], two)
+
+
+def test_native_repack_of_separate_tensors_into_a_stack_of_column_ranges(rng, monkeypatch):
+  """Tensors given one array each (a stack's layers, each a view of the file's mapping), in one
+  call, into a column range of every layer of a wider stack (load_gguf's fused gate | up): the
+  threads take whole tensors (REPACK_THREAD_BYTES lowered so that they run)."""
+  if not cpu_native.available():
+    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  monkeypatch.setattr(cpu_native, "REPACK_THREAD_BYTES", 1)
+  raws = [random_blocks(rng, 1, 40, 3) for _ in range(5)]
+  wide = np.full((5, 96, 100), 99, np.int8)
+  wide_scale = np.full((5, 3, 100), 7, np.float16)
+  assert cpu_native.repack_q8_transposed(raws, wide[:, :, 30:70], wide_scale[:, :, 30:70])
+  for i, raw in enumerate(raws):
+    blocks = raw.view(block_dtype("<"))
+    np.testing.assert_array_equal(wide[i, :, 30:70], blocks["qs"].reshape(40, 96).T)
+    d = blocks["d"].reshape(40, 3).T
+    np.testing.assert_array_equal(wide_scale[i, :, 30:70].view(np.uint16), d.view(np.uint16))
+  assert (wide[:, :, :30] == 99).all() and (wide[:, :, 70:] == 99).all()
+  assert (wide_scale[:, :, :30] == 7).all() and (wide_scale[:, :, 70:] == 7).all()
 
 
 def q8_bytes(w: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -243,9 +244,9 @@ def force_scalar(force: bool) -> None:
 
 
 REPACK_THREAD_BYTES = 1 << 18
-"""A repack splits its rows over threads only for tensors of at least this many bytes (below
-it, starting a thread costs about what it saves). SmolLM-135M's file (its tensors 0.2-0.9 MB
-but the table) repacked in 0.16-0.17 s with 256 KiB here, 0.16-0.25 s with 1 MiB."""
+"""A repack splits its work over threads only for at least this many bytes (below it, starting a
+thread costs about what it saves): whole tensors to each thread when a call repacks several (a
+stack's layers), else the rows of the one tensor."""
 
 
 def _cpus() -> int:
@@ -257,7 +258,7 @@ def _cpus() -> int:
 
 
 def repack_q8_transposed(
-  blocks: np.ndarray, out: np.ndarray, scale_out: np.ndarray | None = None
+  blocks: np.ndarray | Sequence[np.ndarray], out: np.ndarray, scale_out: np.ndarray | None = None
 ) -> bool:
   """Write the int8 values (and, with `scale_out`, the float16 scales) of GGUF Q8_0 rows into
   the kernel layout, read straight from the file's blocks; False (nothing written) when the
@@ -265,55 +266,67 @@ def repack_q8_transposed(
 
   Args:
     blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a little-endian
-      float16 scale and 32 int8 values each): `batch` (N = rows, K = nb * 32) tensors as GGUF
-      stores them.
+      float16 scale and 32 int8 values each), `batch` (N = rows, K = nb * 32) tensors as GGUF
+      stores them; or a sequence of `batch` such arrays, one tensor each (e.g. a stack's
+      layers, each a view of the file's mapping).
     out: (batch, K, rows) int8 whose last axis is contiguous: C-contiguous, or a column
       range of a wider array (`wide[:, :, n0:n0 + rows]`, each (K, rows) a view with
       `wide`'s row stride).
     scale_out: None, or (batch, nb, rows) float16 laid out as `out` (C-contiguous or a column
       range of a wider array): the blocks' scales, transposed, in the same pass.
 
-  The rows are split over this process's CPUs for tensors of at least `REPACK_THREAD_BYTES`.
+  One native call: its threads (this process's CPUs, for at least `REPACK_THREAD_BYTES` in
+  all) start once, and take whole tensors when there are several.
   """
   lib = _load()
   if lib is None:
     return False
   batch, k, rows = out.shape
   nb = k // 32
+  tensor_bytes = rows * nb * 34
+  parts = [blocks] if isinstance(blocks, np.ndarray) else list(blocks)
+  sizes = [p.size for p in parts]
   ldd = out.strides[1] if k > 1 else rows
+  batch_stride = out.strides[0] if batch > 1 else ldd * k
   if (
-    blocks.dtype != np.uint8
+    any(p.dtype != np.uint8 or not p.flags.c_contiguous for p in parts)
     or out.dtype != np.int8
-    or not blocks.flags.c_contiguous
     or out.strides[2] != 1
     or ldd < rows
-    or (batch > 1 and out.strides[0] != ldd * k)
+    or batch_stride < ldd * k
     or k % 32
-    or blocks.size != batch * rows * nb * 34
+    or (len(parts) == 1 and sizes[0] != batch * tensor_bytes)
+    or (len(parts) > 1 and (len(parts) != batch or any(n != tensor_bytes for n in sizes)))
   ):
     raise ValueError(
-      f"repack_q8_transposed: expected {batch * rows * nb * 34} C-contiguous uint8 bytes for"
-      f" an int8 out {out.shape} with contiguous rows, got {blocks.size} {blocks.dtype} and"
+      f"repack_q8_transposed: expected {batch} tensor(s) of {tensor_bytes} C-contiguous uint8"
+      f" bytes for an int8 out {out.shape} with contiguous rows, got {len(parts)} array(s) of"
+      f" {sizes[:4]} bytes ({', '.join(sorted({str(p.dtype) for p in parts}))}) and"
       f" {out.dtype} (strides {out.strides})"
     )
-  lds = ldd
+  lds, scale_stride = ldd, batch_stride
   if scale_out is not None:
     lds = scale_out.strides[1] // 2 if nb > 1 else rows
+    scale_stride = scale_out.strides[0] // 2 if batch > 1 else lds * nb
     if (
       scale_out.dtype != np.float16
       or scale_out.shape != (batch, nb, rows)
       or scale_out.strides[2] != 2
       or lds < rows
-      or (batch > 1 and scale_out.strides[0] != lds * nb * 2)
+      or scale_stride < lds * nb
     ):
       raise ValueError(
         f"repack_q8_transposed: expected float16 scales {(batch, nb, rows)} with contiguous"
         f" rows, got {scale_out.dtype} {scale_out.shape} (strides {scale_out.strides})"
       )
-  threads = _cpus() if blocks.size >= REPACK_THREAD_BYTES else 1
+  if len(parts) == 1:
+    starts = [parts[0].ctypes.data + i * tensor_bytes for i in range(batch)]
+  else:
+    starts = [p.ctypes.data for p in parts]
+  threads = _cpus() if batch * tensor_bytes >= REPACK_THREAD_BYTES else 1
   ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-  lib.Q8RepackKernelInto(
-    ptr(blocks.ctypes.data),
+  lib.Q8RepackKernelBatch(
+    (ptr * batch)(*starts),
     ptr(out.ctypes.data),
     ptr(None if scale_out is None else scale_out.ctypes.data),
     i64(batch),
@@ -321,6 +334,8 @@ def repack_q8_transposed(
     i64(nb),
     i64(ldd),
     i64(lds),
+    i64(batch_stride),
+    i64(scale_stride),
     i64(threads),
   )
   return True

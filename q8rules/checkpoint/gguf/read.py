@@ -28,6 +28,7 @@ from q8rules.checkpoint._common import CheckpointError, progress_iter
 from q8rules.checkpoint.gguf import regions
 from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
+  BLOCK_BYTES,
   PLAIN_TYPES,
   Q8_0,
   Layout,
@@ -431,17 +432,22 @@ def _repack_q8_layers(
   q = aligned_empty((n, *q_shape), np.int8)
   gathered = None
   native_scales = _native_scales(byteorder, scale.dtype)
+  # kernel layout: the native library transposes straight from the file's blocks, every
+  # tensor in one call (the scales too, in the same pass, when their bytes are the param's);
+  # else the values are gathered row by row (32-byte runs) and transposed in XLA's tiled
+  # kernel (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
+  scale_out = scale.reshape(n * lead, nb, rows[-1]) if transposed and native_scales else None
+  size = rows[-1] * nb * BLOCK_BYTES  # one (rows[-1], n_in) matrix of blocks
+  parts = [d.reshape(-1)[j * size : (j + 1) * size] for d in datas for j in range(lead)]
+  native = (
+    transposed
+    and n * lead > 0
+    and cpu_native.repack_q8_transposed(parts, q.reshape(n * lead, nb * BLOCK, rows[-1]), scale_out)
+  )
   for i, data in enumerate(datas):
     blocks = data.reshape(-1).view(block_dtype(byteorder))
     d = blocks["d"].reshape(*rows, nb)
-    # kernel layout: the native library transposes straight from the file's blocks (the
-    # scales too, in the same pass, when their bytes are the param's); else the values are
-    # gathered row by row (32-byte runs) and transposed in XLA's tiled kernel (numpy's
-    # element-wise transposing copy of int8 runs at a fraction of memory speed)
-    scale_out = scale[i].reshape(lead, nb, rows[-1]) if transposed and native_scales else None
-    if transposed and cpu_native.repack_q8_transposed(
-      data.reshape(-1), q[i].reshape(lead, nb * BLOCK, rows[-1]), scale_out
-    ):
+    if native:
       if scale_out is None:
         np.copyto(scale[i], np.swapaxes(d, -1, -2))
       continue
@@ -474,10 +480,12 @@ def _repack_q8_fused(
   native_scales = _native_scales(byteorder, scale.dtype)
   for j, member in enumerate(datas):
     n0, n1 = int(offsets[j]), int(offsets[j + 1])
+    scale_out = scale[:, :, n0:n1] if native_scales else None  # every layer in one call
+    ran = cpu_native.repack_q8_transposed(
+      [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out
+    )
     for i, data in enumerate(member):
       blocks = data.reshape(-1).view(block_dtype(byteorder))
-      scale_out = scale[i : i + 1, :, n0:n1] if native_scales else None
-      ran = cpu_native.repack_q8_transposed(data.reshape(-1), q[i : i + 1, :, n0:n1], scale_out)
       if not ran or scale_out is None:
         np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
       if not ran:

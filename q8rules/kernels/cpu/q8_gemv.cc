@@ -951,31 +951,55 @@ void RepackRows(const uint8_t* s, int8_t* dq, uint16_t* ds, int64_t r0, int64_t 
 
 }  // namespace
 
-// Q8_0 tensors as a GGUF file stores them, into the kernel layout: `blocks` holds batch x rows
-// rows of nb 34-byte blocks (a float16 scale, then 32 int8 values), each tensor (N = rows,
-// K = nb * 32); dq gets (batch, K, rows) int8 with a row stride of ldq >= rows, ds (when not
-// null) the scales' float16 bits (batch, nb, rows) with a row stride of lds >= rows: so a
-// column range of wider matrices (load_gguf's fused q | k | v and gate | up). Read straight
-// from the file's blocks (the GGUF loader's one copy of the values and scales), the rows split
-// over `threads` threads (in multiples of 16; the caller's thread takes the first range).
+// Q8_0 tensors as a GGUF file stores them, into the kernel layout: tensor i (N = rows,
+// K = nb * 32: rows of nb 34-byte blocks, a float16 scale, then 32 int8 values) starts at
+// blocks[i]; dq + i * q_stride gets its (K, rows) int8 values with a row stride of ldq >= rows,
+// and ds + i * s_stride (when ds is not null) its scales' float16 bits (nb, rows) with a row
+// stride of lds >= rows: so a column range of wider matrices (load_gguf's fused q | k | v and
+// gate | up), and the layers of a stack in one call. Read straight from the file's blocks (the
+// GGUF loader's one copy of the values and scales) on up to `threads` threads, started once a
+// call: whole tensors to each thread when there are several, else the rows of the one tensor
+// in runs of 64 (so no two threads write one cache line of dq). A thread a tensor of
+// SmolLM-135M's layers (0.35 MB), or rows cut at multiples of 16, took 1.5-2.5x one thread's
+// time on issue 21's 2-core VM: a started thread costs 40-70 us there, and threads writing
+// the same lines of dq contend for them.
+extern "C" void Q8RepackKernelBatch(const uint8_t* const* blocks, int8_t* dq, uint16_t* ds,
+                                    int64_t batch, int64_t rows, int64_t nb, int64_t ldq,
+                                    int64_t lds, int64_t q_stride, int64_t s_stride,
+                                    int64_t threads) {
+  auto tensors = [=](int64_t i0, int64_t i1, int64_t r0, int64_t r1) {
+    for (int64_t i = i0; i < i1; ++i)
+      RepackRows(blocks[i], dq + i * q_stride, ds == nullptr ? nullptr : ds + i * s_stride, r0,
+                 r1, nb, ldq, lds);
+  };
+  std::vector<std::thread> helpers;
+  if (batch > 1) {
+    const int64_t parts = std::max<int64_t>(1, std::min(threads, batch));
+    for (int64_t t = 1; t < parts; ++t)
+      helpers.emplace_back(tensors, t * batch / parts, (t + 1) * batch / parts, 0, rows);
+    tensors(0, batch / parts, 0, rows);
+  } else if (batch == 1) {
+    constexpr int64_t kRun = 64;  // rows: one cache line of each dq row
+    const int64_t parts = std::max<int64_t>(1, std::min(threads, rows / kRun));
+    const int64_t per = (rows / parts + kRun - 1) / kRun * kRun;
+    for (int64_t t = 1; t < parts; ++t) {
+      const int64_t r0 = std::min(rows, t * per), r1 = t + 1 == parts ? rows : std::min(rows, r0 + per);
+      if (r0 < r1) helpers.emplace_back(tensors, 0, 1, r0, r1);
+    }
+    tensors(0, 1, 0, parts > 1 ? std::min(rows, per) : rows);
+  }
+  for (auto& t : helpers) t.join();
+}
+
+// Q8RepackKernelBatch of `batch` tensors stored one after another from `blocks`, into dq (and
+// ds) one after another: (batch, K, ldq) and (batch, nb, lds).
 extern "C" void Q8RepackKernelInto(const uint8_t* blocks, int8_t* dq, uint16_t* ds, int64_t batch,
                                    int64_t rows, int64_t nb, int64_t ldq, int64_t lds,
                                    int64_t threads) {
-  const int64_t k = nb * kBlock, row_bytes = nb * 34;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16));
-  const int64_t per = (rows / parts + 15) / 16 * 16;
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint8_t* s = blocks + b * rows * row_bytes;
-    int8_t* q = dq + b * k * ldq;
-    uint16_t* sc = ds == nullptr ? nullptr : ds + b * nb * lds;
-    std::vector<std::thread> helpers;
-    for (int64_t p = 1; p < parts; ++p) {
-      const int64_t r0 = std::min(rows, p * per), r1 = p + 1 == parts ? rows : std::min(rows, r0 + per);
-      if (r0 < r1) helpers.emplace_back(RepackRows, s, q, sc, r0, r1, nb, ldq, lds);
-    }
-    RepackRows(s, q, sc, 0, std::min(rows, parts > 1 ? per : rows), nb, ldq, lds);
-    for (auto& t : helpers) t.join();
-  }
+  std::vector<const uint8_t*> starts(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) starts[static_cast<size_t>(b)] = blocks + b * rows * nb * 34;
+  Q8RepackKernelBatch(starts.data(), dq, ds, batch, rows, nb, ldq, lds, nb * kBlock * ldq,
+                      nb * lds, threads);
 }
 
 // The values alone (Q8RepackKernelInto without scales, one thread), dst's row stride ldd.
