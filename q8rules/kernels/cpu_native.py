@@ -55,10 +55,14 @@ TARGET_ACT_Q8 = "q8rules_q8_gemv_act_q8"
 TARGET_ACT_Q8_LAYER = "q8rules_q8_gemv_act_q8_layer"
 """The FFI target of the product with Q8_0 activations on one layer of stacked weights."""
 
+TARGET_DECODE_ATTENTION = "q8rules_decode_attention"
+"""The FFI target of one new token's attention over a layer of the KV cache
+(`q8rules.kernels.decode_attention`)."""
+
 SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 """The kernel's C++ source, shipped as package data."""
 
-HEADERS = (SOURCE.with_name("q8_act_int8.h"),)
+HEADERS = (SOURCE.with_name("q8_act_int8.h"), SOURCE.with_name("decode_attention.h"))
 """The headers SOURCE includes (their bytes enter the library's cache key)."""
 
 CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-w")
@@ -137,6 +141,7 @@ def _load() -> ctypes.CDLL | None:
       for target, symbol in (
         (TARGET_ACT_Q8, lib.Q8GemvActQ8),
         (TARGET_ACT_Q8_LAYER, lib.Q8GemvActQ8Layer),
+        (TARGET_DECODE_ATTENTION, lib.Q8DecodeAttention),
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
       _state["lib"] = lib
@@ -463,6 +468,40 @@ def q8_matmul_cpu_act_q8(
   if layer is None:
     return jax.ffi.ffi_call(TARGET_ACT_Q8, out)(x, q, scale)
   return jax.ffi.ffi_call(TARGET_ACT_Q8_LAYER, out)(x, q, scale, jnp.asarray(layer, jnp.int32))
+
+
+def decode_attention_cpu(
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  slot: jax.Array,
+  pos: jax.Array,
+  *,
+  scale: float,
+  softcap: float | None,
+) -> jax.Array:
+  """One new token's attention with the native kernel (`kernels/cpu/decode_attention.h`).
+
+  Args:
+    q: (B, H, D) float32, RoPE applied.
+    keys, values: (L, B, S, KV, D) float32 or bfloat16: the cache, the token already written.
+    slot: () int32, the layer; pos: () int32, the token's position (positions [0, pos] are
+      attended, clamped to S).
+    scale: the scores' factor; softcap: None or the tanh cap of the scores.
+
+  Returns:
+    (B, H, D) float32.
+  """
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  return jax.ffi.ffi_call(TARGET_DECODE_ATTENTION, out)(
+    q.astype(jnp.float32),
+    keys,
+    values,
+    jnp.asarray(slot, jnp.int32),
+    jnp.asarray(pos, jnp.int32),
+    scale=np.float32(scale),
+    softcap=np.float32(softcap or 0.0),
+  )
 
 
 def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):

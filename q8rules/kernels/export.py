@@ -23,18 +23,25 @@ from jax import export as jax_export
 
 from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 from q8rules.kernels.cpu_native import TARGET as CPU_CUSTOM_CALL
-from q8rules.kernels.cpu_native import TARGET_ACT_Q8, TARGET_ACT_Q8_LAYER, TARGET_LAYER
+from q8rules.kernels.cpu_native import (
+  TARGET_ACT_Q8,
+  TARGET_ACT_Q8_LAYER,
+  TARGET_DECODE_ATTENTION,
+  TARGET_LAYER,
+)
 
 CUSTOM_CALL_TARGETS = (
   CPU_CUSTOM_CALL,
   TARGET_LAYER,
   TARGET_ACT_Q8,
   TARGET_ACT_Q8_LAYER,
+  TARGET_DECODE_ATTENTION,
   TRITON_CUSTOM_CALL,
   MOSAIC_CUSTOM_CALL,
 )
 """The custom-call targets q8rules' kernels lower to: native CPU (the product, on a stacked
-layer in place, and both with Q8_0 activations), Triton (GPU), Mosaic (TPU)."""
+layer in place, and both with Q8_0 activations; one decode token's attention), Triton (GPU),
+Mosaic (TPU)."""
 
 
 def export_checks() -> list[jax_export.DisabledSafetyCheck]:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from q8rules.kernels import decode_attention
 from q8rules.models.config import RopeStyle, TransformerConfig
 
 Cache = Any
@@ -138,23 +139,34 @@ def from_groups(config: TransformerConfig, groups: dict[str, Any]) -> Cache:
   return groups["global"] if config.layer_kinds == ("global",) else groups
 
 
+def _scale(c: TransformerConfig) -> float:
+  """The scores' factor: the config's, else 1 / sqrt(head_dim)."""
+  return c.attn_scale if c.attn_scale is not None else 1.0 / float(c.head_dim) ** 0.5
+
+
 def _attend(
   c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
 ) -> jax.Array:
   """Softmax attention of q (B, T, heads, H) over keys / values (B, S, kv_heads, H) where
   visible (T, S); float32 inside, returns (B, T, heads * H) in the config's dtype."""
+  return _attend_f32(c, q, keys, values, visible).astype(c.dtype)
+
+
+def _attend_f32(
+  c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
+) -> jax.Array:
+  """`_attend` before the cast: (B, T, heads * H) float32."""
   b, t = q.shape[:2]
   group = c.heads // c.kv_heads
   qg = q.reshape(b, t, c.kv_heads, group, c.head_dim).astype(jnp.float32)
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, keys.astype(jnp.float32))
-  scale = c.attn_scale if c.attn_scale is not None else 1.0 / float(c.head_dim) ** 0.5
-  scores = scores * scale
+  scores = scores * _scale(c)
   if c.attn_softcap:
     scores = jnp.tanh(scores / c.attn_softcap) * c.attn_softcap
   scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
-  return out.reshape(b, t, c.heads * c.head_dim).astype(c.dtype)
+  return out.reshape(b, t, c.heads * c.head_dim)
 
 
 def _explicit_mesh() -> bool:
@@ -202,12 +214,23 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
 
 
 def _global_read(c, q, pair, slot, pos):
-  """Attend causally over layer `slot`'s full cache (the chunk already written)."""
-  keys = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, S, KV, H)
-  values = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
-  positions = pos + jnp.arange(q.shape[1])
-  visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # (T, S)
-  return _attend(c, q, keys, values, visible)
+  """Attend causally over layer `slot`'s full cache (the chunk already written). One new
+  token runs `decode_attention.one_token` (the native kernel on the CPU, this XLA attention
+  elsewhere)."""
+
+  def xla(q, cache_k, cache_v, slot, pos):
+    keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
+    values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
+    positions = pos + jnp.arange(q.shape[1])
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # (T, S)
+    return _attend_f32(c, q, keys, values, visible)
+
+  if q.shape[1] != 1:
+    return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
+  out = decode_attention.one_token(
+    q, pair[0], pair[1], slot, pos, scale=_scale(c), softcap=c.attn_softcap, reference=xla
+  )
+  return out.astype(c.dtype)
 
 
 def _local_read(c, q, k, v, pair, slot, pos):

@@ -29,6 +29,7 @@
 #define Q8_X86 0
 #endif
 
+#include "decode_attention.h"
 #include "q8_act_int8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -874,6 +875,63 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8GemvActQ8Layer, Q8GemvLayerImpl<true>,
                                   .Arg<ffi::AnyBuffer>()         // scale (L, K/32, N) f32 / f16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer () int32
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (M, N)
+);
+
+namespace {
+
+// One new token's attention over layer `slot` of the cache, positions [0, pos] (clamped to the
+// cache's length): decode_attention.h.
+ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
+                               ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
+                               float softcap) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto od = out->dimensions();
+  bool ok = qd.size() == 3 && kd.size() == 5 && vd.size() == 5 && od.size() == 3 &&
+            k.element_type() == v.element_type();
+  for (size_t i = 0; ok && i < 5; ++i) ok = kd[i] == vd[i];
+  ok = ok && qd[0] == kd[1] && qd[2] == kd[4] && kd[3] > 0 && qd[1] % kd[3] == 0 &&
+       od[0] == qd[0] && od[1] == qd[1] && od[2] == qd[2] && kd[2] > 0;
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "q8_decode_attention: expected q (B, H, D), keys and values (L, B, S, KV, D) of one "
+        "type, H a multiple of KV, out (B, H, D)");
+  }
+  const int64_t layers = kd[0], batch = kd[1], length = kd[2], kv_heads = kd[3], d = kd[4];
+  const int64_t layer = slot.typed_data()[0];
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument("q8_decode_attention: the layer is outside the cache");
+  }
+  const int64_t n = std::clamp<int64_t>(int64_t{pos.typed_data()[0]} + 1, 1, length);
+  const int64_t offset = layer * batch * length * kv_heads * d;
+  if (k.element_type() == ffi::DataType::F32) {
+    q8attn::DecodeAttention(q.typed_data(), static_cast<const float*>(k.untyped_data()) + offset,
+                            static_cast<const float*>(v.untyped_data()) + offset,
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
+                            softcap);
+  } else if (k.element_type() == ffi::DataType::BF16) {
+    q8attn::DecodeAttention(q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()) + offset,
+                            static_cast<const uint16_t*>(v.untyped_data()) + offset,
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
+                            softcap);
+  } else {
+    return ffi::Error::InvalidArgument("q8_decode_attention: the cache must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (B, H, D)
+                                  .Arg<ffi::AnyBuffer>()         // keys (L, B, S, KV, D)
+                                  .Arg<ffi::AnyBuffer>()         // values (L, B, S, KV, D)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot () int32: the layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos () int32: the new token's
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out (B, H, D)
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
 );
 
 namespace {

@@ -1,0 +1,218 @@
+"""One new token's attention over a layer of the KV cache (`q8rules.kernels.decode_attention`):
+the native CPU kernel against a float64 numpy reference and against the decoder's own XLA
+attention (float32 and bfloat16 caches, grouped-query heads, softcap, positions past the
+cache's end clamped), its gradients (the reference's), how the implementation is chosen
+(per backend, per lowering platform, under a mesh), and the decoder's logits either way."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from q8rules.kernels import cpu_native, decode_attention
+from q8rules.models import Transformer, TransformerConfig, init_cache
+from q8rules.models.attention import _attend_f32
+from tests._utils import rel_err
+
+NATIVE = cpu_native.available()
+needs_native = pytest.mark.skipif(
+  not NATIVE, reason=f"native kernel: {cpu_native.unavailable_reason()}"
+)
+
+
+def reference64(q, keys, values, slot, pos, scale, softcap):
+  """float64 numpy: q (B, 1, H, D), keys / values (L, B, S, KV, D) -> (B, 1, H * D)."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, keys[slot], values[slot]))
+  b, _, h, d = q.shape
+  group = h // k.shape[2]
+  n = min(pos + 1, k.shape[1])
+  out = np.empty((b, h, d))
+  for i in range(b):
+    for j in range(h):
+      s = k[i, :n, j // group] @ q[i, 0, j] * scale
+      if softcap:
+        s = np.tanh(s / softcap) * softcap
+      p = np.exp(s - s.max())
+      out[i, j] = (p / p.sum()) @ v[i, :n, j // group]
+  return out.reshape(b, 1, h * d)
+
+
+def xla_reference(scale, softcap):
+  """The decoder's own XLA attention (`models.attention._attend_f32`) as a `Reference`."""
+
+  def ref(q, cache_k, cache_v, slot, pos):
+    h, kv, d = q.shape[2], cache_k.shape[3], q.shape[3]
+    c = TransformerConfig(
+      vocab=8,
+      dim=h * d,
+      layers=1,
+      heads=h,
+      kv_heads=kv,
+      head_dim=d,
+      ffn=8,
+      attn_scale=scale,
+      attn_softcap=softcap,
+    )
+    keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)
+    values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
+    visible = jnp.arange(keys.shape[1])[None, :] <= pos
+    return _attend_f32(c, q, keys, values, visible)
+
+  return ref
+
+
+def operands(rng, b=2, layers=3, s=40, kv=2, h=6, d=64, dtype=np.float32):
+  q = rng.standard_normal((b, 1, h, d)).astype(np.float32)
+  keys = rng.standard_normal((layers, b, s, kv, d)).astype(dtype)
+  values = rng.standard_normal((layers, b, s, kv, d)).astype(dtype)
+  return q, keys, values
+
+
+@needs_native
+@pytest.mark.parametrize("d", [64, 40])
+@pytest.mark.parametrize("pos", [0, 17, 39, 60])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_native_kernel_against_float64(rng, d, pos, softcap):
+  q, keys, values = operands(rng, d=d)
+  scale = 1 / np.sqrt(d)
+  out = cpu_native.decode_attention_cpu(
+    jnp.asarray(q[:, 0]),
+    jnp.asarray(keys),
+    jnp.asarray(values),
+    1,
+    pos,
+    scale=scale,
+    softcap=softcap,
+  )
+  ref = reference64(q, keys, values, 1, pos, scale, softcap)
+  assert out.dtype == jnp.float32
+  assert rel_err(np.asarray(out).reshape(ref.shape), ref) < 1e-6
+
+
+@needs_native
+def test_native_kernel_reads_a_bfloat16_cache_exactly(rng):
+  q, keys, values = operands(rng, dtype=ml_dtypes.bfloat16)
+  out = cpu_native.decode_attention_cpu(
+    jnp.asarray(q[:, 0]),
+    jnp.asarray(keys),
+    jnp.asarray(values),
+    2,
+    25,
+    scale=0.125,
+    softcap=None,
+  )
+  ref = reference64(q, keys.astype(np.float32), values.astype(np.float32), 2, 25, 0.125, None)
+  assert rel_err(np.asarray(out).reshape(ref.shape), ref) < 1e-6
+
+
+@needs_native
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_cpu_equals_the_decoders_xla_attention(rng, softcap):
+  q, keys, values = operands(rng)
+  args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.int32(2), jnp.int32(30))
+  ref = xla_reference(0.125, softcap)
+  run = functools.partial(decode_attention.one_token, scale=0.125, softcap=softcap, reference=ref)
+  cpu = jax.jit(functools.partial(run, implementation="cpu"))(*args)
+  xla = jax.jit(functools.partial(run, implementation="xla"))(*args)
+  assert rel_err(np.asarray(cpu), np.asarray(xla)) < 1e-6
+  assert rel_err(np.asarray(cpu), reference64(q, keys, values, 2, 30, 0.125, softcap)) < 1e-6
+
+
+@needs_native
+def test_gradients_are_the_references(rng):
+  q, keys, values = operands(rng, b=1, layers=2, s=12, kv=1, h=2, d=16)
+  ref = xla_reference(0.25, None)
+
+  def loss(impl, q, k, v):
+    out = decode_attention.one_token(
+      q,
+      k,
+      v,
+      jnp.int32(1),
+      jnp.int32(7),
+      scale=0.25,
+      softcap=None,
+      reference=ref,
+      implementation=impl,
+    )
+    return jnp.sum(out * jnp.arange(out.size).reshape(out.shape))
+
+  args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values))
+  for got, want in zip(
+    jax.grad(functools.partial(loss, "cpu"), argnums=(0, 1, 2))(*args),
+    jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*args),
+    strict=True,
+  ):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_implementation_choice_and_errors(rng):
+  q, keys, values = operands(rng)
+  ref = xla_reference(0.125, None)
+  run = functools.partial(decode_attention.one_token, scale=0.125, softcap=None, reference=ref)
+  args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), 0, 3)
+  with pytest.raises(ValueError, match="implementation must be None or one of"):
+    run(*args, implementation="triton")
+  two = jnp.concatenate([args[0], args[0]], axis=1)  # two new tokens: not this op's
+  reason = decode_attention.cannot_native(two, args[1])
+  assert reason is not None and ("one new token" in reason or not NATIVE)
+  with pytest.raises(ValueError, match="'cpu' cannot run here"):
+    run(two, *args[1:], implementation="cpu")
+  expected = (
+    "cpu"
+    if jax.default_backend() == "cpu" and decode_attention.cannot_native(*args[:2]) is None
+    else "xla"
+  )
+  text = jax.jit(run).lower(*args).as_text()
+  assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
+  mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+  with jax.set_mesh(mesh):  # a mesh in context: XLA's partitioner runs the attention
+    reason = decode_attention.cannot_native(*args[:2])
+    assert reason is not None and ("mesh" in reason or not NATIVE)
+    assert cpu_native.TARGET_DECODE_ATTENTION not in jax.jit(run).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_other_platforms_lower_the_xla_attention(rng, platform):
+  """A program lowered for GPU or TPU (here, on any host) has no CPU custom call in it."""
+  q, keys, values = operands(rng, b=1, layers=2, s=16, kv=1, h=2, d=16)
+  run = functools.partial(
+    decode_attention.one_token, scale=0.25, softcap=None, reference=xla_reference(0.25, None)
+  )
+  exported = jax.export.export(jax.jit(run), platforms=[platform])(
+    jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.int32(0), jnp.int32(3)
+  )
+  assert cpu_native.TARGET_DECODE_ATTENTION not in exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
+  """A decode step of the decoder (GQA, softcap) with the attention on the kernel where it
+  runs, and on XLA's attention only: the same logits to float32 rounding."""
+  config = TransformerConfig(
+    vocab=64,
+    dim=48,
+    layers=2,
+    heads=6,
+    kv_heads=2,
+    head_dim=8,
+    ffn=64,
+    dtype=dtype,
+    attn_softcap=20.0,
+  )
+  model = Transformer(config)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 5)), jnp.int32)
+  params = model.init(jax.random.key(0), tokens, init_cache(config, 8, 2))
+  _, cache = model.apply(params, tokens, init_cache(config, 8, 2))
+  step = jnp.asarray(rng.integers(0, 64, (2, 1)), jnp.int32)
+  got, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
+  real = decode_attention.one_token
+  monkeypatch.setattr(decode_attention, "one_token", functools.partial(real, implementation="xla"))
+  want, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  assert rel_err(np.asarray(got), np.asarray(want)) < tol
