@@ -1049,29 +1049,6 @@ extern "C" void Q8RepackKernelBatch(const uint8_t* const* blocks, int8_t* dq, ui
   for (auto& t : helpers) t.join();
 }
 
-// Q8RepackKernelBatch of `batch` tensors stored one after another from `blocks`, into dq (and
-// ds) one after another: (batch, K, ldq) and (batch, nb, lds).
-extern "C" void Q8RepackKernelInto(const uint8_t* blocks, int8_t* dq, uint16_t* ds, int64_t batch,
-                                   int64_t rows, int64_t nb, int64_t ldq, int64_t lds,
-                                   int64_t threads) {
-  std::vector<const uint8_t*> starts(static_cast<size_t>(batch));
-  for (int64_t b = 0; b < batch; ++b) starts[static_cast<size_t>(b)] = blocks + b * rows * nb * 34;
-  Q8RepackKernelBatch(starts.data(), dq, ds, batch, rows, nb, ldq, lds, nb * kBlock * ldq,
-                      nb * lds, threads);
-}
-
-// The values alone (Q8RepackKernelInto without scales, one thread), dst's row stride ldd.
-extern "C" void Q8RepackTransposedInto(const uint8_t* blocks, int8_t* dst, int64_t batch,
-                                       int64_t rows, int64_t nb, int64_t ldd) {
-  Q8RepackKernelInto(blocks, dst, nullptr, batch, rows, nb, ldd, ldd, 1);
-}
-
-// Q8RepackTransposedInto with dst's rows contiguous (ldd = rows).
-extern "C" void Q8RepackTransposed(const uint8_t* blocks, int8_t* dst, int64_t batch,
-                                   int64_t rows, int64_t nb) {
-  Q8RepackTransposedInto(blocks, dst, batch, rows, nb, rows);
-}
-
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
 extern "C" int Q8GemvHasAvx2() {
   Isa isa;
