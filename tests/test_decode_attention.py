@@ -216,3 +216,21 @@ def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
   want, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   assert rel_err(np.asarray(got), np.asarray(want)) < tol
+
+
+@needs_native
+def test_native_kernel_refuses_mismatched_operands(rng):
+  """Operands the wrapper would never build still get a clear error from the kernel, not a
+  read past the cache: keys and values of other shapes, a layer outside the cache."""
+  q, keys, values = operands(rng)
+  call = functools.partial(cpu_native.decode_attention_cpu, scale=0.125, softcap=None)
+  with pytest.raises(
+    jax.errors.JaxRuntimeError, match=r"q8_decode_attention: expected q \(B, H, D\)"
+  ):
+    jax.block_until_ready(
+      call(jnp.asarray(q[:, 0]), jnp.asarray(keys), jnp.asarray(values[:, :, :7]), 0, 3)
+    )
+  with pytest.raises(
+    jax.errors.JaxRuntimeError, match="q8_decode_attention: the layer is outside the cache"
+  ):
+    jax.block_until_ready(call(jnp.asarray(q[:, 0]), jnp.asarray(keys), jnp.asarray(values), 3, 3))
