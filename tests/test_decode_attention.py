@@ -193,7 +193,8 @@ def test_other_platforms_lower_the_xla_attention(rng, platform):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
   """A decode step of the decoder (GQA, softcap) with the attention on the kernel where it
-  runs, and on XLA's attention only: the same logits to float32 rounding."""
+  runs, and on XLA's attention only: the same logits to float32 rounding, and the params left
+  byte-identical."""
   config = TransformerConfig(
     vocab=64,
     dim=48,
@@ -210,7 +211,9 @@ def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
   params = model.init(jax.random.key(0), tokens, init_cache(config, 8, 2))
   _, cache = model.apply(params, tokens, init_cache(config, 8, 2))
   step = jnp.asarray(rng.integers(0, 64, (2, 1)), jnp.int32)
+  before = [np.asarray(a).tobytes() for a in jax.tree.leaves(params)]
   got, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
+  assert [np.asarray(a).tobytes() for a in jax.tree.leaves(params)] == before  # read-only
   real = decode_attention.one_token
   monkeypatch.setattr(decode_attention, "one_token", functools.partial(real, implementation="xla"))
   want, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
