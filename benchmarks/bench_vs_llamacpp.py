@@ -23,7 +23,7 @@ float16 scale per 32 rows, as GGUF stores it), timed three ways on the same weig
   q8 xla     `q8rules.q8_matmul(x, w, implementation='xla')`, for reference
   q8 act     `q8rules.q8_matmul(x, w, implementation='cpu', act_qtype='q8_0')`: the native
              kernel with x quantized to Q8_0 in the kernel (int8 block dots, AVX-512 VNNI where
-             the CPU has it): llama.cpp's own numerics, opt-in (`q8rules.kernels.act_q8_0`)
+             the CPU has it): llama.cpp's own numerics, opt-in (`q8rules.kernels.matmul_act_q8`)
   llama.cpp  ggml's own `mul_mat` of a Q8_0 weight and a float32 activation, run through
              ggml's CPU backend (`ggml_graph_plan` + `ggml_graph_compute`, the route llama.cpp's
              CPU backend takes for one matmul node; no repacking of Q8_0 exists on x86), called

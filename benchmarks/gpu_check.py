@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import q8rules  # noqa: E402
 from q8rules import kernels  # noqa: E402
-from q8rules.kernels import pallas_triton as triton  # noqa: E402
+from q8rules.kernels.matmul import pallas_triton as triton  # noqa: E402
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize_blocks  # noqa: E402
 
 DECODE_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
@@ -223,7 +223,7 @@ def product_candidates(k: int, n: int, m: int, rng, weights: dict, *, with_qwix:
     )
     nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(qw)) + io
     out.append((f"Qwix int8 {label}", lambda qdot=qdot, qw=qw: qdot(x, qw), nbytes))
-  default = kernels.resolve(m, k, n, jnp.bfloat16)
+  default = kernels.resolve_product(m, k, n, jnp.bfloat16)
   for name in runnable(m, k, n, jnp.bfloat16):
     f = jax.jit(lambda x, w, name=name: kernels.q8_matmul(x, w, implementation=name))
     path = f"{name} (implementation=None)" if name == default else name

@@ -4,7 +4,7 @@
 kernels, sharding). The applications (`q8rules.checkpoint`, `q8rules.llm`,
 `q8rules.models`) load on first use: `q8rules.load_gguf` and `q8rules.checkpoint`
 are resolved lazily, so gguf, safetensors and tokenizers are imported only when
-a checkpoint is touched.
+a checkpoint is touched; `from q8rules import *` takes the core only (`__all__`).
 """
 
 from __future__ import annotations
@@ -53,12 +53,10 @@ __all__ = [
   "Q8QatProvider",
   "Q8Rule",
   "Report",
-  "checkpoint",
   "dequantize",
   "export_checks",
   "fold_applies",
   "kernels",
-  "load_gguf",
   "q8_matmul",
   "quantize",
   "quantize_params",

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules._qwix import QuantizationRule
-from q8rules.kernels import ImplementationArg, act_q8_0, check_implementation
+from q8rules.kernels import ImplementationArg, check_implementation
+from q8rules.kernels.matmul_act_q8 import api as act_q8_0
 
 Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
@@ -25,7 +26,7 @@ class Q8Rule(QuantizationRule):
   Attributes:
     act_qtype: None (weight-only, float32-accurate products), or 'q8_0': the activations are
       quantized to Q8_0 blocks along K at run time too, as llama.cpp quantizes them, and the
-      product runs on int8 block dots (`q8rules.kernels.act_q8_0`; implementations 'cpu' and
+      product runs on int8 block dots (`q8rules.kernels.matmul_act_q8`; implementations 'cpu' and
       'xla'). Opt-in: each activation block is rounded to 255 levels of its absmax.
     scale_dtype: float32 (default, as on the chip) or float16 (GGUF's).
     implementation: None picks the best for the backend and shape; a name of

@@ -17,8 +17,9 @@ import qwix
 from flax import linen as nn
 
 import q8rules
-from q8rules.kernels import act_q8_0, cpu_native, q8_matmul, resolve, run_product
+from q8rules.kernels import cpu_native, q8_matmul, resolve_product, run_product
 from q8rules.kernels.layer import LayerSlice
+from q8rules.kernels.matmul_act_q8 import api as act_q8_0
 from q8rules.q8_0 import Q8Array
 from tests._utils import random_q8, random_x, rel_err, weight64
 
@@ -138,8 +139,8 @@ def test_default_implementation_per_backend(rng):
   (GPU and TPU: XLA)."""
   backend = jax.default_backend()
   want = "cpu" if backend == "cpu" and cpu_native.available() else "xla"
-  assert resolve(1, 4096, 4096, jnp.float32, act_qtype="q8_0") == want
-  assert resolve(1, 4096, 4096, backend="tpu", act_qtype="q8_0") == "xla"
+  assert resolve_product(1, 4096, 4096, jnp.float32, act_qtype="q8_0") == want
+  assert resolve_product(1, 4096, 4096, backend="tpu", act_qtype="q8_0") == "xla"
   q, scale = random_q8(rng, 64, 32)
   _, ran = run_product(random_x(rng, (2, 64)), Q8Array(q, scale), act_qtype="q8_0")
   assert ran == f"{want} (act q8_0)"
@@ -183,10 +184,12 @@ def test_bad_options_are_refused_naming_why():
     q8rules.Q8Rule(act_qtype="q8_0", implementation=("fold", "xla"))
   with pytest.raises(ValueError, match="act_static_scale"):
     q8rules.Q8Rule(act_qtype="q8_0", act_static_scale=True)
-  with pytest.raises(ValueError, match=r"'fold' does not quantize activations"):
-    resolve(1, 64, 64, implementation="fold", act_qtype="q8_0")
+  with pytest.raises(
+    ValueError, match=r"'fold': expected None, one of \('cpu', 'xla'\) \(op 'matmul_act_q8'"
+  ):
+    resolve_product(1, 64, 64, implementation="fold", act_qtype="q8_0")
   with pytest.raises(ValueError, match="act_qtype='int4'"):
-    resolve(1, 64, 64, act_qtype="int4")
+    resolve_product(1, 64, 64, act_qtype="int4")
 
 
 class Mlp(nn.Module):
@@ -209,7 +212,7 @@ def test_quantize_model_runs_the_q8_0_product_and_reports_it(rng):
   )
   y = qmodel.apply({"params": served}, x)
   paths = provider.report().paths()
-  want = resolve(3, 64, 96, jnp.float32, act_qtype="q8_0")
+  want = resolve_product(3, 64, 96, jnp.float32, act_qtype="q8_0")
   assert set(paths.values()) == {f"{want} (act q8_0)"}, paths
   up, down = served["up"]["kernel"].array, served["down"]["kernel"].array
   h = act_q8_0.reference_float64(np.asarray(x), np.asarray(up.q), np.asarray(up.scale))
@@ -265,7 +268,7 @@ def test_export_carries_each_platforms_q8_0_product(rng):
     exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=export_checks())(
       x, q, scale
     )
-  on_cpu = resolve(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
+  on_cpu = resolve_product(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
   int8 = on_cpu and act_q8_0.int8_kernel_runs()
   text = exp.mlir_module()
   assert (cpu_native.TARGET_ACT_Q8 in text) == int8

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import CPU_MAX_ROWS, cpu_native, q8_matmul, resolve
+from q8rules.kernels import CPU_MAX_ROWS, cpu_native, q8_matmul, resolve_product
 from q8rules.q8_0 import Q8Array
 from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
@@ -183,7 +183,7 @@ def test_grad_wrt_x_is_dy_times_w_transposed(rng):
 
 
 def test_jvp_and_scale_gradient_match_xla_path(rng):
-  from q8rules.kernels.xla_chunked import q8_matmul_xla
+  from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 
   q, scale = random_q8(rng, 96, 24)
   x = random_x(rng, (2, 96))
@@ -198,18 +198,20 @@ def test_jvp_and_scale_gradient_match_xla_path(rng):
 
 def test_resolve_on_cpu():
 
-  assert resolve(1, 4096, 4096, backend="cpu") == "cpu"
-  assert resolve(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == "cpu"
-  assert resolve(CPU_MAX_ROWS + 1, 4096, 4096, backend="cpu") == "xla"
-  assert resolve(64, 4096, 4096, backend="cpu") == "xla"
+  assert resolve_product(1, 4096, 4096, backend="cpu") == "cpu"
+  assert resolve_product(CPU_MAX_ROWS, 4096, 4096, backend="cpu") == "cpu"
+  assert resolve_product(CPU_MAX_ROWS + 1, 4096, 4096, backend="cpu") == "xla"
+  assert resolve_product(64, 4096, 4096, backend="cpu") == "xla"
   # small weights (<= CPU_SMALL_WEIGHT values) take the kernel up to CPU_MAX_ROWS_SMALL rows
   small = cpu_native.CPU_SMALL_WEIGHT // 1536
-  assert resolve(cpu_native.CPU_MAX_ROWS_SMALL, small, 1536, backend="cpu") == "cpu"
-  assert resolve(cpu_native.CPU_MAX_ROWS_SMALL + 1, small, 1536, backend="cpu") == "xla"
-  assert resolve(CPU_MAX_ROWS + 1, small + 32, 1536, backend="cpu") == "xla"
-  assert resolve(64, 4096, 4096, backend="cpu", implementation="cpu") == "cpu"  # forced: any m
+  assert resolve_product(cpu_native.CPU_MAX_ROWS_SMALL, small, 1536, backend="cpu") == "cpu"
+  assert resolve_product(cpu_native.CPU_MAX_ROWS_SMALL + 1, small, 1536, backend="cpu") == "xla"
+  assert resolve_product(CPU_MAX_ROWS + 1, small + 32, 1536, backend="cpu") == "xla"
+  assert (
+    resolve_product(64, 4096, 4096, backend="cpu", implementation="cpu") == "cpu"
+  )  # forced: any m
   if jax.default_backend() == "cpu":
-    assert resolve(2, 4096, 4096) == "cpu"
+    assert resolve_product(2, 4096, 4096) == "cpu"
 
 
 def test_rule_accepts_cpu(rng):
@@ -237,10 +239,10 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
     """
     import jax, jax.numpy as jnp, numpy as np
     import q8rules
-    from q8rules.kernels import cpu_native, q8_matmul, resolve
+    from q8rules.kernels import cpu_native, q8_matmul, resolve_product
     assert not cpu_native.available()
     print("REASON", cpu_native.unavailable_reason())
-    assert resolve(1, 64, 8, backend="cpu") == "xla"
+    assert resolve_product(1, 64, 8, backend="cpu") == "xla"
     rng = np.random.default_rng(0)
     w = q8rules.quantize(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)

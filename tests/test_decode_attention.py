@@ -13,8 +13,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import qwix
 
-from q8rules.kernels import cpu_native, decode_attention
+import q8rules
+from q8rules.kernels import cpu_native
+from q8rules.kernels.decode_attention import api as decode_attention
+from q8rules.kernels.decode_attention import cpu as native_attention
+from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import _attend_f32
 from tests._utils import rel_err
@@ -156,25 +161,42 @@ def test_implementation_choice_and_errors(rng):
   ref = xla_reference(0.125, None)
   run = functools.partial(decode_attention.one_token, scale=0.125, softcap=None, reference=ref)
   args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), 0, 3)
-  with pytest.raises(ValueError, match="implementation must be None or one of"):
+  with pytest.raises(
+    ValueError, match=r"implementation='triton': expected None, one of \('cpu', 'xla'\)"
+  ):
     run(*args, implementation="triton")
   two = jnp.concatenate([args[0], args[0]], axis=1)  # two new tokens: not this op's
-  reason = decode_attention.cannot_native(two, args[1])
+  reason = native_attention.cannot(AttentionProblem.of(two, args[1]))
   assert reason is not None and ("one new token" in reason or not NATIVE)
-  with pytest.raises(ValueError, match="'cpu' cannot run here"):
+  with pytest.raises(ValueError, match="cannot run decode_attention q .* 'cpu': "):
     run(two, *args[1:], implementation="cpu")
-  expected = (
-    "cpu"
-    if jax.default_backend() == "cpu" and decode_attention.cannot_native(*args[:2]) is None
-    else "xla"
-  )
+  problem = AttentionProblem.of(*args[:2])
+  expected = q8rules.kernels.resolve("decode_attention", problem)
+  assert expected == ("cpu" if jax.default_backend() == "cpu" and NATIVE else "xla")
   text = jax.jit(run).lower(*args).as_text()
   assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
   mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
   with jax.set_mesh(mesh):  # a mesh in context: XLA's partitioner runs the attention
-    reason = decode_attention.cannot_native(*args[:2])
+    reason = native_attention.cannot(AttentionProblem.of(*args[:2]))
     assert reason is not None and ("mesh" in reason or not NATIVE)
     assert cpu_native.TARGET_DECODE_ATTENTION not in jax.jit(run).lower(*args).as_text()
+
+
+def test_reference_without_a_callers_attention(rng):
+  """With no `reference`, 'xla' runs the op's own plain-JAX reference: float64 numbers."""
+  q, keys, values = operands(rng, d=16)
+  for softcap in (None, 5.0):
+    out = decode_attention.one_token(
+      jnp.asarray(q),
+      jnp.asarray(keys),
+      jnp.asarray(values),
+      1,
+      21,
+      scale=0.25,
+      softcap=softcap,
+      implementation="xla",
+    )
+    assert rel_err(np.asarray(out), reference64(q, keys, values, 1, 21, 0.25, softcap)) < 1e-6
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -191,10 +213,11 @@ def test_other_platforms_lower_the_xla_attention(rng, platform):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
-  """A decode step of the decoder (GQA, softcap) with the attention on the kernel where it
-  runs, and on XLA's attention only: the same logits to float32 rounding, and the params left
-  byte-identical."""
+def test_decoder_logits_the_same_either_way(rng, dtype):
+  """A decode step of the decoder (GQA, softcap): plain Flax runs its own XLA attention (no
+  kernel in the program); under a q8rules provider its hook runs op 'decode_attention' (the
+  kernel where it runs, as `kernels.resolve` says): the same logits to float32 rounding, and
+  the params left byte-identical."""
   config = TransformerConfig(
     vocab=64,
     dim=48,
@@ -211,14 +234,19 @@ def test_decoder_logits_the_same_either_way(rng, dtype, monkeypatch):
   params = model.init(jax.random.key(0), tokens, init_cache(config, 8, 2))
   _, cache = model.apply(params, tokens, init_cache(config, 8, 2))
   step = jnp.asarray(rng.integers(0, 64, (2, 1)), jnp.int32)
+  args = (params, step, cache, jnp.int32(5))
+  served = qwix.quantize_model(model, q8rules.Q8Provider([]))  # no product served: hooks only
   before = [np.asarray(a).tobytes() for a in jax.tree.leaves(params)]
-  got, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
+  got, _ = jax.jit(served.apply)(*args)
   assert [np.asarray(a).tobytes() for a in jax.tree.leaves(params)] == before  # read-only
-  real = decode_attention.one_token
-  monkeypatch.setattr(decode_attention, "one_token", functools.partial(real, implementation="xla"))
-  want, _ = jax.jit(model.apply)(params, step, cache, jnp.int32(5))
+  want, _ = jax.jit(model.apply)(*args)
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   assert rel_err(np.asarray(got), np.asarray(want)) < tol
+  assert cpu_native.TARGET_DECODE_ATTENTION not in jax.jit(model.apply).lower(*args).as_text()
+  problem = AttentionProblem.of(jnp.zeros((2, 1, 6, 8)), cache[0])
+  expected = q8rules.kernels.resolve("decode_attention", problem)
+  text = jax.jit(served.apply).lower(*args).as_text()
+  assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
 
 
 @needs_native

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from q8rules.demo import main
-from q8rules.kernels import resolve
+from q8rules.kernels import resolve_product
 
 
 def test_demo_runs_and_reports(capsys):
@@ -30,7 +30,7 @@ def test_demo_runs_and_reports(capsys):
   assert "layers/attn/o" in text and "lm_head" in text
   paths = out["report"].paths()
   # one decode token: what the dispatcher picks for this backend and shape
-  assert paths["layers/mlp/down/dot_general0"] == resolve(1, 256, 128, jnp.float32)
+  assert paths["layers/mlp/down/dot_general0"] == resolve_product(1, 256, 128, jnp.float32)
   assert paths["layers/attn/einsum0"] == "float"  # scores: two activations, no weight
   assert paths["embed/take0"] == "lookup"  # the table is read from its Q8_0 values
   assert out["q8_bytes"] < 0.5 * out["float_bytes"]

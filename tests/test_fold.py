@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import cpu_native, fold, q8_matmul, resolve
-from q8rules.kernels.fold import TILE_ROWS, fold_applies, kernel_form, q8_fold
-from q8rules.kernels.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
-from q8rules.kernels.pallas_triton import blocks_per_step, fold_gpu, k_splits
+from q8rules.kernels import cpu_native, q8_matmul, resolve_product
+from q8rules.kernels.matmul import fold
+from q8rules.kernels.matmul.fold import TILE_ROWS, fold_applies, kernel_form, q8_fold
+from q8rules.kernels.matmul.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
+from q8rules.kernels.matmul.pallas_triton import blocks_per_step, fold_gpu, k_splits
+from q8rules.kernels.matmul.reference import q8_matmul_reference
+from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 from q8rules.kernels.problem import Problem
-from q8rules.kernels.reference import q8_matmul_reference
-from q8rules.kernels.xla_chunked import q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
 from tests._utils import rel_err
 
@@ -174,7 +175,7 @@ def test_q8_matmul_fold_end_to_end(rng):
   direct = q8_fold(jnp.asarray(x.reshape(6, 2048)), wq.q, wq.scale)
   np.testing.assert_array_equal(np.asarray(y).reshape(6, 40), np.asarray(direct))
   # By default the fold runs on TPU and GPU, never on CPU (interpret mode only there).
-  default = resolve(6, 2048, 40, jnp.float32)
+  default = resolve_product(6, 2048, 40, jnp.float32)
   if jax.default_backend() == "cpu":
     assert default == ("cpu" if cpu_native.available() else "xla")
 
@@ -257,22 +258,24 @@ def test_applies_and_reasons():
 
 def test_resolve():
   on_cpu = "cpu" if cpu_native.available() else "xla"  # never the fold on CPU
-  assert resolve(1, 4096, 4096, backend="cpu") == on_cpu
-  assert resolve(64, 4096, 4096, backend="cpu") == "xla"
-  assert resolve(1, 4096, 4096, backend="tpu") == "fold"
-  assert resolve(8, 4096, 4096, backend="tpu") == "fold"
-  assert resolve(64, 4096, 4096, backend="tpu") == "xla_dequant"  # many rows: dequantise, dot
-  assert resolve(16, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
-  assert resolve(16, 4096, 4096, jnp.float32, backend="gpu") == "xla_dequant"
-  assert resolve(2048, 4096, 14336, jnp.bfloat16, backend="gpu") == "xla_dequant"
-  assert resolve(1, 1000, 4096, backend="gpu") == "xla_dequant"
-  assert resolve(512, 4096, 4096, backend="cpu") == "xla"  # the CPU keeps its scan
+  assert resolve_product(1, 4096, 4096, backend="cpu") == on_cpu
+  assert resolve_product(64, 4096, 4096, backend="cpu") == "xla"
+  assert resolve_product(1, 4096, 4096, backend="tpu") == "fold"
+  assert resolve_product(8, 4096, 4096, backend="tpu") == "fold"
+  assert (
+    resolve_product(64, 4096, 4096, backend="tpu") == "xla_dequant"
+  )  # many rows: dequantise, dot
+  assert resolve_product(16, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
+  assert resolve_product(16, 4096, 4096, jnp.float32, backend="gpu") == "xla_dequant"
+  assert resolve_product(2048, 4096, 14336, jnp.bfloat16, backend="gpu") == "xla_dequant"
+  assert resolve_product(1, 1000, 4096, backend="gpu") == "xla_dequant"
+  assert resolve_product(512, 4096, 4096, backend="cpu") == "xla"  # the CPU keeps its scan
   # A sequence is tried in order; a forced name must be able to run the product.
-  assert resolve(64, 4096, 4096, backend="tpu", implementation=("fold", "xla")) == "xla"
+  assert resolve_product(64, 4096, 4096, backend="tpu", implementation=("fold", "xla")) == "xla"
   with pytest.raises(ValueError, match="'fold': m=64 > 8 tile rows"):
-    resolve(64, 4096, 4096, backend="tpu", implementation="fold")
+    resolve_product(64, 4096, 4096, backend="tpu", implementation="fold")
   with pytest.raises(ValueError, match="expected None, one of"):
-    resolve(1, 4096, 4096, implementation="bogus")
+    resolve_product(1, 4096, 4096, implementation="bogus")
 
 
 def test_exported():
@@ -303,7 +306,7 @@ def test_forced_fold_runs_past_the_bytes_rule(rng):
   x, q, scale = operands(rng, 8, 1024, 8)
   w = Q8Array(q=jnp.asarray(q), scale=jnp.asarray(scale))
   assert "column tiles" in fold.slower(problem(8, 1024, 8, "tpu"))
-  assert resolve(8, 1024, 8, backend="tpu") == "xla_dequant"
+  assert resolve_product(8, 1024, 8, backend="tpu") == "xla_dequant"
   y = q8_matmul(x, w, implementation="fold")
   assert rel_err(y, reference64(x, q, scale)) <= 1e-6
 

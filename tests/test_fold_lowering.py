@@ -22,8 +22,8 @@ from jax._src.lib.mlir import ir
 from jaxlib.mlir.passmanager import PassManager
 from jaxlib.triton import dialect as triton_dialect
 
-from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
-from q8rules.kernels.fold import q8_fold
+from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels.matmul.fold import q8_fold
 from q8rules.q8_0 import BLOCK
 from tests._utils import lowering_for
 

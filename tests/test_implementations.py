@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax import export
 
-from q8rules.kernels import IMPLEMENTATIONS, REGISTRY, q8_matmul, resolve, why_not
-from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels import IMPLEMENTATIONS, REGISTRY, q8_matmul, resolve_product, why_not
 from q8rules.kernels.cpu_native import TARGET as CPU_TARGET
+from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 from q8rules.q8_0 import Q8Array
 from tests._utils import close_to_float64, lowering_for, random_q8, random_x, weight64
 
@@ -76,8 +76,8 @@ def test_every_implementation_is_registered_with_a_reason():
 
 def test_resolve_names_what_cannot_run():
   with pytest.raises(ValueError, match=r"'cpu': the native CPU kernel runs on the CPU only"):
-    resolve(1, 4096, 4096, backend="tpu", implementation="cpu")
-  assert resolve(1, 4096, 4096, backend="tpu", implementation=("cpu", "xla")) == "xla"
+    resolve_product(1, 4096, 4096, backend="tpu", implementation="cpu")
+  assert resolve_product(1, 4096, 4096, backend="tpu", implementation=("cpu", "xla")) == "xla"
 
 
 def test_export_carries_each_platforms_kernel(rng):
@@ -94,7 +94,7 @@ def test_export_carries_each_platforms_kernel(rng):
     exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=checks)(x, q, scale)
   text = exp.mlir_module()
   assert MOSAIC_CUSTOM_CALL in text and TRITON_CUSTOM_CALL in text
-  assert (CPU_TARGET in text) == (resolve(m, k, n, jnp.float32, "cpu") == "cpu")
+  assert (CPU_TARGET in text) == (resolve_product(m, k, n, jnp.float32, "cpu") == "cpu")
   for platform, expected in (("tpu", MOSAIC_CUSTOM_CALL), ("cuda", TRITON_CUSTOM_CALL)):
     with lowering_for((platform,)):
       one = export.export(f, platforms=(platform,), disabled_checks=checks)(x, q, scale)
@@ -108,14 +108,16 @@ def test_never_picks_the_fold_on_a_gpu_too_old_for_triton(monkeypatch):
   """A Colab T4 (compute capability 7.5): Pallas Triton cannot run there, so
   `implementation=None` takes an XLA path and a forced 'fold' says why; an H100 (9.0) runs
   the fold. Faked: this host has no GPU."""
-  from q8rules.kernels import pallas_triton
+  from q8rules.kernels.matmul import pallas_triton
 
   monkeypatch.setattr(pallas_triton, "compute_capability", lambda: (7, 5))
-  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "xla_dequant"
+  assert resolve_product(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "xla_dequant"
   with pytest.raises(ValueError, match="compute capability 8.0 or newer; this GPU has 7.5"):
-    resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu", implementation="fold")
-  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="tpu") == "fold"  # TPUs are unaffected
+    resolve_product(1, 4096, 4096, jnp.bfloat16, backend="gpu", implementation="fold")
+  assert (
+    resolve_product(1, 4096, 4096, jnp.bfloat16, backend="tpu") == "fold"
+  )  # TPUs are unaffected
   monkeypatch.setattr(pallas_triton, "compute_capability", lambda: (9, 0))
-  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
+  assert resolve_product(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
   monkeypatch.setattr(pallas_triton, "compute_capability", lambda: None)  # no GPU: export
-  assert resolve(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"
+  assert resolve_product(1, 4096, 4096, jnp.bfloat16, backend="gpu") == "fold"

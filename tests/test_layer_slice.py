@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from q8rules.kernels import REGISTRY, q8_matmul, resolve, why_not
+from q8rules.kernels import REGISTRY, q8_matmul, resolve_product, why_not
 from q8rules.kernels.cpu_native import TARGET, TARGET_LAYER
 from q8rules.kernels.layer import LayerSlice, layer_of
-from q8rules.kernels.xla_chunked import q8_matmul_xla
+from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 from q8rules.llm import load_gguf
 from q8rules.llm.unstack import rebuilt
 from q8rules.q8_0 import Q8Array
@@ -59,7 +59,7 @@ def test_reads_in_place_where_the_dispatcher_picks_the_cpu_kernel(rng):
     jax.jit(lambda x, i: q8_matmul(x, LayerSlice(w, i))).lower(x, jnp.int32(2)).compile().as_text()
   )
   sliced_q = [ln for ln in hlo.splitlines() if "dynamic-slice(" in ln and "s8[" in ln.split("=")[1]]
-  if resolve(1, 128, 64, jnp.float32) == "cpu":
+  if resolve_product(1, 128, 64, jnp.float32) == "cpu":
     assert f'custom_call_target="{TARGET_LAYER}"' in hlo
     assert f'custom_call_target="{TARGET}"' not in hlo
     assert sliced_q == [], sliced_q
@@ -72,7 +72,7 @@ def test_layer_index_out_of_range_is_refused(rng):
   w = stacked_q8(rng, 3, 64, 16, np.float16)
   x = random_x(rng, (1, 64))
   run = jax.jit(lambda x, i: q8_matmul(x, LayerSlice(w, i)))
-  if resolve(1, 64, 16, jnp.float32) == "cpu":
+  if resolve_product(1, 64, 16, jnp.float32) == "cpu":
     with pytest.raises(Exception, match=r"layer index 3 outside \[0, 3\)"):
       run(x, jnp.int32(3)).block_until_ready()
   else:  # the fallback's dynamic slice clamps: XLA's rule, not an error

@@ -38,7 +38,7 @@ def default_path(m: int, k: int, n: int, dtype=jnp.float32) -> str:
   """What `implementation=None` runs on this backend for an (m, K) x (K, N) product (K padded
   to whole blocks). On CPU that is the native kernel where it builds (else XLA), never the fold."""
   k_pad = -(-k // BLOCK) * BLOCK
-  path = q8rules.kernels.resolve(m, k_pad, n, dtype)
+  path = q8rules.kernels.resolve_product(m, k_pad, n, dtype)
   if jax.default_backend() == "cpu":
     assert path == ("cpu" if q8rules.kernels.cpu_native.available() and m <= 16 else "xla")
   return path
@@ -406,7 +406,7 @@ def test_provider_dispatches_decode_products_to_the_fold(rng):
   assert rel_err(y, ref) <= 1e-6
   assert provider.report().paths() == {"up/dot_general0": "fold", "heads/dot_general0": "fold"}
   # a prefill-sized product is refused by the fold, naming the op and why
-  rows = q8rules.kernels.fold.TILE_ROWS[q8rules.kernels.fold.kernel_form()]
+  rows = q8rules.kernels.matmul.fold.TILE_ROWS[q8rules.kernels.matmul.fold.kernel_form()]
   with pytest.raises(ValueError, match=rf"up/dot_general0.*m=64 > {rows} tile rows"):
     q8_model.apply(variables, jnp.ones((1, 64, 1024)))
   # implementation=None picks per backend and shape (on CPU never the fold: interpret mode)

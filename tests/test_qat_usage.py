@@ -77,7 +77,7 @@ def test_serving_options_choose_the_forward_kernel(rng):
     )
     reports.append(provider.report())
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
-  default = kernels.resolve(12, 64, 96, jnp.float32)
+  default = kernels.resolve_product(12, 64, 96, jnp.float32)
   assert f"forward: the served product ({default})" in reports[0].ops[0].note
   assert "implementation='fold' cannot run this shape" in reports[1].ops[0].note
   assert "implementation" not in reports[0].ops[0].note

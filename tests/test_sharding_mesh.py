@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import q8rules
 from q8rules import kernels, sharding
-from q8rules.kernels import fold
+from q8rules.kernels.matmul import fold
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.sharding.product import shard_map_unchecked
 from tests._utils import q8_weights as weights
@@ -299,7 +299,7 @@ def test_linen_shard_products_runs_each_product_per_shard(linen_block, axis_type
   # The report names what the shards ran: the choice for a shard's own (m, K, N).
   local = {"heads": (64, 32), "out": (32, 64), "up": (64, 64), "down": (64, 64)}
   for r in provider.report().ops:
-    want = kernels.resolve(6, *local[r.module], jnp.float32)
+    want = kernels.resolve_product(6, *local[r.module], jnp.float32)
     assert r.path == want, (r.module, r.path, want)
 
 
@@ -350,7 +350,7 @@ def test_data_parallel_rows_pick_the_shards_implementation(rng):
   err = rel_err(y, ref)
   assert err <= RTOL, f"relative error {err:.2e}"
   [record] = provider.report().ops
-  assert record.path == kernels.resolve(m // 2, k, n // 2, jnp.float32), record
+  assert record.path == kernels.resolve_product(m // 2, k, n // 2, jnp.float32), record
 
 
 def test_nnx_params_on_a_mesh(rng):

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from q8rules.kernels import REGISTRY, q8_matmul, resolve
-from q8rules.kernels.xla_dequant import dequant_dtype, piece_rows, q8_matmul_dequant
+from q8rules.kernels import REGISTRY, q8_matmul, resolve_product
+from q8rules.kernels.matmul.xla_dequant import dequant_dtype, piece_rows, q8_matmul_dequant
 from q8rules.q8_0 import BLOCK, Q8Array
 from tests._utils import close_to_float64, random_q8, random_x, weight64
 
@@ -58,9 +58,9 @@ def test_16_bit_rows_round_the_weight(rng, dtype, tol):
 def test_registered_and_picked_for_many_rows_on_accelerators(rng):
   assert REGISTRY["xla_dequant"].rounds_weight and not REGISTRY["fold"].rounds_weight
   for backend in ("gpu", "tpu"):
-    assert resolve(512, 4096, 14336, jnp.bfloat16, backend=backend) == "xla_dequant"
-    assert resolve(1, 4096, 14336, jnp.bfloat16, backend=backend) == "fold"
-  assert resolve(512, 4096, 14336, jnp.bfloat16, backend="cpu") == "xla"
+    assert resolve_product(512, 4096, 14336, jnp.bfloat16, backend=backend) == "xla_dequant"
+    assert resolve_product(1, 4096, 14336, jnp.bfloat16, backend=backend) == "fold"
+  assert resolve_product(512, 4096, 14336, jnp.bfloat16, backend="cpu") == "xla"
   q, scale = random_q8(rng, 128, 48)
   x = random_x(rng, (2, 3, 128), jnp.bfloat16)
   y = q8_matmul(x, Q8Array(q, scale), implementation="xla_dequant")

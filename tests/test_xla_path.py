@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels.xla_chunked import default_chunk, q8_matmul_xla
+from q8rules.kernels.matmul.xla_chunked import default_chunk, q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
 from tests._utils import random_q8, random_x, rel_err, weight64
 

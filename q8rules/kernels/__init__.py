@@ -1,32 +1,43 @@
-"""One product, several implementations, one switch: `q8_matmul(x, w, implementation=None)`.
+"""The kernels: every op, its implementations, and one switch, `resolve`.
 
-The registry and the only function that picks an implementation (`resolve`) are
-in `api.py`; what a product is (its operand check, its `Problem`, the platforms) in
-`problem.py`; each implementation is a module named for what it is, with its own
-`cannot`, `slower` and `run`: `fold.py` (over `pallas_mosaic_tpu.py` and
-`pallas_triton.py`, the fold's two forms), `cpu_native.py` (+ `cpu/q8_gemv.cc`),
-`xla_chunked.py`, `xla_dequant.py`, `reference.py`. With `act_qtype='q8_0'` (opt-in) the
-activations are quantized too: `act_q8_0.py` (implementations 'cpu' and 'xla').
+Each op is a folder, tokamax's way: `api.py` (the entry point and the op's registration), a
+reference implementation, and one module per implementation.
+
+  matmul/            the weight-only Q8_0 product: `q8_matmul(x, w, implementation=None)`;
+                     'fold' (Pallas: Mosaic TPU, Triton GPU), 'cpu' (native), 'xla',
+                     'xla_dequant', 'reference'
+  matmul_act_q8/     the Q8_0 x Q8_0 product (`act_qtype='q8_0'`): 'cpu', 'xla'
+  decode_attention/  one new token's attention over a KV cache layer: 'cpu', 'xla'
+  native/            the native CPU library, one C++ source per op
+
+`registry.py` holds what an op and an implementation are and `resolve(op, problem,
+implementation=None)`, the only function that picks, for every op, at trace time and again per
+platform when a program is lowered. `problem.py` says what a product is (its operand check, its
+`Problem`, the platforms); `layer.py` a product on one layer of stacked weights.
 """
 
-from q8rules.kernels.api import (
-  ACT_DEFAULT_ORDER,
-  CPU_MAX_ROWS,
+from q8rules.kernels.cpu_native import CPU_MAX_ROWS
+from q8rules.kernels.decode_attention import api as decode_attention_api
+from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks, lowering_context
+from q8rules.kernels.matmul.api import (
   DEFAULT_ORDER,
   IMPLEMENTATIONS,
   REGISTRY,
-  Implementation,
-  ImplementationArg,
   check_implementation,
-  check_operands,
-  platform_of,
   q8_matmul,
-  resolve,
+  resolve_product,
   run_product,
   why_not,
 )
-from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks, lowering_context
-from q8rules.kernels.fold import fold_applies, q8_fold
+from q8rules.kernels.matmul.fold import fold_applies, q8_fold
+from q8rules.kernels.matmul_act_q8 import api as matmul_act_q8_api
+from q8rules.kernels.problem import check_operands, platform_of
+from q8rules.kernels.registry import OPS, Implementation, ImplementationArg, Op, resolve
+
+ACT_DEFAULT_ORDER = matmul_act_q8_api.DEFAULT_ORDER
+"""What `implementation=None` tries for the Q8_0 x Q8_0 product, per platform."""
+
+del decode_attention_api
 
 __all__ = [
   "ACT_DEFAULT_ORDER",
@@ -34,9 +45,11 @@ __all__ = [
   "CUSTOM_CALL_TARGETS",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
+  "OPS",
   "REGISTRY",
   "Implementation",
   "ImplementationArg",
+  "Op",
   "check_implementation",
   "check_operands",
   "export_checks",
@@ -46,6 +59,7 @@ __all__ = [
   "q8_fold",
   "q8_matmul",
   "resolve",
+  "resolve_product",
   "run_product",
   "why_not",
 ]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from q8rules.kernels._bilinear import bilinear_product
+from q8rules.kernels.matmul._bilinear import bilinear_product
 from q8rules.kernels.problem import Problem
 
 NAME = "cpu"

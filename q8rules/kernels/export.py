@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import jax
 from jax import export as jax_export
 
-from q8rules.kernels._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 from q8rules.kernels.cpu_native import TARGET as CPU_CUSTOM_CALL
 from q8rules.kernels.cpu_native import (
   TARGET_ACT_Q8,
@@ -29,6 +28,7 @@ from q8rules.kernels.cpu_native import (
   TARGET_DECODE_ATTENTION,
   TARGET_LAYER,
 )
+from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 
 CUSTOM_CALL_TARGETS = (
   CPU_CUSTOM_CALL,

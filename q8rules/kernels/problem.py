@@ -1,7 +1,7 @@
 """What one Q8_0 product is: its operands (`check_operands`) and its `Problem` (shape, platform).
 
 `x (..., K) @ W` for a Q8_0 weight W = q int8 (K, N) * scale (K/32, N). The implementations
-(`fold`, `cpu_native`, `xla_chunked`, `xla_dequant`, `reference`) each judge a `Problem`
+(`kernels/matmul/`: `fold`, `cpu`, `xla_chunked`, `xla_dequant`, `reference`) each judge a `Problem`
 (`cannot`, `slower`) and trust the operands they are given: `check_operands` is the one check,
 run at the public entry points (`q8_matmul`, `run_product`, `q8_fold`, the sharded product).
 """
@@ -53,6 +53,10 @@ class Problem:
     """The problem of an (m, K) x (K, N) product with `dtype` activations on `backend`
     ('cpu', 'gpu', 'cuda', 'rocm', 'tpu'; None: `jax.default_backend()`)."""
     return cls(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+
+  def describe(self) -> str:
+    """'(m, K) x (K, N)', as messages name the product."""
+    return f"({self.m}, {self.k}) x ({self.k}, {self.n})"
 
 
 def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None:

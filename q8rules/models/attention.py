@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels import decode_attention
+from q8rules.models import hooks
 from q8rules.models.config import RopeStyle, TransformerConfig
 
 Cache = Any
@@ -215,8 +215,8 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
 
 def _global_read(c, q, pair, slot, pos):
   """Attend causally over layer `slot`'s full cache (the chunk already written). One new
-  token runs `decode_attention.one_token` (the native kernel on the CPU, this XLA attention
-  elsewhere)."""
+  token goes through `hooks.attend_one_token` (this XLA attention; under a q8rules provider,
+  the decode-attention kernel where it runs)."""
 
   def xla(q, cache_k, cache_v, slot, pos):
     keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
@@ -227,7 +227,7 @@ def _global_read(c, q, pair, slot, pos):
 
   if q.shape[1] != 1:
     return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
-  out = decode_attention.one_token(
+  out = hooks.attend_one_token(
     q, pair[0], pair[1], slot, pos, scale=_scale(c), softcap=c.attn_softcap, reference=xla
   )
   return out.astype(c.dtype)

@@ -71,9 +71,9 @@ class TransformerConfig:
     scan_layers: run the blocks under `nn.scan` (params stacked along a
       leading layer axis, under 'layers') instead of unrolled ('layers_i').
     scan_in_place: with `scan_layers`, a scan step gets layer i of the stacked params by
-      index (`q8rules.kernels.layer.layer_of`: Q8_0 weights as `LayerSlice`s, which the
-      native CPU kernel reads in place) instead of `nn.scan` slicing (copying) every param;
-      False: `nn.scan`'s slices. Init stacks the params the same way either way.
+      index (`q8rules.models.hooks.take_layer`; under a q8rules provider Q8_0 weights as
+      `LayerSlice`s, which the native CPU kernel reads in place) instead of `nn.scan`
+      slicing (copying) every param; False: `nn.scan`'s slices. Init stacks the params the same way either way.
     dtype: activation dtype (float32 or bfloat16); softmax and norms run in
       float32, logits come back float32.
   """

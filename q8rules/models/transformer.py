@@ -32,9 +32,9 @@ field of `TransformerConfig` (q8rules/models/config.py says which arch sets what
 Layers run under `nn.scan` over stacked params (`scan_layers=True`, the
 default: one layer is traced, whatever the depth) or unrolled
 (`layers_0`, `layers_1`, ...). A scanned apply (`scan_in_place`, the default) broadcasts
-the stacked params into the scan and gives step i layer i by index (`layer_of`): a
-Q8_0 weight stays one stacked array that the native CPU kernel reads in place, where
-`nn.scan`'s own slicing made XLA copy every weight every step. The scan's per-layer inputs are the layer's kind
+the stacked params into the scan and gives step i layer i by index (`hooks.take_layer`;
+under a q8rules provider a Q8_0 weight stays one stacked array that the native CPU kernel
+reads in place, where `nn.scan`'s own slicing makes XLA copy every weight every step). The scan's per-layer inputs are the layer's kind
 (local or global) and its index in that kind's stacked cache; a model with both
 kinds runs each layer's attention under `lax.cond`, so every scan step has the
 same shapes.
@@ -52,7 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels.layer import layer_of
+from q8rules.models import hooks
 from q8rules.models.attention import (
   Cache,
   apply_rope,
@@ -208,7 +208,7 @@ class Block(nn.Module):
 
 class LayerStep(nn.Module):
   """One step of the in-place scan: `Block` on layer i of the stacked params, which the scan
-  broadcasts (`layer_of(params, i)`); its params live where the scanned Block's do.
+  broadcasts (`hooks.take_layer(params, i)`); its params live where the scanned Block's do.
 
   Called as `(carry, (kind, i), pos, angles) -> (carry, None)`.
   """
@@ -220,9 +220,9 @@ class LayerStep(nn.Module):
     self, carry: tuple[jax.Array, dict[str, Any]], xs: Any, pos: Any, angles: Any
   ) -> tuple[tuple[jax.Array, dict[str, Any]], None]:
     kind, i = xs
-    block = nn.map_variables(Block, "params", trans_in_fn=lambda v: layer_of(v, i), mutable=False)(
-      self.config
-    )
+    block = nn.map_variables(
+      Block, "params", trans_in_fn=lambda v: hooks.take_layer(v, i), mutable=False
+    )(self.config)
     nn.share_scope(self, block)
     return block(carry, kind, pos, angles)
 

@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 from q8rules import kernels
 from q8rules._qwix import QuantizationProvider, is_with_aux
 from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
-from q8rules.providers import policies, tracking
+from q8rules.providers import model_hooks, policies, tracking
 from q8rules.providers._common import (
   Product,
   RecordingProvider,
@@ -150,6 +150,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
         "jax.numpy.dot": self.dot,
       }
       | tracking.intercepts(lambda: self._run, *lookups)
+      | model_hooks.intercepts()
     )
 
   # ---- the intercepted ops (dot_general and einsum: RecordingProvider's) -------
@@ -258,7 +259,7 @@ def forward_rule(rule: Q8Rule, lhs: jax.Array, view: WeightLayout) -> Q8Rule:
     return rule
   m = math.prod(lhs.shape) // max(view.k, 1)
   try:
-    kernels.resolve(
+    kernels.resolve_product(
       m,
       view.k_padded,
       view.n,

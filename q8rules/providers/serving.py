@@ -40,7 +40,7 @@ from q8rules.layout import (
   Q8How,
   UnsupportedProduct,
 )
-from q8rules.providers import policies, tracking
+from q8rules.providers import model_hooks, policies, tracking
 from q8rules.providers._common import Product, RecordingProvider, op_where
 from q8rules.providers.mesh import provider_product
 from q8rules.providers.views import conform
@@ -141,7 +141,7 @@ class Q8Provider(RecordingProvider, PtqProvider):
     # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
     # q8rules.providers.tracking, decided by q8rules.providers.policies
     lookups = policies.serve_lookup(self, self._quantize_now), policies.q8_lookup(self)
-    return intercepts | tracking.intercepts(lambda: self._run, *lookups)
+    return intercepts | tracking.intercepts(lambda: self._run, *lookups) | model_hooks.intercepts()
 
   def _float_op(self, name: str) -> Callable[..., Any]:
     """The op at `name` (e.g. 'jax.lax.conv_general_dilated'), run as it is, in float."""

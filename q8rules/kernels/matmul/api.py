@@ -1,20 +1,18 @@
-"""The one place that decides which Q8_0 product implementation runs, and `q8_matmul`.
+"""The weight-only Q8_0 product, op 'matmul': `q8_matmul`, `run_product` and their primitives.
 
-A registry of implementations (tokamax's model), one module each (`MODULES`): each says
-where it cannot run (`cannot`), where `implementation=None` passes it over for a faster
-one (`slower`), and runs the product on checked operands (`run`). `resolve` is the only
-function that picks; `q8_matmul`, the per-shard product, `Q8Rule` validation and the
-report all call it. Operands are checked once, here (`check_operands`, from `problem`).
-The choice is made again when the product is lowered, per platform (`q8_product_p`), so
-one `jax.export` artifact runs the right kernel on CPU, GPU and TPU.
+`x (..., K) @ W` for a Q8_0 weight W = q int8 (K, N) * scale (K/32, N), accumulated in float32.
+The implementations, one module each: `fold` (the Pallas fold, over `pallas_mosaic_tpu` and
+`pallas_triton`), 'cpu' (the native kernel, `kernels/native/`), `xla_chunked` ('xla'),
+`xla_dequant` and `reference`. `kernels.registry.resolve` picks one, at trace time for the
+default backend (what the report shows) and again when the product is lowered, per platform
+(`q8_product_p`), so one `jax.export` artifact runs the right kernel on CPU, GPU and TPU. With
+`act_qtype='q8_0'` the product is op 'matmul_act_q8' (`kernels/matmul_act_q8/`), chosen the
+same way. Operands are checked once, here (`check_operands`, from `problem`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -22,65 +20,20 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from q8rules.kernels import act_q8_0, cpu_native, fold, reference, xla_chunked, xla_dequant
-from q8rules.kernels._bilinear import bilinear_product
-from q8rules.kernels.cpu_native import CPU_MAX_ROWS
+from q8rules.kernels import registry
 from q8rules.kernels.layer import LayerSlice, check_stacked
-from q8rules.kernels.problem import (
-  ACTIVATION_DTYPES,
-  PLATFORM_OF,
-  PLATFORMS,
-  Problem,
-  check_operands,
-  platform_of,
-)
+from q8rules.kernels.matmul import cpu, fold, reference, xla_chunked, xla_dequant
+from q8rules.kernels.matmul._bilinear import bilinear_product
+from q8rules.kernels.matmul_act_q8 import api as act
+from q8rules.kernels.problem import PLATFORM_OF, Problem, check_operands, platform_of
+from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
 
 _LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-ImplementationArg = str | Sequence[str] | None
-"""`implementation=`: None (the best for the platform and shape), a name, or names tried in order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-  """One way to compute `x2d (m, K) @ (q (K, N) int8 * scale (K/32, N))` -> (m, N) float32:
-  an implementation module's `NAME`, `SUMMARY`, `cannot`, `slower`, `run` and `ROUNDS_WEIGHT`.
-
-  Attributes:
-    name: what `implementation=` calls it.
-    summary: one line for docs and errors.
-    cannot: why it cannot run a problem (None: it can).
-    slower: why `implementation=None` passes it over for the next one (None: pick it).
-    run: `run(x2d, q, scale, platform, interpret)` -> (m, N) float32, on checked operands.
-    rounds_weight: True when bf16/f16 activations meet the weight rounded to their dtype
-      (the product within that dtype's accuracy of float64); False when every product
-      is exact and only float32 accumulation rounds.
-  """
-
-  name: str
-  summary: str
-  cannot: Callable[[Problem], str | None]
-  slower: Callable[[Problem], str | None]
-  run: Callable[[jax.Array, jax.Array, jax.Array, str, bool | None], jax.Array]
-  rounds_weight: bool = False
-
-  @classmethod
-  def of(cls, module: ModuleType) -> Implementation:
-    """The implementation an implementation module defines."""
-    return cls(
-      module.NAME, module.SUMMARY, module.cannot, module.slower, module.run, module.ROUNDS_WEIGHT
-    )
-
-
-MODULES = (fold, cpu_native, xla_chunked, xla_dequant, reference)
+MODULES = (fold, cpu, xla_chunked, xla_dequant, reference)
 """The implementation modules, each with `NAME`, `SUMMARY`, `ROUNDS_WEIGHT`, `cannot`, `slower`
-and `run`."""
-
-REGISTRY: dict[str, Implementation] = {m.NAME: Implementation.of(m) for m in MODULES}
-"""Every implementation, by name."""
-
-IMPLEMENTATIONS = tuple(REGISTRY)
+and `run(x2d, q, scale, platform, interpret)` -> (m, N) float32."""
 
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
   "cpu": ("cpu", "xla"),
@@ -91,71 +44,31 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 and TPU the fold takes decode shapes and the dequantise-then-dot the rest (provisional until
 measured on the devices: docs/design.md, "GPU dispatch")."""
 
+OP = registry.register(registry.Op.of("matmul", MODULES, DEFAULT_ORDER, fallback="xla"))
+"""The op: its implementations and default order."""
 
-ACT_DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-  "cpu": ("cpu", "xla"),
-  "gpu": ("xla",),
-  "tpu": ("xla",),
-}
-"""What `implementation=None` tries for the Q8_0 x Q8_0 product (`act_qtype='q8_0'`,
-`act_q8_0.IMPLEMENTATIONS`), per platform; the last always runs."""
+REGISTRY = OP.implementations
+"""Every implementation of the weight-only product, by name."""
 
-
-def _pick(
-  p: Problem,
-  implementation: ImplementationArg,
-  order: tuple[str, ...],
-  cannot: Callable[[str, Problem], str | None],
-  slower: Callable[[str, Problem], str | None],
-  product: str,
-) -> str:
-  """`resolve`'s one choice: with `implementation=None` the first of `order` that can run `p`
-  and is not slower (else the last); otherwise the first named one that can run it, or a
-  ValueError giving each one's reason (`product`: how the message names the product)."""
-  if implementation is None:
-    for name in order:
-      if cannot(name, p) is None and slower(name, p) is None:
-        return name
-    return order[-1]
-  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-  reasons = []
-  for name in names:
-    reason = cannot(name, p)
-    if reason is None:
-      return name
-    reasons.append(f"{name!r}: {reason}")
-  raise ValueError(
-    f"implementation={implementation!r} cannot run {product}({p.m}, {p.k}) x ({p.k}, {p.n}) on"
-    f" {p.platform}: {'; '.join(reasons)}; use 'xla', which runs every shape"
-  )
+IMPLEMENTATIONS = OP.names
 
 
 def check_implementation(
   implementation: ImplementationArg, *, what: str = "implementation"
 ) -> None:
-  """Raise a clear error unless `implementation` is None, a registered name, or a sequence of them."""
-  if implementation is None:
-    return
-  names = (implementation,) if isinstance(implementation, str) else implementation
-  if isinstance(names, Sequence) and names and all(isinstance(n, str) for n in names):
-    unknown = [n for n in names if n not in REGISTRY]
-    if not unknown:
-      return
-  raise ValueError(
-    f"{what}={implementation!r}: expected None, one of {IMPLEMENTATIONS}, or a sequence of them"
-  )
+  """Raise a clear error unless `implementation` is None, a name of the weight-only product's
+  implementations, or a sequence of them."""
+  registry.check_implementation(implementation, OP, what=what)
 
 
 def why_not(
   name: str, m: int, k: int, n: int, dtype: Any = jnp.bfloat16, backend: str | None = None
 ) -> str | None:
   """Why implementation `name` cannot run an (m, K) x (K, N) product on `backend` (None: it can)."""
-  check_implementation(name)
-  p = Problem.of(m, k, n, dtype, backend)
-  return REGISTRY[name].cannot(p)
+  return registry.why_not(OP, name, Problem.of(m, k, n, dtype, backend))
 
 
-def resolve(
+def resolve_product(
   m: int,
   k: int,
   n: int,
@@ -164,42 +77,24 @@ def resolve(
   implementation: ImplementationArg = None,
   act_qtype: str | None = None,
 ) -> str:
-  """The implementation that runs an (m, K) x (K, N) product with `dtype` activations.
+  """The implementation that runs an (m, K) x (K, N) product with `dtype` activations:
+  `registry.resolve` of op 'matmul' (or, with `act_qtype='q8_0'`, 'matmul_act_q8') on
+  `Problem.of(m, k, n, dtype, backend)`.
 
   Args:
     m, k, n: rows of activations, contraction size, columns.
     dtype: the activations' dtype (its size enters the fold's bytes rule).
     backend: 'cpu', 'gpu' ('cuda', 'rocm'), 'tpu', or None for `jax.default_backend()`.
-    implementation: None (the first of `DEFAULT_ORDER[platform]` that can run
-      the product and is not slower than the next), a name (it must be able to
-      run the product), or a sequence of names (the first that can).
-    act_qtype: None (weight-only), or 'q8_0': the activations quantized too, whose
-      implementations are `act_q8_0.IMPLEMENTATIONS` ('cpu', 'xla'; `ACT_DEFAULT_ORDER`).
+    implementation: None, a name, or a sequence of names (`registry.resolve`).
+    act_qtype: None (weight-only), or 'q8_0': the activations quantized too.
 
   Raises:
-    ValueError: no named implementation can run the product; the message gives
-      each one's reason.
+    ValueError: no named implementation can run the product; the message gives each one's
+      reason.
   """
-  check_implementation(implementation)
-  act_q8_0.check_act_qtype(act_qtype)
-  p = Problem.of(m, k, n, dtype, backend)
-  if act_qtype is not None:
-    return _pick(
-      p,
-      implementation,
-      ACT_DEFAULT_ORDER[p.platform],
-      act_q8_0.cannot,
-      act_q8_0.slower,
-      "the act_qtype='q8_0' product ",
-    )
-  return _pick(
-    p,
-    implementation,
-    DEFAULT_ORDER[p.platform],
-    lambda name, p: REGISTRY[name].cannot(p),
-    lambda name, p: REGISTRY[name].slower(p),
-    "",
-  )
+  act.check_act_qtype(act_qtype)
+  op = OP if act_qtype is None else act.OP
+  return registry.resolve(op, Problem.of(m, k, n, dtype, backend), implementation)
 
 
 # ---- the product, dispatched when it is lowered ----------------------------------------
@@ -210,9 +105,9 @@ def _run_on(
 ) -> jax.Array:
   """The product as `platform` runs it: (m, K) @ (K, N) -> (m, N) float32."""
   m, k = x2d.shape
-  name = resolve(m, k, q.shape[1], x2d.dtype, platform, implementation, act_qtype)
+  name = resolve_product(m, k, q.shape[1], x2d.dtype, platform, implementation, act_qtype)
   if act_qtype is not None:
-    return act_q8_0.run(name, x2d, q, scale)
+    return act.OP.implementations[name].run(x2d, q, scale)
   return REGISTRY[name].run(x2d, q, scale, platform, interpret)
 
 
@@ -247,11 +142,11 @@ def _run_layer_on(
   it: the native CPU kernel reads the layer in place; every other implementation gets the
   layer sliced out first (`LayerSlice.take`)."""
   m, k = x2d.shape
-  name = resolve(m, k, q.shape[2], x2d.dtype, platform, implementation, act_qtype)
+  name = resolve_product(m, k, q.shape[2], x2d.dtype, platform, implementation, act_qtype)
   if act_qtype is not None:
-    return act_q8_0.run(name, x2d, q, scale, layer)
-  if name == cpu_native.NAME:
-    return cpu_native.q8_matmul_cpu_layer(x2d, q, scale, layer)
+    return act.OP.implementations[name].run(x2d, q, scale, layer)
+  if (run_layer := REGISTRY[name].run_layer) is not None:
+    return run_layer(x2d, q, scale, layer)
   w = LayerSlice(Q8Array(q, scale), layer).take()
   return REGISTRY[name].run(x2d, w.q, w.scale, platform, interpret)
 
@@ -333,7 +228,7 @@ def run_product(
     check_operands(x, w)
   k, n = w.shape
   x2d = x.reshape(-1, k)
-  chosen = resolve(x2d.shape[0], k, n, x.dtype, None, implementation, act_qtype)
+  chosen = resolve_product(x2d.shape[0], k, n, x.dtype, None, implementation, act_qtype)
   ran = chosen if act_qtype is None else f"{chosen} (act {act_qtype})"
   impl = (
     implementation
@@ -365,7 +260,7 @@ def q8_matmul(
   default backend (a clear error at trace time) and resolved again per platform
   when the program is lowered. `interpret` runs the fold in Pallas interpret
   mode (None: on CPU only). `act_qtype='q8_0'` quantizes x to Q8_0 too, as llama.cpp does
-  (opt-in: `q8rules.kernels.act_q8_0`). `run_product` also returns the implementation's name.
+  (opt-in: `q8rules.kernels.matmul_act_q8`). `run_product` also returns the implementation's name.
   """
   y, _ = run_product(
     x,
@@ -379,25 +274,17 @@ def q8_matmul(
 
 
 __all__ = [
-  "ACTIVATION_DTYPES",
-  "ACT_DEFAULT_ORDER",
-  "CPU_MAX_ROWS",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
   "MODULES",
-  "PLATFORMS",
+  "OP",
   "REGISTRY",
-  "Implementation",
-  "ImplementationArg",
-  "LayerSlice",
-  "Problem",
   "check_implementation",
-  "check_operands",
   "platform_of",
   "q8_layer_product_p",
   "q8_matmul",
   "q8_product_p",
-  "resolve",
+  "resolve_product",
   "run_product",
   "why_not",
 ]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels import pallas_mosaic_tpu, pallas_triton
+from q8rules.kernels.matmul import pallas_mosaic_tpu, pallas_triton
 from q8rules.kernels.problem import Problem, check_operands, platform_of
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize_blocks
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.kernels.matmul.xla_chunked import scan_row_chunks
 from q8rules.kernels.problem import Problem
-from q8rules.kernels.xla_chunked import scan_row_chunks
 from q8rules.q8_0 import BLOCK, dequantize_blocks
 
 NAME = "xla_dequant"

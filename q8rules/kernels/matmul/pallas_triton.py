@@ -17,7 +17,7 @@ cast to their dtype (exact) with fp32 accumulation; float32 activations use
 `Precision.HIGHEST` (IEEE, not TF32); scales are float32 (float16 upcast) and
 multiply each block's fp32 sums. Every value the kernel loads is a power-of-two
 shape ((16, 32), (32, tn), (1, tn)), as Triton needs, so K is any multiple of
-32; N must be a multiple of tn (`q8rules.kernels.fold.q8_fold` pads the columns
+32; N must be a multiple of tn (`q8rules.kernels.matmul.fold.q8_fold` pads the columns
 with zero values and scales).
 """
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from q8rules.kernels._pallas_compat import pl, plgpu, triton_compiler_params
+from q8rules.kernels.matmul._pallas_compat import pl, plgpu, triton_compiler_params
 from q8rules.q8_0 import BLOCK
 
 TILE_ROWS = 16
@@ -55,7 +55,7 @@ MIN_SLICE_BLOCKS = 8
 start and its partial's store."""
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
-"""Pallas' Triton backend needs compute capability 8.0 or newer (jax-ml/jax issue 26799): a
+"""Pallas' Triton backend needs compute capability 8.0 or newer (jax-ml/jax#26799): a
 Colab T4 (7.5) cannot run this form."""
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels.xla_chunked import q8_matmul_xla
+from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 
 Product = Callable[..., jax.Array]
 """(x2d (m, K), q (K, N) int8, scale (K/32, N), *rest) -> (m, N) float32."""

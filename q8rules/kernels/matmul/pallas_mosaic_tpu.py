@@ -33,7 +33,7 @@ K that is not a multiple of 1024 takes a smaller K step rather than zero rows:
 tk is the largest multiple of 32 that divides K and is at most 1024, so the
 weight is never copied to pad K (the (K/tk, tk, N) view is a free reshape; the
 scale view is one when tk is a multiple of 256). N must be a multiple of the
-column tile (`column_tile`): `q8rules.kernels.fold.q8_fold` pads the columns
+column tile (`column_tile`): `q8rules.kernels.matmul.fold.q8_fold` pads the columns
 with zero values and zero scales, whose sums land only in the result's pad.
 """
 
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels._pallas_compat import pl, pltpu, tpu_compiler_params
+from q8rules.kernels.matmul._pallas_compat import pl, pltpu, tpu_compiler_params
 from q8rules.q8_0 import BLOCK
 
 TILE_ROWS = 8

@@ -1,0 +1,159 @@
+"""One new token's attention over one layer of the KV cache, op 'decode_attention': the
+decoder's hot loop at decode.
+
+Implementations, chosen by `kernels.registry.resolve` like every op's:
+
+  'xla'  the caller's own softmax attention (`reference=`, e.g. the decoder's), else the
+         plain-JAX reference (`reference.attend_one_token`): every backend, differentiable.
+  'cpu'  the native library's kernel (`cpu.py`): float32, reads only the positions written so
+         far, one custom call where XLA runs about a dozen.
+
+`implementation=None` takes 'cpu' where it can run (the native library builds here, one token,
+a float32 or bfloat16 cache, no mesh in context: a sharded cache stays with XLA's partitioner)
+and 'xla' otherwise. The choice is made again when the program is lowered, per platform
+(`decode_attention_p`), so a program lowered for GPU or TPU runs 'xla'. Gradients go through
+'xla' (a `custom_vjp` whose backward pass is the reference's).
+
+A model does not call this: `q8rules.models` calls its own hook
+(`q8rules.models.hooks.attend_one_token`, plain Flax), and q8rules' providers route that hook
+here, as they route the model's products to the Q8_0 kernels.
+
+    out = one_token(q, keys, values, slot, pos, scale=0.125, softcap=None, reference=ref)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from q8rules.kernels import registry
+from q8rules.kernels.decode_attention import cpu, xla
+from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem, Reference
+from q8rules.kernels.problem import PLATFORM_OF, platform_of
+
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+  "cpu": ("cpu", "xla"),
+  "gpu": ("xla",),
+  "tpu": ("xla",),
+}
+"""What `implementation=None` tries, per platform; the last always runs."""
+
+OP = registry.register(
+  registry.Op.of("decode_attention", (cpu, xla), DEFAULT_ORDER, fallback="xla")
+)
+"""The op: its implementations and default order."""
+
+IMPLEMENTATIONS = OP.names
+"""The implementations `one_token` takes by name."""
+
+_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def _run_on(platform: str, q, keys, values, slot, pos, *, problem, implementation, how):
+  """The attention as `platform` runs it: (B, 1, H * D) float32."""
+  name = registry.resolve(OP, problem.on(platform), implementation)
+  return OP.implementations[name].run(q, keys, values, slot, pos, how)
+
+
+decode_attention_p = Primitive("q8_decode_attention")
+"""q (B, 1, H, D), keys, values (L, B, S, KV, D), slot (), pos () -> (B, 1, H * D) float32;
+lowered per platform by `registry.resolve`."""
+
+
+@decode_attention_p.def_abstract_eval
+def _abstract_eval(q, keys, values, slot, pos, **params):
+  del keys, values, slot, pos, params
+  b, t, h, d = q.shape
+  return jax.core.ShapedArray((b, t, h * d), jnp.float32)
+
+
+@decode_attention_p.def_impl
+def _impl(q, keys, values, slot, pos, **params):
+  return _run_on(platform_of(), q, keys, values, slot, pos, **params)
+
+
+for _lp in _LOWERING_PLATFORMS:
+  mlir.register_lowering(
+    decode_attention_p,
+    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
+    platform=_lp,
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kernel(problem, implementation, how, q, keys, values, slot, pos):
+  params = {"problem": problem, "implementation": implementation, "how": how}
+  return decode_attention_p.bind(q, keys, values, slot, pos, **params)
+
+
+def _kernel_fwd(problem, implementation, how, q, keys, values, slot, pos):
+  out = _kernel(problem, implementation, how, q, keys, values, slot, pos)
+  return out, (q, keys, values, slot, pos)
+
+
+def _kernel_bwd(problem, implementation, how, residuals, g):
+  del problem, implementation
+  q, keys, values, slot, pos = residuals
+  _, vjp = jax.vjp(lambda q, k, v: xla.run(q, k, v, slot, pos, how), q, keys, values)
+  return (*vjp(g), None, None)
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def one_token(
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  *,
+  scale: float,
+  softcap: Any,
+  reference: Reference | None = None,
+  implementation: str | None = None,
+) -> Array:
+  """The attention of one new token over layer `slot` of the cache.
+
+  Args:
+    q: (B, 1, H, D), RoPE applied (any float dtype; the kernel reads it as float32).
+    keys, values: (L, B, S, KV, D), the whole cache with the token already written at `pos`.
+    slot: int32 scalar, the layer; pos: int32 scalar, the token's position (positions
+      [0, pos] are attended).
+    scale: the scores' factor (1 / sqrt(D) unless the model says otherwise); softcap: None,
+      or the cap of `softcap * tanh(scores / softcap)`.
+    reference: the caller's XLA attention ('xla'; see `Reference`), or None for the
+      plain-JAX reference.
+    implementation: None (the best that runs), 'cpu' or 'xla'.
+
+  Returns:
+    (B, 1, H * D) float32.
+
+  Raises:
+    ValueError: an unknown implementation, or 'cpu' where it cannot run (the reason named).
+  """
+  problem = AttentionProblem.of(q, keys)
+  name = registry.resolve(OP, problem, implementation)
+  how = AttentionParams(float(scale), softcap and float(softcap), reference)
+  if name == xla.NAME:
+    return xla.run(q, keys, values, slot, pos, how)
+  slot, pos = jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32)
+  return _kernel(problem, implementation, how, q, keys, values, slot, pos)
+
+
+__all__ = [
+  "AttentionParams",
+  "DEFAULT_ORDER",
+  "IMPLEMENTATIONS",
+  "OP",
+  "AttentionProblem",
+  "Reference",
+  "decode_attention_p",
+  "one_token",
+]

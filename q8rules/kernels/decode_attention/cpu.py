@@ -1,0 +1,53 @@
+"""'cpu': one new token's attention on the native CPU library (`kernels/native/`): float32,
+reads only the positions written so far, one custom call where XLA runs about a dozen (two
+copies of the layer's keys and values into its dots' layouts, the dots, the mask and the
+softmax's reductions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from q8rules.kernels import cpu_native
+from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem
+
+NAME = "cpu"
+SUMMARY = "the native CPU library (one custom call; float32 or bfloat16 cache)"
+
+CACHE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+"""The cache dtypes the kernel reads."""
+
+
+def cannot(p: AttentionProblem) -> str | None:
+  """Why the kernel cannot run `p` (None: it can)."""
+  if p.platform != "cpu":
+    return f"the native CPU library runs on the CPU only, not {p.platform}"
+  if not cpu_native.available():
+    return f"the native CPU library is unavailable: {cpu_native.unavailable_reason()}"
+  if len(p.q_shape) != 4 or p.q_shape[1] != 1:
+    return f"it runs one new token (q (B, 1, H, D)), got q {p.q_shape}"
+  if p.cache_dtype not in CACHE_DTYPES:
+    return f"the cache must be float32 or bfloat16, got {p.cache_dtype}"
+  if p.mesh:
+    return "a mesh is in context (the cache may be sharded: XLA's partitioner runs it)"
+  return None
+
+
+def slower(p: AttentionProblem) -> None:
+  """Where it runs, it is the fastest."""
+  del p
+
+
+def run(q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams) -> Array:
+  """(B, 1, H * D) float32 from q (B, 1, H, D) and the cache (L, B, S, KV, D)."""
+  b, _, h, d = q.shape
+  out = cpu_native.decode_attention_cpu(
+    q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap
+  )
+  return out.reshape(b, 1, h * d)
+
+
+__all__ = ["CACHE_DTYPES", "NAME", "SUMMARY", "cannot", "run", "slower"]

@@ -1,0 +1,34 @@
+"""The reference of one new token's attention: plain JAX, float32, every backend,
+differentiable (what 'xla' runs when the caller brings no attention of its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+
+def attend_one_token(
+  q: Array, keys: Array, values: Array, slot: Any, pos: Any, *, scale: float, softcap: Any
+) -> Array:
+  """Softmax attention of q (B, 1, H, D) over positions [0, pos] of layer `slot` of keys /
+  values (L, B, S, KV, D) (grouped-query: head h reads kv head h // (H / KV)); scores times
+  `scale`, then `softcap * tanh(scores / softcap)` where `softcap`. Returns (B, 1, H * D)
+  float32."""
+  b, t, h, d = q.shape
+  k = jax.lax.dynamic_index_in_dim(keys, slot, 0, keepdims=False).astype(jnp.float32)
+  v = jax.lax.dynamic_index_in_dim(values, slot, 0, keepdims=False).astype(jnp.float32)
+  kv = k.shape[2]
+  qg = q.reshape(b, t, kv, h // kv, d).astype(jnp.float32)
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k) * scale
+  if softcap:
+    scores = jnp.tanh(scores / softcap) * softcap
+  visible = jnp.arange(k.shape[1]) <= pos
+  scores = jnp.where(visible, scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, h * d)
+
+
+__all__ = ["attend_one_token"]

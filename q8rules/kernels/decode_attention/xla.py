@@ -1,0 +1,36 @@
+"""'xla': the caller's own XLA attention (`reference=`), or `reference.attend_one_token`; every
+backend, differentiable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import Array
+
+from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem
+from q8rules.kernels.decode_attention.reference import attend_one_token
+
+NAME = "xla"
+SUMMARY = "the caller's XLA attention (else the plain-JAX reference), every backend"
+
+
+def cannot(p: AttentionProblem) -> None:
+  """It runs every problem."""
+  del p
+
+
+def slower(p: AttentionProblem) -> None:
+  """Where `implementation=None` ends."""
+  del p
+
+
+def run(q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams) -> Array:
+  """(B, 1, H * D) float32: the caller's `how.reference(q, keys, values, slot, pos)`, or the
+  plain-JAX reference."""
+  if how.reference is None:
+    return attend_one_token(q, keys, values, slot, pos, scale=how.scale, softcap=how.softcap)
+  return how.reference(q, keys, values, slot, pos).astype(jnp.float32)
+
+
+__all__ = ["NAME", "SUMMARY", "cannot", "run", "slower"]
