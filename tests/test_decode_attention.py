@@ -156,6 +156,10 @@ def test_gradients_are_the_references(rng):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def reason_now(q, keys):
+  return native_attention.cannot(AttentionProblem.of(q, keys))
+
+
 def test_implementation_choice_and_errors(rng):
   q, keys, values = operands(rng)
   ref = xla_reference(0.125, None)
@@ -175,7 +179,12 @@ def test_implementation_choice_and_errors(rng):
   assert expected == ("cpu" if jax.default_backend() == "cpu" and NATIVE else "xla")
   text = jax.jit(run).lower(*args).as_text()
   assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
-  mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+  one = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+  with jax.set_mesh(one):  # a one-device mesh shards nothing: the kernel still runs
+    assert native_attention.cannot(AttentionProblem.of(*args[:2])) == reason_now(*args[:2])
+  if len(jax.devices()) < 2:
+    return
+  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
   with jax.set_mesh(mesh):  # a mesh in context: XLA's partitioner runs the attention
     reason = native_attention.cannot(AttentionProblem.of(*args[:2]))
     assert reason is not None and ("mesh" in reason or not NATIVE)
@@ -263,3 +272,23 @@ def test_native_kernel_refuses_mismatched_operands(rng):
     )
   with pytest.raises(raised, match="q8_decode_attention: the layer is outside the cache"):
     jax.block_until_ready(call(jnp.asarray(q[:, 0]), jnp.asarray(keys), jnp.asarray(values), 3, 3))
+
+
+def test_one_export_carries_each_platforms_attention(rng):
+  """One `jax.export` for ('cpu', 'cuda', 'tpu'): the CPU module calls the native kernel where
+  `kernels.resolve` picks it for the CPU, the others run the XLA attention; the artifact runs
+  here and matches the float64 reference."""
+  q, keys, values = operands(rng, b=1, layers=2, s=16, kv=1, h=2, d=16)
+  run = functools.partial(
+    decode_attention.one_token, scale=0.25, softcap=None, reference=xla_reference(0.25, None)
+  )
+  args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.int32(1), jnp.int32(9))
+  platforms = ("cpu", "cuda", "tpu")
+  with q8rules.kernels.lowering_context(platforms):
+    exp = jax.export.export(
+      jax.jit(run), platforms=platforms, disabled_checks=q8rules.export_checks()
+    )(*args)
+  on_cpu = q8rules.kernels.resolve("decode_attention", AttentionProblem.of(q, keys, "cpu"))
+  assert (cpu_native.TARGET_DECODE_ATTENTION in exp.mlir_module()) == (on_cpu == "cpu")
+  ref = reference64(q, keys, values, 1, 9, 0.25, None)
+  assert rel_err(np.asarray(exp.call(*args)), ref) < 1e-6

@@ -32,7 +32,7 @@ def cannot(p: AttentionProblem) -> str | None:
   if p.cache_dtype not in CACHE_DTYPES:
     return f"the cache must be float32 or bfloat16, got {p.cache_dtype}"
   if p.mesh:
-    return "a mesh is in context (the cache may be sharded: XLA's partitioner runs it)"
+    return "a mesh of several devices is in context (the cache may be sharded: XLA's partitioner runs it)"
   return None
 
 

@@ -39,7 +39,8 @@ class AttentionProblem:
     q_shape: q's shape, (B, T, H, D) (one new token: T = 1).
     cache_shape: keys' (and values') shape, (L, B, S, KV, D).
     cache_dtype: the cache's dtype.
-    mesh: whether a mesh is in context (the cache may be sharded: XLA's partitioner runs it).
+    mesh: whether a mesh of several devices is in context (the cache may be sharded: XLA's
+      partitioner runs it; a one-device mesh, such as an export's abstract one, shards nothing).
     platform: 'cpu', 'gpu' or 'tpu'.
   """
 
@@ -57,7 +58,7 @@ class AttentionProblem:
       tuple(q.shape),
       tuple(keys.shape),
       np.dtype(keys.dtype),
-      not jax.sharding.get_abstract_mesh().empty,
+      jax.sharding.get_abstract_mesh().size > 1,
       platform_of(backend),
     )
 
