@@ -1,4 +1,4 @@
-"""Issue 21: q8rules against a natively built llama.cpp on three GGUF shapes, where the time
+"""q8rules against a natively built llama.cpp on three GGUF shapes, where the time
 goes (per decode token and per load), and what each lever buys.
 
     python benchmarks/bench_decode.py --llama-cpp-python /work/venv-llamacpp/bin/python [--write]
@@ -75,6 +75,7 @@ if mode == "noop":  # every native-kernel Q8 product a no-op that still depends 
     x[:, :1].astype(jnp.float32), (x.shape[0], q.shape[2]))  # the scanned layers' products
 import q8rules
 from q8rules.llm import compile_cache, load as load_mod
+compile_cache.enable()  # a warm compilation cache (load_gguf leaves JAX's settings alone)
 from q8rules.checkpoint.gguf import read as read_mod
 from q8rules.checkpoint import assign as assign_mod
 timers = {}

@@ -1,5 +1,6 @@
-"""q8rules.llm.compile_cache: a second CLI run takes every program from JAX's persistent
-compilation cache and compiles nothing (counted from jax.monitoring events, not timed).
+"""q8rules.llm.compile_cache: opt-in (load_gguf changes no JAX setting); a second CLI run takes
+every program from JAX's persistent compilation cache and compiles nothing (counted from
+jax.monitoring events, not timed).
 
 Each run is `python -m q8rules run` in a fresh process: the module entry point's test too."""
 
@@ -67,3 +68,33 @@ def test_default_dir(monkeypatch, tmp_path):
   assert compile_cache.default_dir() == tmp_path / "elsewhere"
   monkeypatch.setenv("Q8RULES_NO_COMPILE_CACHE", "1")
   assert compile_cache.disabled() and compile_cache.enable() is None
+
+
+def test_load_gguf_changes_no_jax_setting(tmp_path):
+  """A library call changes no process-wide JAX setting: after `load_gguf` the compilation
+  cache is as the process had it (off), until the program opts in."""
+  code = (
+    "import jax, q8rules, sys\n"
+    "before = (jax.config.jax_compilation_cache_dir,"
+    " jax.config.jax_persistent_cache_min_compile_time_secs)\n"
+    "m = q8rules.load_gguf(sys.argv[1], progress=False)\n"
+    "m.generate([1, 2], 2)\n"
+    "after = (jax.config.jax_compilation_cache_dir,"
+    " jax.config.jax_persistent_cache_min_compile_time_secs)\n"
+    "assert after == before, (before, after)\n"
+    "path = q8rules.llm.enable_compile_cache()\n"
+    "assert jax.config.jax_compilation_cache_dir == str(path), path\n"
+    "print(path)\n"
+  )
+  env = {**os.environ, "Q8RULES_COMPILE_CACHE": str(tmp_path / "cache")}
+  env.pop("Q8RULES_NO_COMPILE_CACHE", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  out = subprocess.run(
+    [sys.executable, "-c", code, str(DATA / "tiny-llama-q8_0.gguf")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == str(tmp_path / "cache")

@@ -5,8 +5,8 @@ token's text as it is generated, then prefill and decode speed in tokens/s.
 Prefill time includes compiling the model for the prompt's length; decode
 tokens/s excludes the first decode step (its compilation). Then the cold-start
 times: load, first token (from the start of the load), and what JAX compiled or
-took from its persistent compilation cache (`q8rules.llm.compile_cache`: on by
-default in `~/.cache/q8rules/jax-compile`, `$Q8RULES_COMPILE_CACHE` moves it,
+took from its persistent compilation cache (`q8rules.llm.compile_cache`: the CLI turns it
+on in `~/.cache/q8rules/jax-compile`, `$Q8RULES_COMPILE_CACHE` moves it,
 `Q8RULES_NO_COMPILE_CACHE=1` switches it off).
 """
 

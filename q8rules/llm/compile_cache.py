@@ -1,9 +1,11 @@
-"""JAX's persistent compilation cache for `load_gguf` and `python -m q8rules run`.
+"""JAX's persistent compilation cache, opt-in: `q8rules.llm.enable_compile_cache()`.
 
 A model's decode and prefill programs take seconds to compile on a CPU, and a
-new process compiled them again every time. `load_gguf` (and so the CLI) turns
-JAX's persistent cache on, so a second process on the same model and shapes
-loads the compiled executables from disk instead of compiling:
+new process compiles them again every time. `enable()` turns JAX's persistent cache on for
+the process, so a second process on the same model and shapes loads the compiled executables
+from disk instead of compiling. It changes a process-wide JAX setting, so a library call never
+does it for you: `python -m q8rules run` calls it, and a program that loads models opts in
+with `q8rules.llm.enable_compile_cache()` (this module's `enable`) before its first compile:
 
 - directory: `$Q8RULES_COMPILE_CACHE`, else `$XDG_CACHE_HOME/q8rules/jax-compile`,
   else `~/.cache/q8rules/jax-compile`;

@@ -27,7 +27,7 @@ import qwix
 from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import assign as ckpt_assign
 from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
-from q8rules.llm import compile_cache, param_specs  # issue 21 hook
+from q8rules.llm import param_specs
 from q8rules.llm.config import config_from_metadata
 from q8rules.llm.distributed import check_mesh
 from q8rules.llm.fuse import Fusion, fused_paths
@@ -118,7 +118,7 @@ def load_gguf(
       say what was fused). Not on a mesh, nor for blocks that run unrolled.
     act_qtype: None (weight-only: float32-accurate products, the default), or 'q8_0': the
       activations of every Q8_0 product quantized to Q8_0 as llama.cpp does, products on
-      int8 block dots (`q8rules.kernels.act_q8_0`; AVX-512 VNNI on the CPU).
+      int8 block dots (`q8rules.kernels.matmul_act_q8`; AVX-512 VNNI on the CPU).
 
   Returns:
     A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
@@ -130,7 +130,6 @@ def load_gguf(
       tensor, a shape that disagrees with the metadata, a truncated file, a
       split set with a part missing.
   """
-  compile_cache.enable()  # issue 21 hook: JAX's persistent compilation cache (compile_cache.py)
   ckpt = open_gguf(
     path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
   )

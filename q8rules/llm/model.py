@@ -84,7 +84,7 @@ class GGUFModel:
     # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
     self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
     context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
-    self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # issue 21: decode on device
+    self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # decode on the device
 
   def unrolled(self) -> GGUFModel:
     """This model with its layers unrolled (no nn.scan): slower to trace and compile, and no
