@@ -76,7 +76,7 @@ if mode == "noop":  # every native-kernel Q8 product a no-op that still depends 
 import q8rules
 from q8rules.llm import compile_cache, load as load_mod
 compile_cache.enable()  # a warm compilation cache (load_gguf leaves JAX's settings alone)
-from q8rules.checkpoint.gguf import read as read_mod
+from q8rules.checkpoint.gguf import repack as repack_mod
 from q8rules.checkpoint import assign as assign_mod
 timers = {}
 def timed(mod, name, key):
@@ -92,9 +92,9 @@ timed(load_mod, "open_gguf", "metadata")
 timed(load_mod.param_specs, "file_params", "param_shapes")
 timed(load_mod, "_tokenizer", "tokenizer")
 timed(assign_mod, "assign", "assign")
-timed(read_mod, "_repack_q8_layers", "repack")
-timed(read_mod, "_repack_q8_fused", "repack")
-timed(read_mod, "_transpose_last_two", "transpose")
+timed(repack_mod, "repack_q8_layers", "repack")
+timed(repack_mod, "repack_q8_fused", "repack")
+timed(repack_mod, "_transpose_last_two", "transpose")
 import_s = time.perf_counter() - T0
 prompt = json.loads(sys.argv[3])
 n_new = int(sys.argv[4])

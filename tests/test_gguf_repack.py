@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import gguf as ckpt_gguf
-from q8rules.checkpoint.gguf.read import block_dtype
+from q8rules.checkpoint.gguf.layouts import block_dtype
 from q8rules.checkpoint.host_buffers import is_aligned
 from q8rules.kernels import cpu_native
 from tests._utils import weights, write_gguf
@@ -105,7 +106,8 @@ def test_get_stacked_equals_stacking(tmp_path, rng):
   np.testing.assert_array_equal(got.q, np.stack([p.q for p in parts]))
   np.testing.assert_array_equal(got.scale, np.stack([p.scale for p in parts]))
   assert (got.axis, got.dtype) == (parts[0].axis, parts[0].dtype)
-  assert ckpt.get_stacked([*names, "blk.0.ffn_down.weight"]) is None  # two shapes
+  with pytest.raises(CheckpointError, match="cannot be stacked: they have 2 shapes"):
+    ckpt.get_stacked([*names, "blk.0.ffn_down.weight"])
 
 
 def test_native_repack_into_a_column_range(rng):
@@ -149,7 +151,8 @@ def test_get_fused_equals_concatenating_the_stacks(tmp_path, rng, monkeypatch, n
   assert got.axis == stacks[0].axis and got.dtype == stacks[0].dtype
   np.testing.assert_array_equal(got.q, np.concatenate([s.q for s in stacks], axis=-1))
   np.testing.assert_array_equal(got.scale, np.concatenate([s.scale for s in stacks], axis=-1))
-  assert ckpt.get_fused([groups[0], groups[1][:2]]) is None  # members of other lengths
+  with pytest.raises(CheckpointError, match="stacks of \\[2, 3\\] tensors cannot be fused"):
+    ckpt.get_fused([groups[0], groups[1][:2]])  # members of other lengths
 
 
 def test_read_tensors_reach_the_device_without_a_copy(tmp_path, rng):

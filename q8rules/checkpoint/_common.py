@@ -9,7 +9,7 @@ is one leaf.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -40,17 +40,6 @@ def flatten_params(tree: Any) -> tuple[list[tuple[ParamPath, Any]], Any]:
   """(param path, leaf) pairs in tree order, and the treedef, with Q8Arrays as leaves."""
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_q8)
   return [(param_path(kp), leaf) for kp, leaf in pairs], treedef
-
-
-def spec_of(tensors: Mapping[str, Any], name: str) -> tuple[Any, Any]:
-  """(spec, value) of tensor `name`: from a checkpoint with a `spec(name)` method (a
-  `GGUFCheckpoint`), its shapes and dtypes without reading it and value None; from any
-  other mapping, `tensors[name]` as both."""
-  spec = getattr(tensors, "spec", None)
-  if callable(spec):
-    return spec(name), None
-  value = tensors[name]
-  return value, value
 
 
 def show_progress(progress: bool | None, total: int) -> bool:

@@ -28,8 +28,8 @@ from q8rules.checkpoint._common import (
   flatten_params,
   progress_iter,
   shape_dtype,
-  spec_of,
 )
+from q8rules.checkpoint.reader import as_reader
 from q8rules.q8_0 import Q8Array
 from q8rules.tree_paths import ParamPath, listing, path_str
 
@@ -102,11 +102,9 @@ def _sharding(leaf: Any) -> Any:
   return None
 
 
-def _shardwise(leaf: Any, tensors: Any) -> bool:
-  """Whether the leaf's value is built shard by shard from `tensors.read_region`: a leaf on
-  a sharding (of a Q8Array, q's) when the tensors can read regions."""
-  if not callable(getattr(tensors, "read_region", None)):
-    return False
+def _shardwise(leaf: Any) -> bool:
+  """Whether the leaf's value is built shard by shard from the reader's `read_region`: a leaf
+  on a sharding (of a Q8Array, q's)."""
   return _sharding(leaf.q if isinstance(leaf, Q8Array) else leaf) is not None
 
 
@@ -200,9 +198,9 @@ def assign(
   problems: list[str] = []
   claimed: dict[int, str] = {}  # leaf index -> tensor name, fitting or not
   targets: dict[int, str] = {}  # leaf index -> tensor name, checked
-  cached: dict[str, Any] = {}  # values already read (plain mappings)
   left_over: list[str] = []
-  for name in tensors:
+  reader = as_reader(tensors)
+  for name in reader:
     dest = name_map(name) if callable(name_map) else name_map.get(name)
     if dest is None:
       left_over.append(name)
@@ -216,9 +214,7 @@ def assign(
       problems.append(f"tensors {claimed[i]!r} and {name!r} both go to {path_str(path)}")
       continue
     claimed[i] = name
-    spec, value = spec_of(tensors, name)
-    if value is not None:
-      cached[name] = value
+    spec = reader.spec(name)
     why = _mismatch(pairs[i][1], spec)
     if why is not None:
       problems.append(
@@ -228,7 +224,7 @@ def assign(
     targets[i] = name
   if strict:
     if not callable(name_map):
-      absent = [repr(n) for n in name_map if n not in tensors]
+      absent = [repr(n) for n in name_map if n not in reader]
       if absent:
         problems.append(
           f"{len(absent)} name(s) in the name map are not among the tensors:\n{listing(absent)}"
@@ -242,7 +238,7 @@ def assign(
         + listing([repr(n) for n in left_over])
       )
   if problems:
-    where = f"{tensors.path}: " if hasattr(tensors, "path") else ""
+    where = f"{reader.path}: " if reader.path is not None else ""
     raise CheckpointError(f"{where}cannot assign the tensors:\n" + "\n".join(problems))
 
   leaves = [leaf for _, leaf in pairs]
@@ -250,13 +246,13 @@ def assign(
     list(targets.items()), total=len(targets), desc="assigning", progress=progress
   ):
     what = f"tensor {name!r} -> {path_str(pairs[i][0])}"
-    if name not in cached and _shardwise(pairs[i][1], tensors):
+    if _shardwise(pairs[i][1]):
       # each process reads the byte ranges of its own devices' shards (checkpoint/shards.py)
       leaves[i] = shards.assemble(
-        pairs[i][1], lambda index, name=name: tensors.read_region(name, index), what
+        pairs[i][1], lambda index, name=name: shards.read_region(reader, name, index), what
       )
       continue
-    value = cached.pop(name) if name in cached else tensors[name]
+    value = reader[name]
     got = _mismatch(pairs[i][1], value)  # what was read must match what was announced
     if got is not None:
       raise CheckpointError(f"{what}: {got}")

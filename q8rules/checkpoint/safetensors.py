@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,15 @@ import safetensors
 import safetensors.numpy
 
 from q8rules.checkpoint import assign as _assign
-from q8rules.checkpoint._common import CheckpointError, is_q8, progress_iter
+from q8rules.checkpoint._common import (
+  CheckpointError,
+  index_slices,
+  is_q8,
+  normalize_index,
+  progress_iter,
+)
+from q8rules.checkpoint.reader import CheckpointReader
+from q8rules.checkpoint.shards import blocked_axis
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import WRAPPER_ATTRS
 
@@ -179,11 +187,105 @@ def _insert(path: Path, tree: dict[str, Any], name: str, value: Any) -> None:
   node[keys[-1]] = value
 
 
-def _tensor(f: Any, path: Path, name: str) -> np.ndarray:
-  try:
-    return np.asarray(f.get_tensor(name))
-  except Exception as e:
-    raise CheckpointError(f"{path}: tensor {name!r}: cannot read it: {e}") from e
+class SafetensorsCheckpoint(CheckpointReader):
+  """A safetensors file's tensors by name, read when asked for (a `CheckpointReader`): a Q8
+  param's two tensors (`.q8`, `.q8_scale`) are one `Q8Array` under the param's dotted name, as
+  `save` wrote it; every other tensor is a numpy array under its own name. Regions read only
+  their rows (safetensors' slices), a Q8Array's scales the blocks of its rows."""
+
+  def __init__(self, path: str | os.PathLike[str]):
+    self.path = Path(path)
+    self._file = _open(self.path)
+    self._handle = self._file.__enter__()
+    self._q8 = _q8_fields(self.path, self._handle.metadata() or {})
+    present = list(self._handle.keys())
+    parts = set()
+    for base in self._q8:
+      for suffix in (Q_SUFFIX, SCALE_SUFFIX):
+        if base + suffix not in present:
+          raise CheckpointError(f"{self.path}: Q8 param {base!r} has no tensor {base + suffix!r}")
+        parts.add(base + suffix)
+    self._names = [n for n in present if n not in parts] + list(self._q8)
+    self._bytes_read = 0
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._names)
+
+  def __len__(self) -> int:
+    return len(self._names)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._q8 or (name in self._names)
+
+  def _slice(self, name: str) -> Any:
+    try:
+      return self._handle.get_slice(name)
+    except Exception as e:
+      raise CheckpointError(f"{self.path}: tensor {name!r}: cannot read it: {e}") from e
+
+  def _array_spec(self, name: str) -> jax.ShapeDtypeStruct:
+    view = self._slice(name)
+    return jax.ShapeDtypeStruct(tuple(view.get_shape()), _DTYPES[view.get_dtype()])
+
+  def spec(self, name: str) -> Any:
+    if name in self._q8:
+      q, scale = self._array_spec(name + Q_SUFFIX), self._array_spec(name + SCALE_SUFFIX)
+      return _q8_array(self.path, name, q, scale, self._q8[name])
+    return self._array_spec(name)
+
+  def _read(self, name: str, index: Any = None) -> np.ndarray:
+    view = self._slice(name)
+    shape = tuple(view.get_shape())
+    if index is None or not shape:
+      value = np.asarray(self._handle.get_tensor(name))
+    else:
+      value = np.asarray(view[index_slices(normalize_index(index, shape))])
+    self._bytes_read += value.nbytes
+    return value
+
+  def get_tensor(self, name: str) -> Any:
+    if name in self._q8:
+      q, scale = self._read(name + Q_SUFFIX), self._read(name + SCALE_SUFFIX)
+      return _q8_array(self.path, name, q, scale, self._q8[name])
+    return self._read(name)
+
+  def read_region(self, name: str, index: Any) -> Any:
+    if name not in self._q8:
+      return self._read(name, index)
+    spec = self.spec(name)
+    bounds = normalize_index(index, tuple(spec.q.shape))
+    axis = blocked_axis(tuple(spec.q.shape), tuple(spec.scale.shape))
+    blocks = tuple(
+      (a // BLOCK, -(-b // BLOCK)) if i == axis else (a, b) for i, (a, b) in enumerate(bounds)
+    )
+    q = self._read(name + Q_SUFFIX, index_slices(bounds))
+    scale = self._read(name + SCALE_SUFFIX, index_slices(blocks))
+    return _q8_array(self.path, name, q, scale, self._q8[name])
+
+  @property
+  def bytes_read(self) -> int:
+    return self._bytes_read
+
+  def close(self) -> None:
+    self._file.__exit__(None, None, None)
+
+
+_DTYPES = {
+  "BOOL": np.dtype(np.bool_),
+  "U8": np.dtype(np.uint8),
+  "I8": np.dtype(np.int8),
+  "I16": np.dtype(np.int16),
+  "U16": np.dtype(np.uint16),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(jnp.bfloat16),
+  "I32": np.dtype(np.int32),
+  "U32": np.dtype(np.uint32),
+  "F32": np.dtype(np.float32),
+  "F64": np.dtype(np.float64),
+  "I64": np.dtype(np.int64),
+  "U64": np.dtype(np.uint64),
+}
+"""safetensors' dtype names -> numpy dtypes."""
 
 
 def load(path: str | os.PathLike[str], *, like: Any = None, progress: bool | None = None) -> Any:
@@ -211,34 +313,19 @@ def load(path: str | os.PathLike[str], *, like: Any = None, progress: bool | Non
       shapes or dtypes, names that collide as a tree; with `like`, a param
       without a tensor, a tensor without a param, or one that does not fit.
   """
-  path = Path(path)
-  tree: dict[str, Any] = {}
-  with _open(path) as f:
-    q8 = _q8_fields(path, f.metadata() or {})
-    names = list(f.keys())
-    present = set(names)
-    q8_parts = set()
-    for base in q8:
-      for suffix in (Q_SUFFIX, SCALE_SUFFIX):
-        if base + suffix not in present:
-          raise CheckpointError(f"{path}: Q8 param {base!r} has no tensor {base + suffix!r}")
-        q8_parts.add(base + suffix)
-    for name in progress_iter(
-      names, total=len(names), desc=f"loading {path.name}", progress=progress
-    ):
-      if name in q8_parts:
-        continue
-      _insert(path, tree, name, _tensor(f, path, name))
-    for base, fields in q8.items():
-      q = _tensor(f, path, base + Q_SUFFIX)
-      scale = _tensor(f, path, base + SCALE_SUFFIX)
-      _insert(path, tree, base, _q8_array(path, base, q, scale, fields))
-  if like is None:
+  with SafetensorsCheckpoint(path) as reader:
+    if like is not None:
+      try:
+        return _assign.assign(like, reader, lambda n: n, progress=progress)
+      except CheckpointError as e:
+        raise CheckpointError(f"{reader.path}: {e}") from e
+    tree: dict[str, Any] = {}
+    names = progress_iter(
+      list(reader), total=len(reader), desc=f"loading {reader.path.name}", progress=progress
+    )
+    for name in names:
+      _insert(reader.path, tree, name, reader[name])
     return tree
-  try:
-    return _assign.assign(like, _assign.flatten(tree), lambda n: n, progress=progress)
-  except CheckpointError as e:
-    raise CheckpointError(f"{path}: {e}") from e
 
 
 def _q8_array(path: Path, name: str, q: np.ndarray, scale: np.ndarray, fields: Any) -> Q8Array:
@@ -263,4 +350,4 @@ def _q8_array(path: Path, name: str, q: np.ndarray, scale: np.ndarray, fields: A
   return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
 
 
-__all__ = ["META_KEY", "load", "read_metadata", "save"]
+__all__ = ["META_KEY", "SafetensorsCheckpoint", "load", "read_metadata", "save"]

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from q8rules.checkpoint._common import CheckpointError, index_slices, normalize_index
+from q8rules.checkpoint.reader import CheckpointReader, stack
 from q8rules.q8_0 import BLOCK, Q8Array
 
 Index = tuple[slice, ...]
@@ -56,18 +57,15 @@ def region_of(value: Any, index: Any) -> Any:
   return value[index_slices(normalize_index(index, value.shape))]
 
 
-def read_region(ckpt: Any, name: str, index: Any) -> Any:
-  """`ckpt[name][index]`: by `ckpt.read_region` where it has one, else read whole and sliced.
-  The tensor's file pages are released afterwards (`ckpt.release`, where it has one)."""
-  reader = getattr(ckpt, "read_region", None)
-  value = reader(name, index) if callable(reader) else region_of(ckpt[name], index)
-  release = getattr(ckpt, "release", None)
-  if callable(release):
-    release(name)
+def read_region(ckpt: CheckpointReader, name: str, index: Any) -> Any:
+  """`ckpt[name][index]` by the reader's `read_region`; the tensor's file pages are released
+  afterwards."""
+  value = ckpt.read_region(name, index)
+  ckpt.release(name)
   return value
 
 
-def read_stacked_region(ckpt: Any, members: Any, index: Any) -> Any:
+def read_stacked_region(ckpt: CheckpointReader, members: Any, index: Any) -> Any:
   """A region of one tensor (`members` a name) or of per-layer tensors stacked along a new
   leading axis (`members` a list of names, in layer order): `index[0]` picks the layers, the
   rest is each layer's region."""
@@ -75,15 +73,7 @@ def read_stacked_region(ckpt: Any, members: Any, index: Any) -> Any:
     return read_region(ckpt, members, index)
   index = tuple(index)
   ((l0, l1),), rest = normalize_index(index[:1], (len(members),)), index[1:]
-  parts = [read_region(ckpt, n, rest) for n in members[l0:l1]]
-  if parts and isinstance(parts[0], Q8Array):
-    return Q8Array(
-      q=np.stack([p.q for p in parts]),
-      scale=np.stack([p.scale for p in parts]),
-      axis=parts[0].axis,  # as StackedTensors stacks (the blocked axis is found from the shapes)
-      dtype=parts[0].dtype,
-    )
-  return np.stack([np.asarray(p) for p in parts])
+  return stack([read_region(ckpt, n, rest) for n in members[l0:l1]])
 
 
 def _check(got: tuple[int, ...], want: tuple[int, ...], what: str, part: str) -> None:

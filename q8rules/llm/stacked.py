@@ -16,12 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
 from q8rules.checkpoint import CheckpointError
+from q8rules.checkpoint.reader import CheckpointReader, concat_specs, stack_specs
 from q8rules.llm.tensors import TensorSlot
-from q8rules.q8_0 import Q8Array
 
 
 def slot_name(path: tuple[str, ...]) -> str:
@@ -29,42 +26,11 @@ def slot_name(path: tuple[str, ...]) -> str:
   return "/".join(path)
 
 
-def _stack_specs(specs: list[Any]) -> Any:
-  """The spec of the per-layer specs stacked along a new leading axis."""
-
-  def stack(*leaves: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
-
-  return jax.tree.map(stack, *specs)
-
-
-def _concat_specs(specs: list[Any]) -> Any:
-  """The spec of the values `specs` concatenated along their last axis."""
-
-  def concat(*leaves: Any) -> jax.ShapeDtypeStruct:
-    n = sum(leaf.shape[-1] for leaf in leaves)
-    return jax.ShapeDtypeStruct((*leaves[0].shape[:-1], n), leaves[0].dtype)
-
-  return jax.tree.map(concat, *specs)
-
-
-def _concat(parts: list[Any]) -> Any:
-  """Stacked values (Q8Arrays or arrays) concatenated along their last (N) axis."""
-  if isinstance(parts[0], Q8Array):
-    return Q8Array(
-      q=np.concatenate([p.q for p in parts], axis=-1),
-      scale=np.concatenate([p.scale for p in parts], axis=-1),
-      axis=parts[0].axis,
-      dtype=parts[0].dtype,
-    )
-  return np.concatenate([np.asarray(p) for p in parts], axis=-1)
-
-
-class StackedTensors(Mapping[str, Any]):
+class StackedTensors(CheckpointReader):
   """`ckpt`'s tensors with each scanned slot's per-layer tensors stacked under one name.
 
   Args:
-    ckpt: a GGUF checkpoint (`spec`, `__getitem__`, `release`, `__iter__`).
+    ckpt: the file's reader (a `CheckpointReader`: one GGUF file or a split set).
     slots: GGUF name -> TensorSlot (`q8rules.llm.tensors.tensor_slots`); the block
       tensors of a scanned model (path under 'layers') are stacked in layer order.
     fused: a fused slot's name -> its members' slot names (`q8rules.llm.fuse.plan`): the
@@ -74,7 +40,7 @@ class StackedTensors(Mapping[str, Any]):
 
   def __init__(
     self,
-    ckpt: Any,
+    ckpt: CheckpointReader,
     slots: Mapping[str, TensorSlot],
     fused: Mapping[str, tuple[str, ...]] | None = None,
   ):
@@ -107,52 +73,31 @@ class StackedTensors(Mapping[str, Any]):
 
   def spec(self, name: str) -> Any:
     if name in self._fused:
-      return _concat_specs([self._stack_spec(m) for m in self._fused[name]])
+      return concat_specs([self._stack_spec(m) for m in self._fused[name]])
     members = self._stacks.get(name)
     if members is None:
       return self._ckpt.spec(name)
     return self._stack_spec(members)
 
   def _stack_spec(self, members: list[str]) -> Any:
-    return _stack_specs([self._ckpt.spec(n) for n in members])
+    return stack_specs([self._ckpt.spec(n) for n in members])
 
-  def __getitem__(self, name: str) -> Any:
+  def get_tensor(self, name: str) -> Any:
+    """A fused slot (one pass into the fused arrays), a stack (one pass into the stacked
+    arrays) or a file tensor; each file tensor released once read."""
     if name in self._fused:
       groups = self._fused[name]
-      get_fused = getattr(self._ckpt, "get_fused", None)  # one pass into the fused arrays
-      value = get_fused(groups) if get_fused is not None else None
-      if value is None:
-        return _concat([self._stack(m) for m in groups])
-      for n in (n for g in groups for n in g):
-        self._ckpt.release(n)
-      return value
-    members = self._stacks.get(name)
-    if members is None:
+      value = self._ckpt.get_fused(groups)
+      members = [n for g in groups for n in g]
+    elif name in self._stacks:
+      members = self._stacks[name]
+      value = self._ckpt.get_stacked(members)
+    else:
+      members = [name]
       value = self._ckpt[name]
-      self._ckpt.release(name)
-      return value
-    return self._stack(members)
-
-  def _stack(self, members: list[str]) -> Any:
-    """The file tensors `members` stacked along a new leading axis (each released once read)."""
-    get_stacked = getattr(self._ckpt, "get_stacked", None)  # one pass into the stacked arrays
-    value = get_stacked(members) if get_stacked is not None else None
-    if value is not None:
-      for n in members:
-        self._ckpt.release(n)
-      return value
-    parts = []
     for n in members:
-      parts.append(self._ckpt[n])
       self._ckpt.release(n)
-    if isinstance(parts[0], Q8Array):
-      return Q8Array(
-        q=np.stack([p.q for p in parts]),
-        scale=np.stack([p.scale for p in parts]),
-        axis=parts[0].axis,
-        dtype=parts[0].dtype,
-      )
-    return np.stack([np.asarray(p) for p in parts])
+    return value
 
   # ---- shard-wise reading (q8rules.checkpoint.shards; used by assign on a mesh) ----
   def read_region(self, name: str, index: Any) -> Any:
@@ -165,8 +110,8 @@ class StackedTensors(Mapping[str, Any]):
 
   @property
   def bytes_read(self) -> int:
-    """Bytes of tensor data read from the file so far (`GGUFCheckpoint.bytes_read`)."""
-    return int(getattr(self._ckpt, "bytes_read", 0))
+    """Bytes of tensor data read from the file so far (the reader's `bytes_read`)."""
+    return self._ckpt.bytes_read
 
   # ----
 

@@ -7,32 +7,27 @@ layouts and tensor types are described in `q8rules.checkpoint.gguf`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import mmap as mmap_lib
 import os
-import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf as gguf_lib
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter
-from q8rules.checkpoint.gguf import regions
+from q8rules.checkpoint.gguf import regions, repack
 from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
-  BLOCK_BYTES,
   PLAIN_TYPES,
   Q8_0,
   Layout,
-  block_dtype,
   check_layout,
   check_scale_dtype,
   dequantizable,
@@ -41,13 +36,13 @@ from q8rules.checkpoint.gguf.layouts import (
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
 from q8rules.checkpoint.host_buffers import aligned_empty
+from q8rules.checkpoint.reader import CheckpointReader
 from q8rules.checkpoint.shards import region_of
-from q8rules.kernels import cpu_native
-from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.q8_0 import Q8Array
 from q8rules.tree_paths import listing
 
 
-class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
+class GGUFCheckpoint(CheckpointReader):
   """Every tensor of a GGUF file by its GGUF name, repacked lazily when asked for.
 
   The file is memory-mapped (once, `header.open_file`); opening reads only its
@@ -67,8 +62,6 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     dequantize_other: whether other quantized types come back as float32.
     progress: default of `load_all`'s progress bar (None: auto).
     repacked: Counter of the tensor names materialised so far.
-    bytes_read: bytes of tensor data copied out of the file so far (whole tensors by
-      `get_tensor`, regions by `read_region`).
   """
 
   def __init__(
@@ -89,7 +82,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     self.dequantize_other = dequantize_other
     self.progress = progress
     self.repacked: Counter[str] = Counter()
-    self.bytes_read = 0
+    self._bytes_read = 0
     self._file: GGUFFile | None = file
     self._tensors = file.tensors
     self._byteorder = file.header.byteorder
@@ -152,6 +145,12 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       return self._tensors[name]
     except KeyError:
       raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes of tensor data copied out of the file so far (whole tensors by `get_tensor`,
+    regions by `read_region`, stacks and fused groups by `get_stacked` / `get_fused`)."""
+    return self._bytes_read
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._tensors)
@@ -232,7 +231,7 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
         f" {type(e).__name__}: {e}"
       ) from e
     self.repacked[name] += 1
-    self.bytes_read += int(t.data.nbytes)
+    self._bytes_read += int(t.data.nbytes)
     return value
 
   def read_region(
@@ -275,13 +274,13 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
         f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}): cannot read"
         f" the region {index}: {type(e).__name__}: {e}"
       ) from e
-    self.bytes_read += int(nbytes)
+    self._bytes_read += int(nbytes)
     return value
 
   def _repack(self, t: Tensor, shape: tuple[int, ...], layout: Layout) -> Q8Array | np.ndarray:
     qtype = t.tensor_type
     if qtype == Q8_0:
-      return _repack_q8(t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype)
+      return repack.repack_q8(t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype)
     if qtype == GGMLQuantizationType.BF16:
       bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
       arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
@@ -293,21 +292,21 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {qtype.name}")
     return _owned(arr, layout)
 
-  def get_stacked(self, names: Sequence[str]) -> Q8Array | None:
-    """The Q8_0 tensors `names`, all of one shape, repacked into one stacked Q8Array (q and
-    scale with a leading axis of len(names); the checkpoint's layout): no per-tensor array
-    is made and stacked afterwards. None when they are not all Q8_0 of one shape (read them
-    one by one then)."""
+  def get_stacked(self, names: Sequence[str]) -> Q8Array | np.ndarray:
+    """Tensors `names` stacked along a new leading axis. Q8_0 tensors all of one shape are
+    repacked into one stacked Q8Array (q and scale with a leading axis of len(names); the
+    checkpoint's layout): no per-tensor array is made and stacked afterwards. Others are
+    read one by one and stacked."""
     infos = [self._info(n) for n in names]
     shapes = {self.gguf_shape(n) for n in names}
     if len(shapes) != 1 or any(t.tensor_type != Q8_0 for t in infos):
-      return None
+      return super().get_stacked(names)
     (shape,) = shapes
     return self._read_q8(
       names,
       infos,
       f"Q8_0, shape {shape}",
-      lambda: _repack_q8_layers(
+      lambda: repack.repack_q8_layers(
         [t.data for t in infos], shape, self._byteorder, self.scale_dtype, self.layout, self.dtype
       ),
     )
@@ -317,12 +316,12 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
     names: Sequence[str],
     infos: Sequence[Tensor],
     what: str,
-    repack: Callable[[], Q8Array],
+    read: Callable[[], Q8Array],
   ) -> Q8Array:
-    """`repack()` of the Q8_0 tensors `names` (their `infos`): a failure raised naming them
+    """`read()` of the Q8_0 tensors `names` (their `infos`): a failure raised naming them
     (`what`: their type and shape), each counted as read once it is done."""
     try:
-      value = repack()
+      value = read()
     except Exception as e:
       raise CheckpointError(
         f"{self.path}: tensors {names[0]!r} ... {names[-1]!r} ({what}): cannot read them:"
@@ -330,31 +329,31 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
       ) from e
     for n, t in zip(names, infos, strict=True):
       self.repacked[n] += 1
-      self.bytes_read += int(t.data.nbytes)
+      self._bytes_read += int(t.data.nbytes)
     return value
 
-  def get_fused(self, groups: Sequence[Sequence[str]]) -> Q8Array | None:
+  def get_fused(self, groups: Sequence[Sequence[str]]) -> Q8Array | np.ndarray:
     """Stacks of Q8_0 tensors concatenated along N in one pass: `groups[j]` are member j's
     per-layer tensors (every group as long, all of one n_in), repacked straight into the
     columns of one (layers, K, sum of the members' N) Q8Array in the kernel layout (what
-    `get_stacked` of each, concatenated, would be, without the copy). None where that does
-    not apply (another type or layout, mismatched shapes): stack and concatenate then."""
+    `get_stacked` of each, concatenated, would be, without the copy). Where that does not
+    apply (another type or layout, mismatched shapes) the stacks are concatenated."""
     if self.layout != "kernel" or len({len(g) for g in groups}) != 1:
-      return None
+      return super().get_fused(groups)
     infos = [[self._info(n) for n in g] for g in groups]
     shapes = [{self.gguf_shape(n) for n in g} for g in groups]
     if any(len(sh) != 1 or len(next(iter(sh))) != 2 for sh in shapes):
-      return None
+      return super().get_fused(groups)
     rows = [next(iter(sh))[0] for sh in shapes]
     n_in = {next(iter(sh))[1] for sh in shapes}
     if len(n_in) != 1 or any(t.tensor_type != Q8_0 for g in infos for t in g):
-      return None
+      return super().get_fused(groups)
     n = n_in.pop()
     return self._read_q8(
       [name for g in groups for name in g],
       [t for g in infos for t in g],
       f"Q8_0, n_in {n}, fused along N",
-      lambda: _repack_q8_fused(
+      lambda: repack.repack_q8_fused(
         [[t.data for t in g] for g in infos], rows, n, self._byteorder, self.scale_dtype, self.dtype
       ),
     )
@@ -383,123 +382,6 @@ class GGUFCheckpoint(Mapping[str, "Q8Array | np.ndarray"]):
 
   def __repr__(self) -> str:
     return f"GGUFCheckpoint({str(self.path)!r}, {len(self)} tensors, layout={self.layout!r})"
-
-
-@jax.jit
-def _transpose_last_two(a: jax.Array) -> jax.Array:
-  """(..., R, C) -> (..., C, R) on the default device."""
-  return jnp.swapaxes(a, -1, -2)
-
-
-def _repack_q8(
-  data: np.ndarray,
-  shape: tuple[int, ...],
-  byteorder: str,
-  scale_dtype: np.dtype,
-  layout: Layout,
-  dtype: np.dtype,
-) -> Q8Array:
-  """34-byte blocks (the file's bytes) into a Q8Array, one copy each of q and d.
-
-  data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`.
-  """
-  out = _repack_q8_layers([data], shape, byteorder, scale_dtype, layout, dtype)
-  return dataclasses.replace(out, q=out.q[0], scale=out.scale[0])
-
-
-def _repack_q8_layers(
-  datas: Sequence[np.ndarray],
-  shape: tuple[int, ...],
-  byteorder: str,
-  scale_dtype: np.dtype,
-  layout: Layout,
-  dtype: np.dtype,
-) -> Q8Array:
-  """Tensors of one shape (each `data`'s 34-byte blocks) repacked and stacked along a new
-  leading axis: one copy each of q and d into the stacked arrays (in the kernel layout on a
-  host where the native library runs: read and transposed in one pass).
-
-  shape: each tensor's numpy order `[*lead, n_out, n_in]`; the result's q and scale have a
-  leading axis of len(datas), and its `axis` is one tensor's blocked axis.
-  """
-  rows, n_in = shape[:-1], shape[-1]
-  nb = n_in // BLOCK
-  n = len(datas)
-  q_shape, scale_shape, axis = q8_shapes(shape, layout)
-  scale = aligned_empty((n, *scale_shape), scale_dtype)
-  transposed = layout == "kernel" and len(shape) >= 2
-  lead = int(np.prod(rows[:-1]))
-  q = aligned_empty((n, *q_shape), np.int8)
-  gathered = None
-  native_scales = _native_scales(byteorder, scale.dtype)
-  # kernel layout: the native library transposes straight from the file's blocks, every
-  # tensor in one call (the scales too, in the same pass, when their bytes are the param's);
-  # else the values are gathered row by row (32-byte runs) and transposed in XLA's tiled
-  # kernel (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
-  scale_out = scale.reshape(n * lead, nb, rows[-1]) if transposed and native_scales else None
-  size = rows[-1] * nb * BLOCK_BYTES  # one (rows[-1], n_in) matrix of blocks
-  parts = [d.reshape(-1)[j * size : (j + 1) * size] for d in datas for j in range(lead)]
-  native = (
-    transposed
-    and n * lead > 0
-    and cpu_native.repack_q8_transposed(parts, q.reshape(n * lead, nb * BLOCK, rows[-1]), scale_out)
-  )
-  for i, data in enumerate(datas):
-    blocks = data.reshape(-1).view(block_dtype(byteorder))
-    d = blocks["d"].reshape(*rows, nb)
-    if native:
-      if scale_out is None:
-        np.copyto(scale[i], np.swapaxes(d, -1, -2))
-      continue
-    np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
-    if gathered is None:
-      gathered = np.empty((*rows, nb, BLOCK), np.int8)
-    np.copyto(gathered, blocks["qs"].reshape(*rows, nb, BLOCK))  # from views of the mapping
-    if transposed:
-      q[i] = np.asarray(_transpose_last_two(gathered.reshape(*rows, nb * BLOCK)))
-    else:
-      q[i] = gathered.reshape(q_shape)
-  return Q8Array(q=q.reshape(n, *q_shape), scale=scale, axis=axis, dtype=dtype)
-
-
-def _repack_q8_fused(
-  datas: Sequence[Sequence[np.ndarray]],
-  rows: Sequence[int],
-  n_in: int,
-  byteorder: str,
-  scale_dtype: np.dtype,
-  dtype: np.dtype,
-) -> Q8Array:
-  """Member j's per-layer tensors (`datas[j]`, each (rows[j], n_in) as 34-byte blocks) repacked
-  into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
-  layout: each value copied once, straight into its place."""
-  nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
-  q = aligned_empty((layers, n_in, n), np.int8)
-  scale = aligned_empty((layers, nb, n), scale_dtype)
-  offsets = np.cumsum([0, *rows])
-  native_scales = _native_scales(byteorder, scale.dtype)
-  for j, member in enumerate(datas):
-    n0, n1 = int(offsets[j]), int(offsets[j + 1])
-    scale_out = scale[:, :, n0:n1] if native_scales else None  # every layer in one call
-    ran = cpu_native.repack_q8_transposed(
-      [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out
-    )
-    for i, data in enumerate(member):
-      blocks = data.reshape(-1).view(block_dtype(byteorder))
-      if not ran or scale_out is None:
-        np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
-      if not ran:
-        gathered = blocks["qs"].reshape(rows[j], nb * BLOCK)
-        q[i, :, n0:n1] = np.asarray(_transpose_last_two(np.ascontiguousarray(gathered)))
-  axis = q8_shapes((n, n_in), "kernel")[2]  # one layer's blocked axis, as `get_stacked` has it
-  return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
-
-
-def _native_scales(byteorder: str, scale_dtype: np.dtype) -> bool:
-  """Whether the native repack can copy the file's scale bytes as they are: float16 params
-  from a file in this host's byte order (else numpy converts them)."""
-  host = "<" if sys.byteorder == "little" else ">"
-  return np.dtype(scale_dtype) == np.float16 and byteorder == host
 
 
 def _owned(arr: np.ndarray, layout: Layout) -> np.ndarray:

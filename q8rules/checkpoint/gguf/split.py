@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from q8rules.checkpoint._common import CheckpointError
 from q8rules.checkpoint.gguf.read import GGUFCheckpoint, load
+from q8rules.checkpoint.reader import CheckpointReader, Value, concat
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """llama.cpp's split file names (`llama_split_prefix`)."""
 
 
-class GGUFSplitCheckpoint(Mapping[str, Any]):
-  """The tensors of all parts of a split GGUF file by name (a lazy Mapping, like
-  `GGUFCheckpoint`); metadata from the first part, without the `split.*` keys."""
+class GGUFSplitCheckpoint(CheckpointReader):
+  """The tensors of all parts of a split GGUF file by name (a lazy reader, like
+  `GGUFCheckpoint`); metadata from the first part, without the `split.*` keys. Stacks and
+  fused groups take each part's one-pass repack: each run of consecutive members that one
+  part holds is repacked by that part, and the runs joined along the layer axis."""
 
   def __init__(self, parts: list[GGUFCheckpoint]):
     self.parts = parts
@@ -79,13 +82,48 @@ class GGUFSplitCheckpoint(Mapping[str, Any]):
   def release(self, name: str) -> None:
     self._part(name).release(name)
 
-  def read_region(self, name: str, index: Any, **kw: Any) -> Any:
-    return self._part(name).read_region(name, index, **kw)
-
   @property
   def bytes_read(self) -> int:
     """Bytes of tensor data copied out of all the parts so far."""
     return sum(p.bytes_read for p in self.parts)
+
+  def read_region(self, name: str, index: Any, **kw: Any) -> Any:
+    return self._part(name).read_region(name, index, **kw)
+
+  def _runs(self, names: Sequence[str]) -> list[tuple[GGUFCheckpoint, list[str]]]:
+    """`names` cut into runs of consecutive names that one part holds, with that part."""
+    runs: list[tuple[GGUFCheckpoint, list[str]]] = []
+    for name in names:
+      part = self._part(name)
+      if runs and runs[-1][0] is part:
+        runs[-1][1].append(name)
+      else:
+        runs.append((part, [name]))
+    return runs
+
+  def get_stacked(self, names: Sequence[str]) -> Value:
+    runs = self._runs(names)
+    if len(runs) == 1:
+      return runs[0][0].get_stacked(names)
+    return concat([part.get_stacked(run) for part, run in runs], axis=0)
+
+  def get_fused(self, groups: Sequence[Sequence[str]]) -> Value:
+    """Per range of layers whose members one part holds, that part's one-pass fused repack;
+    the ranges joined along the layers (a layer's members in two parts: stacks joined)."""
+    depth = len(groups[0]) if groups else 0
+    if depth == 0 or any(len(g) != depth for g in groups):
+      return super().get_fused(groups)
+    owners = []
+    for i in range(depth):
+      parts = {id(self._part(g[i])): self._part(g[i]) for g in groups}
+      if len(parts) != 1:
+        return super().get_fused(groups)
+      owners.append(next(iter(parts.values())))
+    cuts = [0, *(i for i in range(1, depth) if owners[i] is not owners[i - 1]), depth]
+    pieces = [
+      owners[a].get_fused([g[a:b] for g in groups]) for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    return pieces[0] if len(pieces) == 1 else concat(pieces, axis=0)
 
   def close(self) -> None:
     for part in self.parts:

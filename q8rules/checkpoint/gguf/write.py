@@ -18,7 +18,7 @@ import gguf as gguf_lib
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from q8rules.checkpoint._common import CheckpointError, progress_iter, spec_of
+from q8rules.checkpoint._common import CheckpointError, progress_iter
 from q8rules.checkpoint.gguf.layouts import (
   BLOCK_BYTES,
   DTYPE_TO_TYPE,
@@ -32,6 +32,7 @@ from q8rules.checkpoint.gguf.layouts import (
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import header_values
+from q8rules.checkpoint.reader import as_reader
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import listing
 
@@ -215,9 +216,10 @@ def save(
   check_layout(layout)
   path = Path(path)
   plans, errors = [], []
-  for name in tensors:
+  reader = as_reader(tensors)
+  for name in reader:
     try:
-      plans.append(_plan(path, name, spec_of(tensors, name)[0], layout))
+      plans.append(_plan(path, name, reader.spec(name), layout))
     except CheckpointError as e:
       errors.append(str(e))
   if errors:

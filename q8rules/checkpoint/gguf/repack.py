@@ -1,0 +1,138 @@
+"""Q8_0 tensors' 34-byte blocks repacked into `Q8Array`s without dequantising: one tensor, a
+stack of one shape, or the members of a fused slot straight into their columns (in the kernel
+layout on a host where the native library runs: read and transposed in one pass)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from q8rules.checkpoint.gguf.layouts import BLOCK_BYTES, Layout, block_dtype, q8_shapes
+from q8rules.checkpoint.host_buffers import aligned_empty
+from q8rules.kernels import cpu_native
+from q8rules.q8_0 import BLOCK, Q8Array
+
+
+@jax.jit
+def _transpose_last_two(a: jax.Array) -> jax.Array:
+  """(..., R, C) -> (..., C, R) on the default device."""
+  return jnp.swapaxes(a, -1, -2)
+
+
+def repack_q8(
+  data: np.ndarray,
+  shape: tuple[int, ...],
+  byteorder: str,
+  scale_dtype: np.dtype,
+  layout: Layout,
+  dtype: np.dtype,
+) -> Q8Array:
+  """34-byte blocks (the file's bytes) into a Q8Array, one copy each of q and d.
+
+  data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`.
+  """
+  out = repack_q8_layers([data], shape, byteorder, scale_dtype, layout, dtype)
+  return dataclasses.replace(out, q=out.q[0], scale=out.scale[0])
+
+
+def repack_q8_layers(
+  datas: Sequence[np.ndarray],
+  shape: tuple[int, ...],
+  byteorder: str,
+  scale_dtype: np.dtype,
+  layout: Layout,
+  dtype: np.dtype,
+) -> Q8Array:
+  """Tensors of one shape (each `data`'s 34-byte blocks) repacked and stacked along a new
+  leading axis: one copy each of q and d into the stacked arrays (in the kernel layout on a
+  host where the native library runs: read and transposed in one pass).
+
+  shape: each tensor's numpy order `[*lead, n_out, n_in]`; the result's q and scale have a
+  leading axis of len(datas), and its `axis` is one tensor's blocked axis.
+  """
+  rows, n_in = shape[:-1], shape[-1]
+  nb = n_in // BLOCK
+  n = len(datas)
+  q_shape, scale_shape, axis = q8_shapes(shape, layout)
+  scale = aligned_empty((n, *scale_shape), scale_dtype)
+  transposed = layout == "kernel" and len(shape) >= 2
+  lead = int(np.prod(rows[:-1]))
+  q = aligned_empty((n, *q_shape), np.int8)
+  gathered = None
+  native_scales = _native_scales(byteorder, scale.dtype)
+  # kernel layout: the native library transposes straight from the file's blocks, every
+  # tensor in one call (the scales too, in the same pass, when their bytes are the param's);
+  # else the values are gathered row by row (32-byte runs) and transposed in XLA's tiled
+  # kernel (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
+  scale_out = scale.reshape(n * lead, nb, rows[-1]) if transposed and native_scales else None
+  size = rows[-1] * nb * BLOCK_BYTES  # one (rows[-1], n_in) matrix of blocks
+  parts = [d.reshape(-1)[j * size : (j + 1) * size] for d in datas for j in range(lead)]
+  native = (
+    transposed
+    and n * lead > 0
+    and cpu_native.repack_q8_transposed(parts, q.reshape(n * lead, nb * BLOCK, rows[-1]), scale_out)
+  )
+  for i, data in enumerate(datas):
+    blocks = data.reshape(-1).view(block_dtype(byteorder))
+    d = blocks["d"].reshape(*rows, nb)
+    if native:
+      if scale_out is None:
+        np.copyto(scale[i], np.swapaxes(d, -1, -2))
+      continue
+    np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
+    if gathered is None:
+      gathered = np.empty((*rows, nb, BLOCK), np.int8)
+    np.copyto(gathered, blocks["qs"].reshape(*rows, nb, BLOCK))  # from views of the mapping
+    if transposed:
+      q[i] = np.asarray(_transpose_last_two(gathered.reshape(*rows, nb * BLOCK)))
+    else:
+      q[i] = gathered.reshape(q_shape)
+  return Q8Array(q=q.reshape(n, *q_shape), scale=scale, axis=axis, dtype=dtype)
+
+
+def repack_q8_fused(
+  datas: Sequence[Sequence[np.ndarray]],
+  rows: Sequence[int],
+  n_in: int,
+  byteorder: str,
+  scale_dtype: np.dtype,
+  dtype: np.dtype,
+) -> Q8Array:
+  """Member j's per-layer tensors (`datas[j]`, each (rows[j], n_in) as 34-byte blocks) repacked
+  into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
+  layout: each value copied once, straight into its place."""
+  nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
+  q = aligned_empty((layers, n_in, n), np.int8)
+  scale = aligned_empty((layers, nb, n), scale_dtype)
+  offsets = np.cumsum([0, *rows])
+  native_scales = _native_scales(byteorder, scale.dtype)
+  for j, member in enumerate(datas):
+    n0, n1 = int(offsets[j]), int(offsets[j + 1])
+    scale_out = scale[:, :, n0:n1] if native_scales else None  # every layer in one call
+    ran = cpu_native.repack_q8_transposed(
+      [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out
+    )
+    for i, data in enumerate(member):
+      blocks = data.reshape(-1).view(block_dtype(byteorder))
+      if not ran or scale_out is None:
+        np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
+      if not ran:
+        gathered = blocks["qs"].reshape(rows[j], nb * BLOCK)
+        q[i, :, n0:n1] = np.asarray(_transpose_last_two(np.ascontiguousarray(gathered)))
+  axis = q8_shapes((n, n_in), "kernel")[2]  # one layer's blocked axis, as `get_stacked` has it
+  return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
+
+
+def _native_scales(byteorder: str, scale_dtype: np.dtype) -> bool:
+  """Whether the native repack can copy the file's scale bytes as they are: float16 params
+  from a file in this host's byte order (else numpy converts them)."""
+  host = "<" if sys.byteorder == "little" else ">"
+  return np.dtype(scale_dtype) == np.float16 and byteorder == host
+
+
+__all__ = ["repack_q8", "repack_q8_fused", "repack_q8_layers"]
