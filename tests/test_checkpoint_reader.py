@@ -109,3 +109,17 @@ def test_safetensors_reader_regions(tmp_path, rng):
     assert spec.q.shape == (128, 48) and spec.scale.shape == (4, 48)
     bias = reader.read_region("layer.bias", (slice(4, 9),))
     np.testing.assert_array_equal(bias, tree["layer"]["bias"][4:9])
+
+
+def test_split_stack_written_in_place_by_each_part(split_set, monkeypatch):
+  """A stack whose layers span parts is one new array that each part's repack fills in place
+  (no per-part array concatenated afterwards)."""
+  from q8rules.checkpoint.gguf import split as split_module
+
+  joined = []
+  monkeypatch.setattr(split_module, "concat", lambda *a, **k: joined.append(a) or None)
+  split = gguf.open_gguf(split_set)
+  names = [f"blk.{i}.ffn_up.weight" for i in range(int(split.metadata["llama.block_count"]))]
+  got = split.get_stacked(names)
+  assert isinstance(got, Q8Array) and joined == []
+  assert values_equal(got, gguf.open_gguf(SRC).get_stacked(names))

@@ -292,14 +292,18 @@ class GGUFCheckpoint(CheckpointReader):
       raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {qtype.name}")
     return _owned(arr, layout)
 
-  def get_stacked(self, names: Sequence[str]) -> Q8Array | np.ndarray:
+  def get_stacked(
+    self, names: Sequence[str], *, out: Q8Array | None = None
+  ) -> Q8Array | np.ndarray:
     """Tensors `names` stacked along a new leading axis. Q8_0 tensors all of one shape are
     repacked into one stacked Q8Array (q and scale with a leading axis of len(names); the
-    checkpoint's layout): no per-tensor array is made and stacked afterwards. Others are
-    read one by one and stacked."""
+    checkpoint's layout; written into `out` where given): no per-tensor array is made and
+    stacked afterwards. Others are read one by one and stacked."""
     infos = [self._info(n) for n in names]
     shapes = {self.gguf_shape(n) for n in names}
     if len(shapes) != 1 or any(t.tensor_type != Q8_0 for t in infos):
+      if out is not None:
+        raise CheckpointError(f"{self.path}: only Q8_0 tensors of one shape stack into `out`")
       return super().get_stacked(names)
     (shape,) = shapes
     return self._read_q8(
@@ -307,7 +311,13 @@ class GGUFCheckpoint(CheckpointReader):
       infos,
       f"Q8_0, shape {shape}",
       lambda: repack.repack_q8_layers(
-        [t.data for t in infos], shape, self._byteorder, self.scale_dtype, self.layout, self.dtype
+        [t.data for t in infos],
+        shape,
+        self._byteorder,
+        self.scale_dtype,
+        self.layout,
+        self.dtype,
+        out,
       ),
     )
 
@@ -332,31 +342,45 @@ class GGUFCheckpoint(CheckpointReader):
       self._bytes_read += int(t.data.nbytes)
     return value
 
-  def get_fused(self, groups: Sequence[Sequence[str]]) -> Q8Array | np.ndarray:
+  def get_fused(
+    self, groups: Sequence[Sequence[str]], *, out: Q8Array | None = None
+  ) -> Q8Array | np.ndarray:
     """Stacks of Q8_0 tensors concatenated along N in one pass: `groups[j]` are member j's
     per-layer tensors (every group as long, all of one n_in), repacked straight into the
     columns of one (layers, K, sum of the members' N) Q8Array in the kernel layout (what
-    `get_stacked` of each, concatenated, would be, without the copy). Where that does not
-    apply (another type or layout, mismatched shapes) the stacks are concatenated."""
+    `get_stacked` of each, concatenated, would be, without the copy; into `out` where given).
+    Where that does not apply (another type or layout, mismatched shapes) the stacks are
+    concatenated."""
     if self.layout != "kernel" or len({len(g) for g in groups}) != 1:
-      return super().get_fused(groups)
+      return self._fused_fallback(groups, out)
     infos = [[self._info(n) for n in g] for g in groups]
     shapes = [{self.gguf_shape(n) for n in g} for g in groups]
     if any(len(sh) != 1 or len(next(iter(sh))) != 2 for sh in shapes):
-      return super().get_fused(groups)
+      return self._fused_fallback(groups, out)
     rows = [next(iter(sh))[0] for sh in shapes]
     n_in = {next(iter(sh))[1] for sh in shapes}
     if len(n_in) != 1 or any(t.tensor_type != Q8_0 for g in infos for t in g):
-      return super().get_fused(groups)
+      return self._fused_fallback(groups, out)
     n = n_in.pop()
     return self._read_q8(
       [name for g in groups for name in g],
       [t for g in infos for t in g],
       f"Q8_0, n_in {n}, fused along N",
       lambda: repack.repack_q8_fused(
-        [[t.data for t in g] for g in infos], rows, n, self._byteorder, self.scale_dtype, self.dtype
+        [[t.data for t in g] for g in infos],
+        rows,
+        n,
+        self._byteorder,
+        self.scale_dtype,
+        self.dtype,
+        out,
       ),
     )
+
+  def _fused_fallback(self, groups: Sequence[Sequence[str]], out: Q8Array | None) -> Any:
+    if out is not None:
+      raise CheckpointError(f"{self.path}: only Q8_0 members in the kernel layout fuse into `out`")
+    return super().get_fused(groups)
 
   def load_all(self, *, progress: bool | None = None) -> dict[str, Q8Array | np.ndarray]:
     """Every tensor, repacked now, in file order (a tqdm bar when `progress`; None:

@@ -47,22 +47,33 @@ def repack_q8_layers(
   scale_dtype: np.dtype,
   layout: Layout,
   dtype: np.dtype,
+  out: Q8Array | None = None,
 ) -> Q8Array:
   """Tensors of one shape (each `data`'s 34-byte blocks) repacked and stacked along a new
   leading axis: one copy each of q and d into the stacked arrays (in the kernel layout on a
   host where the native library runs: read and transposed in one pass).
 
   shape: each tensor's numpy order `[*lead, n_out, n_in]`; the result's q and scale have a
-  leading axis of len(datas), and its `axis` is one tensor's blocked axis.
+  leading axis of len(datas), and its `axis` is one tensor's blocked axis. `out`: where to
+  write them (q and scale C-contiguous, of those shapes; e.g. layers [a, b) of a larger
+  stack), else new arrays.
   """
   rows, n_in = shape[:-1], shape[-1]
   nb = n_in // BLOCK
   n = len(datas)
   q_shape, scale_shape, axis = q8_shapes(shape, layout)
-  scale = aligned_empty((n, *scale_shape), scale_dtype)
   transposed = layout == "kernel" and len(shape) >= 2
   lead = int(np.prod(rows[:-1]))
-  q = aligned_empty((n, *q_shape), np.int8)
+  if out is None:
+    q = aligned_empty((n, *q_shape), np.int8)
+    scale = aligned_empty((n, *scale_shape), scale_dtype)
+  else:
+    q, scale = out.q, out.scale
+    if q.shape != (n, *q_shape) or scale.shape != (n, *scale_shape) or scale.dtype != scale_dtype:
+      raise ValueError(
+        f"repack_q8_layers: out is q {q.shape}, scale {scale.dtype}{scale.shape}; expected"
+        f" {(n, *q_shape)} and {np.dtype(scale_dtype)}{(n, *scale_shape)}"
+      )
   gathered = None
   native_scales = _native_scales(byteorder, scale.dtype)
   # kernel layout: the native library transposes straight from the file's blocks, every
@@ -102,13 +113,23 @@ def repack_q8_fused(
   byteorder: str,
   scale_dtype: np.dtype,
   dtype: np.dtype,
+  out: Q8Array | None = None,
 ) -> Q8Array:
   """Member j's per-layer tensors (`datas[j]`, each (rows[j], n_in) as 34-byte blocks) repacked
   into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
-  layout: each value copied once, straight into its place."""
+  layout: each value copied once, straight into its place (in `out`'s q and scale where given,
+  e.g. layers [a, b) of a larger stack)."""
   nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
-  q = aligned_empty((layers, n_in, n), np.int8)
-  scale = aligned_empty((layers, nb, n), scale_dtype)
+  if out is None:
+    q = aligned_empty((layers, n_in, n), np.int8)
+    scale = aligned_empty((layers, nb, n), scale_dtype)
+  else:
+    q, scale = out.q, out.scale
+    if q.shape != (layers, n_in, n) or scale.shape != (layers, nb, n):
+      raise ValueError(
+        f"repack_q8_fused: out is q {q.shape}, scale {scale.shape}; expected"
+        f" {(layers, n_in, n)} and {(layers, nb, n)}"
+      )
   offsets = np.cumsum([0, *rows])
   native_scales = _native_scales(byteorder, scale.dtype)
   for j, member in enumerate(datas):

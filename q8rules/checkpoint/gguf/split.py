@@ -8,6 +8,7 @@ model's metadata. `open_gguf(first_part)` opens every part (headers only, as
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,15 @@ from typing import Any
 
 from q8rules.checkpoint._common import CheckpointError
 from q8rules.checkpoint.gguf.read import GGUFCheckpoint, load
-from q8rules.checkpoint.reader import CheckpointReader, Value, concat
+from q8rules.checkpoint.host_buffers import aligned_empty
+from q8rules.checkpoint.reader import (
+  CheckpointReader,
+  Value,
+  concat,
+  concat_specs,
+  stack_specs,
+)
+from q8rules.q8_0 import Q8Array
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """llama.cpp's split file names (`llama_split_prefix`)."""
@@ -101,15 +110,37 @@ class GGUFSplitCheckpoint(CheckpointReader):
         runs.append((part, [name]))
     return runs
 
+  def _filled(self, spec: Any, fill: Any, ranges: list[tuple[int, int]]) -> Value:
+    """A new stacked Q8Array of `spec` (64-byte aligned) whose layers [a, b) each part writes
+    in place: `fill(a, b, view)` for each range."""
+    out = Q8Array(
+      q=aligned_empty(spec.q.shape, spec.q.dtype),
+      scale=aligned_empty(spec.scale.shape, spec.scale.dtype),
+      axis=spec.axis,
+      dtype=spec.dtype,
+    )
+    for a, b in ranges:
+      fill(a, b, Q8Array(q=out.q[a:b], scale=out.scale[a:b], axis=out.axis, dtype=out.dtype))
+    return out
+
   def get_stacked(self, names: Sequence[str]) -> Value:
     runs = self._runs(names)
     if len(runs) == 1:
       return runs[0][0].get_stacked(names)
-    return concat([part.get_stacked(run) for part, run in runs], axis=0)
+    specs = [self.spec(n) for n in names]
+    if not all(isinstance(s, Q8Array) for s in specs) or len({s.q.shape for s in specs}) != 1:
+      return concat([part.get_stacked(run) for part, run in runs], axis=0)
+    bounds = list(itertools.accumulate([0, *(len(run) for _, run in runs)]))
+    parts = {a: part for (part, _), a in zip(runs, bounds, strict=False)}
+    return self._filled(
+      stack_specs(specs),
+      lambda a, b, view: parts[a].get_stacked(names[a:b], out=view),
+      list(itertools.pairwise(bounds)),
+    )
 
   def get_fused(self, groups: Sequence[Sequence[str]]) -> Value:
-    """Per range of layers whose members one part holds, that part's one-pass fused repack;
-    the ranges joined along the layers (a layer's members in two parts: stacks joined)."""
+    """Per range of layers whose members one part holds, that part's one-pass fused repack
+    into its layers of one new array (a layer's members in two parts: stacks joined)."""
     depth = len(groups[0]) if groups else 0
     if depth == 0 or any(len(g) != depth for g in groups):
       return super().get_fused(groups)
@@ -120,10 +151,16 @@ class GGUFSplitCheckpoint(CheckpointReader):
         return super().get_fused(groups)
       owners.append(next(iter(parts.values())))
     cuts = [0, *(i for i in range(1, depth) if owners[i] is not owners[i - 1]), depth]
-    pieces = [
-      owners[a].get_fused([g[a:b] for g in groups]) for a, b in zip(cuts, cuts[1:], strict=False)
-    ]
-    return pieces[0] if len(pieces) == 1 else concat(pieces, axis=0)
+    if len(cuts) == 2:
+      return owners[0].get_fused(groups)
+    specs = [stack_specs([self.spec(n) for n in g]) for g in groups]
+    if not all(isinstance(s, Q8Array) for s in specs):
+      return super().get_fused(groups)
+    return self._filled(
+      concat_specs(specs),
+      lambda a, b, view: owners[a].get_fused([g[a:b] for g in groups], out=view),
+      list(itertools.pairwise(cuts)),
+    )
 
   def close(self) -> None:
     for part in self.parts:
