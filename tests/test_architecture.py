@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "q8rules"
-README = PACKAGE.parent / "README.md"
+FLOORS_PAGE = PACKAGE.parent / "docs" / "kernels.md"
+"""The page that shows the floors (a ``` block after `<!-- floors -->`)."""
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
   ("format", ("q8rules.q8_0", "q8rules.tree_paths", "q8rules.timing", "q8rules._qwix")),
@@ -25,7 +26,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 ]
 """The floors, lowest first: a module imports only modules on its own floor or below (lazily
 or not). A name covers the module and everything under it (`q8rules`, the package's
-`__init__`, only itself); the longest name that covers a module places it. The README's
+`__init__`, only itself); the longest name that covers a module places it. docs/kernels.md's
 Architecture section shows this table."""
 
 APPLICATIONS = ("q8rules.checkpoint", "q8rules.models", "q8rules.llm")
@@ -95,7 +96,7 @@ def floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]] = FLOORS) ->
       if covers and len(n) > best:
         best, where = len(n), i
   if where is None:
-    raise AssertionError(f"{module} is on no floor: add it to FLOORS (and the README's table)")
+    raise AssertionError(f"{module} is on no floor: add it to FLOORS (and docs/kernels.md's table)")
   return where
 
 
@@ -137,9 +138,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_graph_sees_imports():
   edges = graph()
-  assert "q8rules.kernels.api" in edges["q8rules.providers.serving"] or (
-    "q8rules.kernels" in edges["q8rules.providers.serving"]
-  )
+  assert "q8rules.kernels" in edges["q8rules.providers.serving"]
   assert "q8rules.q8_0" in edges["q8rules.layout"]
   assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 
@@ -162,16 +161,136 @@ def test_qwix_internals_only_in_the_shim():
         assert not any(n.startswith("qwix._src") for n in names), name
 
 
-def test_one_module_picks_the_implementation():
-  """Only kernels/api.py reads the registry's order or calls an implementation by name."""
+def test_one_function_picks_the_implementation():
+  """Only `kernels/registry.py`'s `resolve` reads an op's default order; nothing picks with
+  `jax.lax.platform_dependent` (every op is chosen per lowering platform by `resolve`)."""
   for name, tree in modules().items():
-    if name == "q8rules.kernels.api":
-      continue
     for node in ast.walk(tree):
-      if isinstance(node, ast.Name):
-        assert node.id not in ("DEFAULT_ORDER", "REGISTRY") or name == "q8rules.kernels", name
       if isinstance(node, ast.Attribute):
-        assert node.attr not in ("DEFAULT_ORDER", "REGISTRY"), name
+        assert node.attr != "default_order" or name == "q8rules.kernels.registry", name
+        assert node.attr != "platform_dependent", name
+
+
+def test_every_op_is_registered_with_a_reference():
+  """Each op folder of kernels/ has an `api.py` that registers the op, a `reference.py`, and
+  one module per implementation (`NAME` = the module's implementation name)."""
+  import q8rules.kernels
+
+  folders = sorted(p.parent.name for p in (PACKAGE / "kernels").glob("*/api.py"))
+  assert folders == sorted(q8rules.kernels.OPS), folders
+  for op in q8rules.kernels.OPS.values():
+    assert (PACKAGE / "kernels" / op.name / "reference.py").exists(), op.name
+    for impl in op.implementations.values():
+      module = impl.run.__module__
+      assert module.startswith(f"q8rules.kernels.{op.name}.") or module.startswith(
+        "q8rules.kernels.cpu_native"
+      ), (op.name, impl.name, module)
+
+
+def test_models_import_no_kernel():
+  """The decoder is plain Flax: no module of models/ imports kernels/ (the providers route its
+  hooks to the kernels)."""
+  bad = {
+    a: sorted(t for t in targets if t == "q8rules.kernels" or t.startswith("q8rules.kernels."))
+    for a, targets in direct_imports().items()
+    if a.startswith("q8rules.models")
+  }
+  assert not any(bad.values()), bad
+
+
+def test_hooks_the_providers_route_are_the_models():
+  """Every hook a provider routes is a function of `q8rules.models.hooks` with the parameters
+  of the kernel entry point that replaces it."""
+  import inspect
+
+  from q8rules.models import hooks
+  from q8rules.providers import model_hooks
+
+  assert model_hooks.HOOKS_MODULE == hooks.__name__
+  assert set(model_hooks.ROUTES) == set(hooks.__all__)
+  for name, route in model_hooks.ROUTES.items():
+    mine = list(inspect.signature(getattr(hooks, name)).parameters)
+    theirs = list(inspect.signature(route).parameters)
+    assert theirs[: len(mine)] == mine, (name, mine, theirs)
+
+
+MAX_PY_LINES = 500
+MAX_CC_LINES = 600
+
+
+def test_no_module_too_long():
+  """No Python module over 500 lines, no C++ source over 600."""
+  long = {
+    str(p.relative_to(PACKAGE)): n
+    for p in PACKAGE.rglob("*")
+    if p.suffix in (".py", ".cc", ".h")
+    and (n := len(p.read_text().splitlines()))
+    > (MAX_PY_LINES if p.suffix == ".py" else MAX_CC_LINES)
+  }
+  assert not long, long
+
+
+COPY_LINES = 6
+"""How many lines of code two places may share before they count as a copy."""
+
+_SIGNATURE_END = re.compile(r"^\)( -> .*)?:$")
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+  """(line number, the line with its white space folded) for each line of code in `path`:
+  no blank lines, comments, lone punctuation, imports or includes, nor the parameters of a
+  Python signature (the hooks and the kernels they route to share theirs by design)."""
+  out: list[tuple[int, str]] = []
+  python = path.suffix == ".py"
+  in_signature = False
+  for i, line in enumerate(path.read_text().splitlines(), 1):
+    s = " ".join(line.split())
+    if python and in_signature:
+      in_signature = not _SIGNATURE_END.match(s)
+      continue
+    if python and re.match(r"(async )?def \w+\($", s):
+      in_signature = True
+      continue
+    if not s or s.startswith("#" if python else "//") or re.fullmatch(r"[\W_]*", s):
+      continue
+    if s.startswith(("import ", "from ") if python else ("#include",)):
+      continue
+    out.append((i, s))
+  return out
+
+
+def copies(paths: list[Path], window: int = COPY_LINES) -> list[str]:
+  """Each run of `window` lines of code that stands in two places, as 'a:line ~ b:line'."""
+  seen: dict[tuple[str, ...], tuple[Path, int]] = {}
+  found = []
+  for path in paths:
+    lines = code_lines(path)
+    for j in range(len(lines) - window + 1):
+      key = tuple(s for _, s in lines[j : j + window])
+      first = seen.setdefault(key, (path, lines[j][0]))
+      if first[0] != path or lines[j][0] - first[1] >= window:
+        found.append(
+          f"{first[0].relative_to(PACKAGE)}:{first[1]} ~ {path.relative_to(PACKAGE)}:{lines[j][0]}"
+        )
+  return found
+
+
+def test_copy_check_catches_a_copy(tmp_path):
+  body = "\n".join(f"  x{i} = f(x{i - 1}, {i})" for i in range(1, 8))
+  a, b = PACKAGE / "_copy_a.py", PACKAGE / "_copy_b.py"
+  try:
+    a.write_text(f"def f(x):\n{body}\n")
+    b.write_text(f"def g(x):\n  y = 1\n{body}\n")
+    assert copies([a, b]) == ["_copy_a.py:2 ~ _copy_b.py:3", "_copy_a.py:3 ~ _copy_b.py:4"]
+  finally:
+    a.unlink()
+    b.unlink()
+
+
+def test_no_copied_code():
+  """No run of six or more lines of code stands twice in q8rules/, the C++ included."""
+  paths = sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc", ".h"))
+  assert copies(paths) == []
 
 
 def test_no_upward_import():
@@ -196,11 +315,12 @@ def test_floors_check_catches_a_violation():
     raise AssertionError("a module on no floor was accepted")
 
 
-def test_readme_shows_the_floors():
-  """The README's Architecture section lists the floors as FLOORS has them, top floor first."""
-  text = README.read_text()
+def test_docs_show_the_floors():
+  """docs/kernels.md's Architecture section lists the floors as FLOORS has them, top floor
+  first."""
+  text = FLOORS_PAGE.read_text()
   block = re.search(r"<!-- floors -->\n```\n(.*?)```", text, re.S)
-  assert block, "README: no floors table (a ``` block after '<!-- floors -->')"
+  assert block, f"{FLOORS_PAGE.name}: no floors table (a ``` block after '<!-- floors -->')"
   rows = [line.split("|") for line in block.group(1).strip().splitlines()]
   shown = [(r[0].strip(), tuple(n.strip() for n in r[1].split(","))) for r in rows]
   assert shown == [
@@ -218,6 +338,21 @@ def test_import_q8rules_loads_no_application():
     f" 'tokenizers') or m.startswith({APPLICATIONS!r}))\n"
     "print(','.join(bad))\n"
     "assert callable(q8rules.load_gguf) and 'q8rules.llm' in sys.modules\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+  )
+  assert out.stdout.strip() == "", out.stdout
+
+
+def test_star_import_loads_no_application():
+  """`from q8rules import *` takes the core only: `__all__` names no application."""
+  code = (
+    "import sys\n"
+    "from q8rules import *\n"
+    "bad = sorted(m for m in sys.modules if m.startswith("
+    f"{APPLICATIONS!r}) or m.split('.')[0] in ('gguf', 'safetensors'))\n"
+    "print(','.join(bad))\n"
   )
   out = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True

@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written.
+"""Every ```python block of README.md and of the docs pages it sends a user to (`PAGES`) runs
+as written.
 
 The convention (README.md says it too): a block runs on its own, in a fresh
 namespace and an empty working directory. The names it uses but does not
@@ -36,6 +37,11 @@ import jax
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PAGES = [README] + [
+  README.parent / "docs" / name
+  for name in ("kernels.md", "numerics.md", "checkpoints.md", "multihost.md")
+]
+"""The pages whose ```python blocks run as written."""
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _YOURS = re.compile(r"^# yours:(.*)$", re.M)
@@ -44,10 +50,14 @@ _PROCESSES = re.compile(r"^#.*?\b(\d+) processes\b", re.M)
 _COORDINATOR = "localhost:12355"
 
 
-def python_blocks(text: str | None = None) -> list[tuple[int, str]]:
-  """(line number, source) of every ```python block of the README."""
-  text = README.read_text() if text is None else text
-  return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in _BLOCK.finditer(text)]
+def python_blocks(text: str | None = None) -> list[tuple[str, str]]:
+  """('page:line', source) of every ```python block of `PAGES` (of `text` alone, if given)."""
+  pages = [("text", text)] if text is not None else [(p.name, p.read_text()) for p in PAGES]
+  return [
+    (f"{name}:{body[: m.start()].count(chr(10)) + 2}", m.group(1))
+    for name, body in pages
+    for m in _BLOCK.finditer(body)
+  ]
 
 
 def declared(source: str) -> list[str]:
@@ -232,7 +242,7 @@ def run_block(index: int, workdir: str) -> None:
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
-      exec(compile(source, f"README.md (block at line {line})", "exec"), namespace)
+      exec(compile(source, f"{line} (a ```python block)", "exec"), namespace)
   finally:
     os.chdir(cwd)
 
@@ -285,7 +295,7 @@ def run_processes(source: str, n: int, workdir: Path) -> list[str]:
   return outs
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[line for line, _ in BLOCKS])
 def test_readme_block_runs(index, tmp_path):
   source = BLOCKS[index][1]
   if (processes := processes_needed(source)) > 1:

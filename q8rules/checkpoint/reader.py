@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from q8rules.checkpoint._common import CheckpointError, shape_dtype
+from q8rules.checkpoint._common import CheckpointError, region_of, shape_dtype
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.q8_0 import Q8Array
 
@@ -175,13 +175,11 @@ class CheckpointReader(Mapping[str, Value], abc.ABC):
     self.close()
 
 
-class ArrayReader(CheckpointReader):
-  """The reader of tensors already in memory: a mapping of name -> `Q8Array` or array."""
+class MappedReader(CheckpointReader):
+  """A reader whose tensor names are the keys of its mapping `_tensors` (a file's tensor
+  table, or the arrays themselves)."""
 
-  def __init__(self, tensors: Mapping[str, Value], path: Any = None):
-    self._tensors = tensors
-    self.path = path
-    self._read = 0
+  _tensors: Mapping[str, Any]
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._tensors)
@@ -191,6 +189,15 @@ class ArrayReader(CheckpointReader):
 
   def __contains__(self, name: object) -> bool:
     return name in self._tensors
+
+
+class ArrayReader(MappedReader):
+  """The reader of tensors already in memory: a mapping of name -> `Q8Array` or array."""
+
+  def __init__(self, tensors: Mapping[str, Value], path: Any = None):
+    self._tensors = tensors
+    self.path = path
+    self._read = 0
 
   def spec(self, name: str) -> Any:
     value = self._tensors[name]
@@ -204,8 +211,6 @@ class ArrayReader(CheckpointReader):
     return value
 
   def read_region(self, name: str, index: Any) -> Value:
-    from q8rules.checkpoint.shards import region_of
-
     value = region_of(self._tensors[name], index)
     self._read += _nbytes(value)
     return value
@@ -227,6 +232,7 @@ def as_reader(tensors: Mapping[str, Value]) -> CheckpointReader:
 __all__ = [
   "ArrayReader",
   "CheckpointReader",
+  "MappedReader",
   "Value",
   "as_reader",
   "concat",

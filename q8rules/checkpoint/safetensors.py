@@ -40,13 +40,13 @@ import safetensors.numpy
 from q8rules.checkpoint import assign as _assign
 from q8rules.checkpoint._common import (
   CheckpointError,
+  blocked_axis,
   index_slices,
   is_q8,
   normalize_index,
   progress_iter,
 )
 from q8rules.checkpoint.reader import CheckpointReader
-from q8rules.checkpoint.shards import blocked_axis
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.tree_paths import WRAPPER_ATTRS
 

@@ -22,39 +22,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from q8rules.checkpoint._common import CheckpointError, index_slices, normalize_index
+from q8rules.checkpoint._common import (
+  CheckpointError,
+  blocked_axis,
+  index_slices,
+  normalize_index,
+  region_of,
+)
 from q8rules.checkpoint.reader import CheckpointReader, stack
 from q8rules.q8_0 import BLOCK, Q8Array
 
 Index = tuple[slice, ...]
 """One shard: a slice per axis of the value (as `jax.make_array_from_callback` gives it)."""
-
-
-def blocked_axis(q_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int:
-  """The axis a Q8Array is blocked along, from its shapes (scale's is q's divided by 32):
-  stacked params keep the per-layer `axis` field, so the field alone does not say."""
-  diff = [i for i, (a, b) in enumerate(zip(q_shape, scale_shape, strict=True)) if a != b]
-  if len(diff) != 1 or q_shape[diff[0]] != scale_shape[diff[0]] * BLOCK:
-    raise CheckpointError(f"a Q8Array of q {q_shape} and scale {scale_shape} is not Q8_0-shaped")
-  return diff[0]
-
-
-def region_of(value: Any, index: Any) -> Any:
-  """A region of a value already read (a Q8Array: `index` over q; its scale rows follow)."""
-  if isinstance(value, Q8Array):
-    bounds = normalize_index(index, tuple(value.q.shape))
-    axis = blocked_axis(tuple(value.q.shape), tuple(value.scale.shape))
-    sb = tuple(
-      (a // BLOCK, -(-b // BLOCK)) if i == axis else (a, b) for i, (a, b) in enumerate(bounds)
-    )
-    return Q8Array(
-      q=np.asarray(value.q)[index_slices(bounds)],
-      scale=np.asarray(value.scale)[index_slices(sb)],
-      axis=value.axis,
-      dtype=value.dtype,
-    )
-  value = np.asarray(value)
-  return value[index_slices(normalize_index(index, value.shape))]
 
 
 def read_region(ckpt: CheckpointReader, name: str, index: Any) -> Any:

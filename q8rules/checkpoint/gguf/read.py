@@ -11,7 +11,7 @@ import functools
 import mmap as mmap_lib
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
-from q8rules.checkpoint._common import CheckpointError, progress_iter
+from q8rules.checkpoint._common import CheckpointError, progress_iter, region_of
 from q8rules.checkpoint.gguf import regions, repack
 from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
@@ -36,13 +36,12 @@ from q8rules.checkpoint.gguf.layouts import (
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
 from q8rules.checkpoint.host_buffers import aligned_empty
-from q8rules.checkpoint.reader import CheckpointReader
-from q8rules.checkpoint.shards import region_of
+from q8rules.checkpoint.reader import MappedReader
 from q8rules.q8_0 import Q8Array
 from q8rules.tree_paths import listing
 
 
-class GGUFCheckpoint(CheckpointReader):
+class GGUFCheckpoint(MappedReader):
   """Every tensor of a GGUF file by its GGUF name, repacked lazily when asked for.
 
   The file is memory-mapped (once, `header.open_file`); opening reads only its
@@ -151,15 +150,6 @@ class GGUFCheckpoint(CheckpointReader):
     """Bytes of tensor data copied out of the file so far (whole tensors by `get_tensor`,
     regions by `read_region`, stacks and fused groups by `get_stacked` / `get_fused`)."""
     return self._bytes_read
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self._tensors)
-
-  def __len__(self) -> int:
-    return len(self._tensors)
-
-  def __contains__(self, name: object) -> bool:
-    return name in self._tensors
 
   def tensor_type(self, name: str) -> GGMLQuantizationType:
     """The tensor's GGUF type, e.g. `GGMLQuantizationType.Q8_0`."""
