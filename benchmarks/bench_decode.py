@@ -69,9 +69,9 @@ T0 = time.perf_counter()
 import jax, jax.numpy as jnp, numpy as np
 mode = sys.argv[2]
 if mode == "noop":  # every native-kernel Q8 product a no-op that still depends on x
-  from q8rules.kernels import cpu_native
-  cpu_native._product_diff = lambda x, q, s: jnp.broadcast_to(x[:, :1], (x.shape[0], q.shape[1]))
-  cpu_native.q8_matmul_cpu_layer = lambda x, q, s, i: jnp.broadcast_to(
+  from q8rules.kernels.matmul import cpu as matmul_cpu
+  matmul_cpu._product_diff = lambda x, q, s: jnp.broadcast_to(x[:, :1], (x.shape[0], q.shape[1]))
+  matmul_cpu.q8_matmul_cpu_layer = lambda x, q, s, i: jnp.broadcast_to(
     x[:, :1].astype(jnp.float32), (x.shape[0], q.shape[2]))  # the scanned layers' products
 import q8rules
 from q8rules.llm import compile_cache, load as load_mod

@@ -20,6 +20,7 @@ import q8rules
 from q8rules.kernels import cpu_native, q8_matmul, resolve_product, run_product
 from q8rules.kernels.layer import LayerSlice
 from q8rules.kernels.matmul_act_q8 import api as act_q8_0
+from q8rules.kernels.matmul_act_q8 import cpu as act_cpu
 from q8rules.q8_0 import Q8Array
 from tests._utils import random_q8, random_x, rel_err, weight64
 
@@ -127,7 +128,7 @@ def test_kernels_scalar_int8_path(rng, monkeypatch, m, k, n):
   monkeypatch.setenv("Q8RULES_CPU_ISA", "scalar")
   q, scale = random_q8(rng, k, n, np.float16)
   x = random_x(rng, (m, k))
-  y = cpu_native.q8_matmul_cpu_act_q8(x, q, scale)
+  y = act_cpu.q8_matmul_cpu_act_q8(x, q, scale)
   assert cpu_native.last_act_path() == "scalar"
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(y, ref) <= 1e-6

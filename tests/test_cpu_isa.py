@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from q8rules.kernels import cpu_native as cpu
+from q8rules.kernels.matmul import cpu as matmul_cpu
 from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
 pytestmark = pytest.mark.skipif(
@@ -76,7 +77,7 @@ def isa(request, monkeypatch):
 def test_matches_float64_reference(rng, isa, m, k, n, scale_dtype):
   q, scale = random_q8(rng, k, n, scale_dtype)
   x = random_x(rng, (m, k))
-  out = jax.jit(cpu.q8_matmul_cpu)(x, q, scale)
+  out = jax.jit(matmul_cpu.q8_matmul_cpu)(x, q, scale)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   assert close_to_float64(out, x, weight64(q, scale), 1e-6)
 
@@ -86,7 +87,7 @@ def test_low_precision_x(rng, isa, dtype):
   """x in bfloat16 / float16 is widened exactly: compare with float64 of the rounded x."""
   q, scale = random_q8(rng, 160, 80, np.float16)
   x = random_x(rng, (3, 160), dtype)
-  out = cpu.q8_matmul_cpu(x, q, scale)
+  out = matmul_cpu.q8_matmul_cpu(x, q, scale)
   assert close_to_float64(out, x.astype(jnp.float32), weight64(q, scale), 1e-6)
 
 
@@ -101,7 +102,7 @@ def test_simd_paths_agree_to_the_bit(rng, monkeypatch):
     outs = {}
     for name in ("avx2", "avx512"):
       monkeypatch.setenv(ENV, name)
-      outs[name] = np.asarray(cpu.q8_matmul_cpu(x, q, scale))
+      outs[name] = np.asarray(matmul_cpu.q8_matmul_cpu(x, q, scale))
       assert lib().Q8GemvLastIsa() == ISAS.index(name)
     np.testing.assert_array_equal(outs["avx2"], outs["avx512"])
 
@@ -137,15 +138,15 @@ def test_unknown_isa_is_an_error(rng, monkeypatch):
   monkeypatch.setenv(ENV, "avx-512")
   assert lib().Q8GemvSelectedIsa() == -1
   with pytest.raises(Exception, match=ENV):
-    jax.block_until_ready(cpu.q8_matmul_cpu(x, q, scale))
+    jax.block_until_ready(matmul_cpu.q8_matmul_cpu(x, q, scale))
   monkeypatch.setenv(ENV, "auto")
-  out = cpu.q8_matmul_cpu(x, q, scale)
+  out = matmul_cpu.q8_matmul_cpu(x, q, scale)
   assert rel_err(out, np.asarray(x, np.float64) @ weight64(q, scale)) <= 1e-6
 
 
 def test_isa_names_the_path(isa, rng):
   """`cpu_native.isa()` reports what the library chose and ran, by name."""
   q, scale = random_q8(rng, 64, 32)
-  jax.block_until_ready(cpu.q8_matmul_cpu(random_x(rng, (1, 64)), q, scale))
+  jax.block_until_ready(matmul_cpu.q8_matmul_cpu(random_x(rng, (1, 64)), q, scale))
   assert cpu.isa("last") == isa == cpu.isa("selected")
   assert cpu.ISAS.index(cpu.isa("best")) >= cpu.ISAS.index(isa)

@@ -16,6 +16,7 @@ import pytest
 
 import q8rules
 from q8rules.kernels import CPU_MAX_ROWS, cpu_native, q8_matmul, resolve_product
+from q8rules.kernels.matmul import cpu as matmul_cpu
 from q8rules.q8_0 import Q8Array
 from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
@@ -59,7 +60,7 @@ def path(request):
 def test_matches_float64_reference(rng, path, m, k, n, scale_dtype):
   q, scale = random_q8(rng, k, n, scale_dtype)
   x = random_x(rng, (m, k))
-  out = jax.jit(cpu_native.q8_matmul_cpu)(x, q, scale)
+  out = jax.jit(matmul_cpu.q8_matmul_cpu)(x, q, scale)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   assert close_to_float64(out, x, weight64(q, scale), TOL)
 
@@ -82,7 +83,7 @@ import jax, numpy as np
 from q8rules.kernels import cpu_native
 from tests._utils import random_q8, random_x
 rng = np.random.default_rng(7)
-f = jax.jit(cpu_native.q8_matmul_cpu)
+f = jax.jit(matmul_cpu.q8_matmul_cpu)
 for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576), (1, 1024, 4160)]:
   q, scale = random_q8(rng, k, n)
   x = random_x(rng, (m, k))
@@ -124,7 +125,7 @@ def test_one_row_streamed_equals_the_register_tiles(rng, n):
     pytest.skip("this CPU has no AVX2/FMA/F16C")
   q, scale = random_q8(rng, 96, n, np.float16)
   x = random_x(rng, (2, 96))
-  f = jax.jit(cpu_native.q8_matmul_cpu)
+  f = jax.jit(matmul_cpu.q8_matmul_cpu)
   one, two = np.asarray(f(x[:1], q, scale)), np.asarray(f(x, q, scale))
   assert one.tobytes() == two[:1].tobytes()
 
@@ -143,13 +144,13 @@ def test_q8_matmul_cpu_equals_xla_path_on_a_quantized_weight(rng):
 def test_vmap_over_x(rng):
   q, scale = random_q8(rng, 96, 40)
   x = random_x(rng, (4, 3, 96))
-  out = jax.jit(jax.vmap(cpu_native.q8_matmul_cpu, in_axes=(0, None, None)))(x, q, scale)
+  out = jax.jit(jax.vmap(matmul_cpu.q8_matmul_cpu, in_axes=(0, None, None)))(x, q, scale)
   ref = np.einsum("bmk,kn->bmn", np.asarray(x, np.float64), weight64(q, scale))
   assert out.shape == (4, 3, 40)
   assert rel_err(out, ref) <= TOL
   # x batched along a later axis, nested vmap
   xt = jnp.transpose(x, (1, 0, 2))  # (3, 4, 96): vmap over axis 1, then over the rows
-  inner = jax.vmap(lambda r: cpu_native.q8_matmul_cpu(r[None], q, scale)[0])
+  inner = jax.vmap(lambda r: matmul_cpu.q8_matmul_cpu(r[None], q, scale)[0])
   out2 = jax.vmap(inner, in_axes=1)(xt)
   assert rel_err(out2, ref) <= TOL
 
@@ -159,7 +160,7 @@ def test_vmap_over_the_weight(rng):
   q = jnp.stack([p[0] for p in parts])
   scale = jnp.stack([p[1] for p in parts])
   x = random_x(rng, (2, 64))
-  out = jax.vmap(cpu_native.q8_matmul_cpu, in_axes=(None, 0, 0))(x, q, scale)
+  out = jax.vmap(matmul_cpu.q8_matmul_cpu, in_axes=(None, 0, 0))(x, q, scale)
   ref = np.stack([np.asarray(x, np.float64) @ weight64(*p) for p in parts])
   assert rel_err(out, ref) <= TOL
 
@@ -170,7 +171,7 @@ def test_grad_wrt_x_is_dy_times_w_transposed(rng):
   dy = random_x(rng, (3, 40))
 
   def loss(x):
-    return jnp.sum(cpu_native.q8_matmul_cpu(x, q, scale) * dy)
+    return jnp.sum(matmul_cpu.q8_matmul_cpu(x, q, scale) * dy)
 
   dx = jax.jit(jax.grad(loss))(x)
   ref = np.asarray(dy, np.float64) @ weight64(q, scale).T
@@ -188,10 +189,10 @@ def test_jvp_and_scale_gradient_match_xla_path(rng):
   q, scale = random_q8(rng, 96, 24)
   x = random_x(rng, (2, 96))
   dx = random_x(rng, (2, 96))
-  y, t = jax.jvp(lambda x: cpu_native.q8_matmul_cpu(x, q, scale), (x,), (dx,))
+  y, t = jax.jvp(lambda x: matmul_cpu.q8_matmul_cpu(x, q, scale), (x,), (dx,))
   ref_t = np.asarray(dx, np.float64) @ weight64(q, scale)
   assert rel_err(t, ref_t) <= TOL
-  g_cpu = jax.grad(lambda s: jnp.sum(cpu_native.q8_matmul_cpu(x, q, s) ** 2))(scale)
+  g_cpu = jax.grad(lambda s: jnp.sum(matmul_cpu.q8_matmul_cpu(x, q, s) ** 2))(scale)
   g_xla = jax.grad(lambda s: jnp.sum(q8_matmul_xla(x, q, s) ** 2))(scale)
   assert rel_err(g_cpu, g_xla) <= 1e-5
 
@@ -203,9 +204,9 @@ def test_resolve_on_cpu():
   assert resolve_product(CPU_MAX_ROWS + 1, 4096, 4096, backend="cpu") == "xla"
   assert resolve_product(64, 4096, 4096, backend="cpu") == "xla"
   # small weights (<= CPU_SMALL_WEIGHT values) take the kernel up to CPU_MAX_ROWS_SMALL rows
-  small = cpu_native.CPU_SMALL_WEIGHT // 1536
-  assert resolve_product(cpu_native.CPU_MAX_ROWS_SMALL, small, 1536, backend="cpu") == "cpu"
-  assert resolve_product(cpu_native.CPU_MAX_ROWS_SMALL + 1, small, 1536, backend="cpu") == "xla"
+  small = matmul_cpu.CPU_SMALL_WEIGHT // 1536
+  assert resolve_product(matmul_cpu.CPU_MAX_ROWS_SMALL, small, 1536, backend="cpu") == "cpu"
+  assert resolve_product(matmul_cpu.CPU_MAX_ROWS_SMALL + 1, small, 1536, backend="cpu") == "xla"
   assert resolve_product(CPU_MAX_ROWS + 1, small + 32, 1536, backend="cpu") == "xla"
   assert (
     resolve_product(64, 4096, 4096, backend="cpu", implementation="cpu") == "cpu"
@@ -263,3 +264,14 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
   assert "REASON no C++ compiler" in done.stdout
   assert "ERROR implementation='cpu'" in done.stdout
   assert not list(tmp_path.glob("*.so"))
+
+
+def test_native_library_builds_without_warnings():
+  """The library is compiled with -Wall -Wextra, and its sources give no warning."""
+  if not cpu_native.available():
+    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  assert "-Wall" in cpu_native.CXXFLAGS and "-Wextra" in cpu_native.CXXFLAGS
+  log = cpu_native.build_log()
+  if log is None:
+    pytest.skip("the loaded library was built before build logs were kept")
+  assert "warning" not in log, log[-3000:]

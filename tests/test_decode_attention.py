@@ -18,6 +18,7 @@ import qwix
 import q8rules
 from q8rules.kernels import cpu_native
 from q8rules.kernels.decode_attention import api as decode_attention
+from q8rules.kernels.decode_attention import cpu as attention_cpu
 from q8rules.kernels.decode_attention import cpu as native_attention
 from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.models import Transformer, TransformerConfig, init_cache
@@ -85,7 +86,7 @@ def operands(rng, b=2, layers=3, s=40, kv=2, h=6, d=64, dtype=np.float32):
 def test_native_kernel_against_float64(rng, d, pos, softcap):
   q, keys, values = operands(rng, d=d)
   scale = 1 / np.sqrt(d)
-  out = cpu_native.decode_attention_cpu(
+  out = attention_cpu.decode_attention_cpu(
     jnp.asarray(q[:, 0]),
     jnp.asarray(keys),
     jnp.asarray(values),
@@ -102,7 +103,7 @@ def test_native_kernel_against_float64(rng, d, pos, softcap):
 @needs_native
 def test_native_kernel_reads_a_bfloat16_cache_exactly(rng):
   q, keys, values = operands(rng, dtype=ml_dtypes.bfloat16)
-  out = cpu_native.decode_attention_cpu(
+  out = attention_cpu.decode_attention_cpu(
     jnp.asarray(q[:, 0]),
     jnp.asarray(keys),
     jnp.asarray(values),
@@ -263,7 +264,7 @@ def test_native_kernel_refuses_mismatched_operands(rng):
   """Operands the wrapper would never build still get a clear error from the kernel, not a
   read past the cache: keys and values of other shapes, a layer outside the cache."""
   q, keys, values = operands(rng)
-  call = functools.partial(cpu_native.decode_attention_cpu, scale=0.125, softcap=None)
+  call = functools.partial(attention_cpu.decode_attention_cpu, scale=0.125, softcap=None)
   # the kernel's InvalidArgument: JaxRuntimeError, or ValueError (jax 0.11, a cached executable)
   raised = (jax.errors.JaxRuntimeError, ValueError)
   with pytest.raises(raised, match=r"q8_decode_attention: expected q \(B, H, D\)"):

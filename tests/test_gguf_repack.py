@@ -4,6 +4,8 @@ tensors repacked straight into one stacked Q8Array) against stacking them one by
 
 from __future__ import annotations
 
+import platform
+
 import jax
 import numpy as np
 import pytest
@@ -170,3 +172,26 @@ def test_read_tensors_reach_the_device_without_a_copy(tmp_path, rng):
     assert is_aligned(host)
     aliased = jax.device_put(host).unsafe_buffer_pointer() == host.ctypes.data
     assert aliased == (jax.default_backend() == "cpu")
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_the_repack_loads_and_runs_on_an_accelerator_host(rng, monkeypatch, backend):
+  """On a host whose JAX default backend is a GPU or TPU the native library still loads, and a
+  GGUF file's Q8_0 blocks take the native repack (the same bytes as numpy's transpose), not
+  the slow path. The default backend is faked; the library is loaded afresh under it."""
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    pytest.skip("the native library is x86-64 only")
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  cpu_native.reset()
+  try:
+    assert cpu_native.available(), cpu_native.unavailable_reason()
+    raw = random_blocks(rng, 2, 40, 3)
+    out = np.zeros((2, 96, 40), np.int8)
+    scale_out = np.zeros((2, 3, 40), np.float16)
+    assert cpu_native.repack_q8_transposed(raw, out, scale_out)
+    blocks = raw.view(block_dtype("<"))
+    np.testing.assert_array_equal(out, np.swapaxes(blocks["qs"].reshape(2, 40, 96), -1, -2))
+    np.testing.assert_array_equal(scale_out, np.swapaxes(blocks["d"].reshape(2, 40, 3), -1, -2))
+  finally:
+    monkeypatch.undo()
+    cpu_native.reset()

@@ -16,7 +16,6 @@ platform when a program is lowered. `problem.py` says what a product is (its ope
 `Problem`, the platforms); `layer.py` a product on one layer of stacked weights.
 """
 
-from q8rules.kernels.cpu_native import CPU_MAX_ROWS
 from q8rules.kernels.decode_attention import api as decode_attention_api
 from q8rules.kernels.export import CUSTOM_CALL_TARGETS, export_checks, lowering_context
 from q8rules.kernels.matmul.api import (
@@ -29,6 +28,7 @@ from q8rules.kernels.matmul.api import (
   run_product,
   why_not,
 )
+from q8rules.kernels.matmul.cpu import CPU_MAX_ROWS
 from q8rules.kernels.matmul.fold import fold_applies, q8_fold
 from q8rules.kernels.matmul_act_q8 import api as matmul_act_q8_api
 from q8rules.kernels.problem import check_operands, platform_of

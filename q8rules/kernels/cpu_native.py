@@ -1,16 +1,15 @@
-"""The native CPU Q8_0 product: a C++ XLA FFI kernel (`cpu/q8_gemv.cc`), built on first use.
+"""The native CPU library (`cpu/q8_gemv.cc` and its headers): built on first use, loaded, and
+its FFI targets registered; its run-time queries; the GGUF repack.
 
-`q8_matmul_cpu(x, q, scale)` reads each int8 row once, converts it in registers
-and folds it into per-block float32 sums for every x row (the fold's numerics:
-per 32-row block `s = sum_i x_i q_i`, then `y += d * s`). The first call per
-process compiles the source with `$CXX` (default `c++`) into `$Q8RULES_CACHE`
-(default `~/.cache/q8rules`), named by a hash of source, jaxlib, compiler and
-flags; `available()` is False, with `unavailable_reason()`, where that cannot
-happen (not x86-64, default backend not CPU, no compiler, a failed build).
-The SIMD path (AVX-512, else AVX2/FMA/F16C, else scalar) is chosen at run time;
-`$Q8RULES_CPU_ISA` (avx512, avx2, scalar, auto) caps it, read on every call. `vmap` folds
-a batch of x into the kernel's rows; derivatives are linear XLA (`xla_chunked`).
-Timings: benchmarks/RESULTS.md.
+The ops' 'cpu' implementations call it through XLA's FFI (`kernels/matmul/cpu.py`,
+`kernels/matmul_act_q8/cpu.py`, `kernels/decode_attention/cpu.py`). The first use per process
+compiles the source with `$CXX` (default `c++`, warnings on) into `$Q8RULES_CACHE` (default
+`~/.cache/q8rules`), named by a hash of sources, jaxlib, compiler and flags; `available()` is
+False, with `unavailable_reason()`, where that cannot happen (not x86-64, no compiler, a failed
+build). It loads whatever JAX's default backend is: on a GPU or TPU host the GGUF repack runs
+on it, and the CPU kernels serve programs lowered for the CPU. The SIMD path (AVX-512, else
+AVX2/FMA/F16C, else scalar) is chosen at run time; `$Q8RULES_CPU_ISA` (avx512, avx2, scalar,
+auto) caps it, read on every call.
 """
 
 from __future__ import annotations
@@ -27,21 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 import numpy as np
-
-from q8rules.kernels.matmul._bilinear import bilinear_product
-from q8rules.kernels.problem import Problem
-
-NAME = "cpu"
-SUMMARY = "the native CPU kernel (C++ through XLA's FFI, built on first use)"
-ROUNDS_WEIGHT = False
-"""Every product is exact; only the float32 accumulation rounds."""
-
-CPU_MAX_ROWS = 16
-"""The most activation rows for which `implementation=None` runs the native CPU kernel on CPU
-(past that XLA's GEMM is faster; benchmarks/RESULTS.md)."""
 
 TARGET = "q8rules_q8_gemv"
 """The FFI target name the kernel is registered under (CPU platform)."""
@@ -50,7 +36,7 @@ TARGET_LAYER = "q8rules_q8_gemv_layer"
 """The FFI target of the product on one layer of stacked weights, read in place."""
 
 TARGET_ACT_Q8 = "q8rules_q8_gemv_act_q8"
-"""The FFI target of the product with Q8_0 activations (`q8rules.kernels.act_q8_0`)."""
+"""The FFI target of the product with Q8_0 activations (`q8rules.kernels.matmul_act_q8`)."""
 
 TARGET_ACT_Q8_LAYER = "q8rules_q8_gemv_act_q8_layer"
 """The FFI target of the product with Q8_0 activations on one layer of stacked weights."""
@@ -65,10 +51,11 @@ SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
 HEADERS = (SOURCE.with_name("q8_act_int8.h"), SOURCE.with_name("decode_attention.h"))
 """The headers SOURCE includes (their bytes enter the library's cache key)."""
 
-CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-w")
-"""Compiler flags. No `-mavx2`: the AVX2 functions carry target attributes, so the scalar
-fallback stays runnable on any x86-64 CPU. `-pthread`: the repack starts threads (a glibc
-before 2.34 keeps them in libpthread)."""
+CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra")
+"""Compiler flags, warnings on (the compiler's output is kept beside the library: `build_log`).
+No `-mavx2`: the AVX2 functions carry target attributes, so the scalar fallback stays runnable
+on any x86-64 CPU. `-pthread`: the repack starts threads (a glibc before 2.34 keeps them in
+libpthread). XLA's FFI headers come in with `-isystem` (their own warnings are theirs)."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" (ctypes.CDLL) or "reason" (str), once decided
@@ -107,13 +94,14 @@ def _build(out: Path) -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
   os.close(fd)
-  cmd = [*cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, str(SOURCE)]
+  cmd = [*cxx, *CXXFLAGS, "-isystem", jax.ffi.include_dir(), "-o", tmp, str(SOURCE)]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
       raise RuntimeError(
         f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
       )
+    out.with_suffix(".log").write_text(f"{' '.join(cmd)}\n{done.stderr}")
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
@@ -129,9 +117,6 @@ def _load() -> ctypes.CDLL | None:
       machine = platform.machine().lower()
       if machine not in ("x86_64", "amd64"):
         raise RuntimeError(f"the kernel is x86-64 only (this host: {machine})")
-      backend = jax.default_backend()
-      if backend != "cpu":
-        raise RuntimeError(f"JAX's default backend is {backend!r}, not 'cpu'")
       path = library_path()
       if not path.exists():
         _build(path)
@@ -149,6 +134,20 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
       _state["reason"] = str(e)
     return _state.get("lib")  # type: ignore[return-value]
+
+
+def build_log() -> str | None:
+  """What the compiler printed when it built the loaded library (its command first), or None
+  (not loaded, or built before the log was kept)."""
+  path = loaded_path()
+  log = path.with_suffix(".log") if path is not None else None
+  return log.read_text() if log is not None and log.exists() else None
+
+
+def reset() -> None:
+  """Forget the loaded library (the next use loads it again): for tests."""
+  with _lock:
+    _state.clear()
 
 
 def loaded_path() -> Path | None:
@@ -344,167 +343,3 @@ def repack_q8_transposed(
     i64(threads),
   )
   return True
-
-
-def _ffi_product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  """One kernel call: x (M, K) float32, q (K, N) int8, scale (K/32, N) -> (M, N) float32."""
-  m = x.shape[0]
-  n = q.shape[1]
-  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, q, scale)
-
-
-_product_diff = bilinear_product(_ffi_product)
-
-
-def q8_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-  """`x @ (q * scale)` with the native CPU kernel.
-
-  Args:
-    x: (M, K) float32, bfloat16 or float16 activations (converted to float32,
-      exactly).
-    q: (K, N) int8 Q8_0 values, K a multiple of 32.
-    scale: (K/32, N) float32 or float16 Q8_0 scales (float16 widened in the
-      kernel).
-
-  Returns:
-    (M, N) float32, accumulated in float32 per 32-row block.
-
-  The operands are trusted (`q8_matmul` checks them: `problem.check_operands`).
-
-  Raises:
-    RuntimeError: the kernel is unavailable here (`unavailable_reason()`).
-  """
-  m, k = x.shape
-  n = q.shape[1]
-  if not available():
-    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
-  x = x.astype(jnp.float32)
-  if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  return _product_diff(x, q, scale)
-
-
-def cannot(p: Problem) -> str | None:
-  """Why the native kernel cannot run `p`: not on the CPU, or not built here (None: it can)."""
-  if p.platform != "cpu":
-    return f"the native CPU kernel runs on the CPU only, not {p.platform}"
-  if not available():
-    return f"the native CPU kernel is unavailable here: {unavailable_reason()}"
-  return None
-
-
-CPU_SMALL_WEIGHT = 1 << 20
-"""Weights of at most this many values (K * N) run the native kernel up to `CPU_MAX_ROWS_SMALL`
-rows: at such sizes XLA's per-call costs outweigh its GEMM (SmolLM-135M's 576-wide layers
-prefill 1.8x faster with the kernel; benchmarks/RESULTS.md, issue 21)."""
-
-CPU_MAX_ROWS_SMALL = 128
-"""The most activation rows the native kernel takes for a weight of <= `CPU_SMALL_WEIGHT`
-values."""
-
-
-def slower(p: Problem) -> str | None:
-  """Why `implementation=None` passes the kernel over: more than `CPU_MAX_ROWS` rows (more than
-  `CPU_MAX_ROWS_SMALL` for a weight of at most `CPU_SMALL_WEIGHT` values)."""
-  if p.k * p.n <= CPU_SMALL_WEIGHT:
-    if p.m > CPU_MAX_ROWS_SMALL:
-      return f"m={p.m} > {CPU_MAX_ROWS_SMALL} rows (XLA's GEMM is faster there)"
-    return None
-  if p.m > CPU_MAX_ROWS:
-    return f"m={p.m} > {CPU_MAX_ROWS} rows (XLA's GEMM is faster there)"
-  return None
-
-
-def q8_matmul_cpu_layer(
-  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array
-) -> jax.Array:
-  """`x @ (q[layer] * scale[layer])` with the native kernel reading layer `layer` of the stacked
-  arrays in place (no slice is copied).
-
-  Args:
-    x: (M, K) activations (converted to float32, exactly).
-    q: (L, K, N) int8 stacked Q8_0 values, K a multiple of 32.
-    scale: (L, K/32, N) float32 or float16 scales.
-    layer: () int32, in [0, L) (the kernel fails the call, naming the index, otherwise).
-
-  Returns:
-    (M, N) float32, as `q8_matmul_cpu(x, q[layer], scale[layer])`.
-  """
-  m, k = x.shape
-  n = q.shape[2]
-  if not available():
-    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
-  if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-  index = jnp.asarray(layer, jnp.int32)
-  return jax.ffi.ffi_call(TARGET_LAYER, out)(x.astype(jnp.float32), q, scale, index)
-
-
-def q8_matmul_cpu_act_q8(
-  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array | None = None
-) -> jax.Array:
-  """`Q8_0(x) @ (q * scale)`: the product with x quantized to Q8_0 along K in the kernel
-  (`q8rules.kernels.act_q8_0`), on the whole weight or, with `layer`, on layer `layer` of
-  stacked q (L, K, N) and scale (L, K/32, N) read in place.
-
-  Args:
-    x: (M, K) activations (converted to float32, exactly).
-    q: (K, N) or (L, K, N) int8 Q8_0 values, K a multiple of 32.
-    scale: (K/32, N) or (L, K/32, N) float32 or float16 scales.
-    layer: None, or () int32 in [0, L).
-
-  Returns:
-    (M, N) float32: exact int32 block dots, each folded in with its two scales' product.
-  """
-  m, k = x.shape
-  n = q.shape[-1]
-  if not available():
-    raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
-  if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-  x = x.astype(jnp.float32)
-  if layer is None:
-    return jax.ffi.ffi_call(TARGET_ACT_Q8, out)(x, q, scale)
-  return jax.ffi.ffi_call(TARGET_ACT_Q8_LAYER, out)(x, q, scale, jnp.asarray(layer, jnp.int32))
-
-
-def decode_attention_cpu(
-  q: jax.Array,
-  keys: jax.Array,
-  values: jax.Array,
-  slot: jax.Array,
-  pos: jax.Array,
-  *,
-  scale: float,
-  softcap: float | None,
-) -> jax.Array:
-  """One new token's attention with the native kernel (`kernels/cpu/decode_attention.h`).
-
-  Args:
-    q: (B, H, D) float32, RoPE applied.
-    keys, values: (L, B, S, KV, D) float32 or bfloat16: the cache, the token already written.
-    slot: () int32, the layer; pos: () int32, the token's position (positions [0, pos] are
-      attended, clamped to S).
-    scale: the scores' factor; softcap: None or the tanh cap of the scores.
-
-  Returns:
-    (B, H, D) float32.
-  """
-  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-  return jax.ffi.ffi_call(TARGET_DECODE_ATTENTION, out)(
-    q.astype(jnp.float32),
-    keys,
-    values,
-    jnp.asarray(slot, jnp.int32),
-    jnp.asarray(pos, jnp.int32),
-    scale=np.float32(scale),
-    softcap=np.float32(softcap or 0.0),
-  )
-
-
-def run(x2d: jax.Array, q: jax.Array, scale: jax.Array, platform: str, interpret: bool | None):
-  """The registry's call: `q8_matmul_cpu(x2d, q, scale)`, (m, N) float32."""
-  del platform, interpret
-  return q8_matmul_cpu(x2d, q, scale)

@@ -5,7 +5,7 @@ Slicing layer i out inside the scan (what `nn.scan` does with its params) makes 
 the slice before a custom call that cannot take a view, so the native CPU kernel would read
 a copy of every weight every step. A `LayerSlice` carries the stacked arrays and the index
 instead; `q8_matmul` runs it where an implementation reads the layer in place (the native
-CPU kernel: `cpu_native.q8_matmul_cpu_layer`) and slices it first everywhere else (the fold
+CPU kernel: `matmul.cpu.q8_matmul_cpu_layer`) and slices it first everywhere else (the fold
 on GPU/TPU, the XLA paths), per platform when the program is lowered (`api.py`).
 
 `layer_of(tree, i)` is layer i of a stacked param tree: each `Q8Array` a `LayerSlice`, each

@@ -22,6 +22,14 @@
 #include <sched.h>
 #endif
 
+// GCC 12's avx512fintrin.h seeds its conversions with _mm512_undefined_*(), which
+// -Wuninitialized then reports at every inlined use in this file (GCC bug 105593); on that
+// compiler alone those two warnings are off.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define Q8_X86 1
@@ -231,7 +239,7 @@ Q8_AVX2 void TileRows(int64_t mr, const Problem& p, int64_t b, int64_t col, int6
 
 // One x row against columns [c0, c1) of block b (c1 - c0 a multiple of 8 * NV, at most
 // kStreamColumns), reading q R rows at a time over the whole stretch: R long sequential
-// streams, which the 2-core EPYC of issue 21 reads up to twice as fast as the 32 short ones
+// streams, which a 2-core EPYC reads up to twice as fast as the 32 short ones
 // of the register tiles (K = N = 4096 from DRAM, 1 / 2 threads: 11.8 / 19.9 GB/s against
 // 8.1 / 12.5; RESULTS.md). The block's partial sums s (one per column) go through s_buf (L1)
 // between passes; each column's sum is still fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row
@@ -243,7 +251,7 @@ Q8_AVX2 void TileRows(int64_t mr, const Problem& p, int64_t b, int64_t col, int6
 // decode step (576 to 3072 columns, and the 49152-column head) went from 14.4-16.5 to
 // 10.2-11.5 ms on one thread and 8.8-10.2 to 7.2-8.0 on two, and 8 layers of TinyLlama's
 // (2048 to 11264 columns) from 32.7 to 24.9-27.9 ms on one thread (AVX-512; capped at AVX2:
-// 16.2-17.6 -> 10.6 ms and 37.2 -> 27.7 ms; issue 21's Zen 4 EPYC, RESULTS.md).
+// 16.2-17.6 -> 10.6 ms and 37.2 -> 27.7 ms; a Zen 4 EPYC, RESULTS.md).
 constexpr int64_t kStreamRows = 8;
 constexpr int64_t kStreamColumns = 4096;
 constexpr int64_t kStreamAheadL2 = q8act::kStreamAheadL2;
@@ -691,7 +699,7 @@ int64_t BlocksPerUnit(const Problem& p) {
 // Threads worth using: one per kWorkPerThread values of q x M, at most the pool's threads
 // plus the caller and the CPUs this process may use. (One per 1 MiB left
 // SmolLM-135M's 576-wide layers on one thread at decode: 2 threads decoded it at
-// 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md, issue 21.)
+// 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md.)
 int64_t Threads(const Problem& p, int64_t pool_threads) {
   int64_t t = std::max<int64_t>(1, WorkOf(p) / kWorkPerThread);
   t = std::min<int64_t>(t, pool_threads + 1);
@@ -1019,7 +1027,7 @@ void RepackRows(const uint8_t* s, int8_t* dq, uint16_t* ds, int64_t r0, int64_t 
 // call: whole tensors to each thread when there are several, else the rows of the one tensor
 // in runs of 64 (so no two threads write one cache line of dq). A thread a tensor of
 // SmolLM-135M's layers (0.35 MB), or rows cut at multiples of 16, took 1.5-2.5x one thread's
-// time on issue 21's 2-core VM: a started thread costs 40-70 us there, and threads writing
+// time on a 2-core VM: a started thread costs 40-70 us there, and threads writing
 // the same lines of dq contend for them.
 extern "C" void Q8RepackKernelBatch(const uint8_t* const* blocks, int8_t* dq, uint16_t* ds,
                                     int64_t batch, int64_t rows, int64_t nb, int64_t ldq,

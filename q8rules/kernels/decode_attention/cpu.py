@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
 from q8rules.kernels import cpu_native
+from q8rules.kernels.cpu_native import TARGET_DECODE_ATTENTION
 from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem
 
 NAME = "cpu"
@@ -19,6 +21,40 @@ SUMMARY = "the native CPU library (one custom call; float32 or bfloat16 cache)"
 
 CACHE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 """The cache dtypes the kernel reads."""
+
+
+def decode_attention_cpu(
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  slot: jax.Array,
+  pos: jax.Array,
+  *,
+  scale: float,
+  softcap: float | None,
+) -> jax.Array:
+  """One new token's attention with the native kernel (`kernels/cpu/decode_attention.h`).
+
+  Args:
+    q: (B, H, D) float32, RoPE applied.
+    keys, values: (L, B, S, KV, D) float32 or bfloat16: the cache, the token already written.
+    slot: () int32, the layer; pos: () int32, the token's position (positions [0, pos] are
+      attended, clamped to S).
+    scale: the scores' factor; softcap: None or the tanh cap of the scores.
+
+  Returns:
+    (B, H, D) float32.
+  """
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  return jax.ffi.ffi_call(TARGET_DECODE_ATTENTION, out)(
+    q.astype(jnp.float32),
+    keys,
+    values,
+    jnp.asarray(slot, jnp.int32),
+    jnp.asarray(pos, jnp.int32),
+    scale=np.float32(scale),
+    softcap=np.float32(softcap or 0.0),
+  )
 
 
 def cannot(p: AttentionProblem) -> str | None:
@@ -44,10 +80,8 @@ def slower(p: AttentionProblem) -> None:
 def run(q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams) -> Array:
   """(B, 1, H * D) float32 from q (B, 1, H, D) and the cache (L, B, S, KV, D)."""
   b, _, h, d = q.shape
-  out = cpu_native.decode_attention_cpu(
-    q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap
-  )
+  out = decode_attention_cpu(q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap)
   return out.reshape(b, 1, h * d)
 
 
-__all__ = ["CACHE_DTYPES", "NAME", "SUMMARY", "cannot", "run", "slower"]
+__all__ = ["CACHE_DTYPES", "NAME", "SUMMARY", "cannot", "decode_attention_cpu", "run", "slower"]

@@ -10,13 +10,45 @@ layer in place either way.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from q8rules.kernels import cpu_native
+from q8rules.kernels.cpu_native import TARGET_ACT_Q8, TARGET_ACT_Q8_LAYER
+from q8rules.kernels.matmul import cpu as weight_only
 from q8rules.kernels.matmul_act_q8.reference import round_trip
 from q8rules.kernels.problem import Problem
 
 NAME = "cpu"
 SUMMARY = "the native CPU library: int8 block dots with AVX-512 VNNI, else the round trip"
+
+
+def q8_matmul_cpu_act_q8(
+  x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array | None = None
+) -> jax.Array:
+  """`Q8_0(x) @ (q * scale)`: the product with x quantized to Q8_0 along K in the kernel
+  (`q8rules.kernels.matmul_act_q8`), on the whole weight or, with `layer`, on layer `layer` of
+  stacked q (L, K, N) and scale (L, K/32, N) read in place.
+
+  Args:
+    x: (M, K) activations (converted to float32, exactly).
+    q: (K, N) or (L, K, N) int8 Q8_0 values, K a multiple of 32.
+    scale: (K/32, N) or (L, K/32, N) float32 or float16 scales.
+    layer: None, or () int32 in [0, L).
+
+  Returns:
+    (M, N) float32: exact int32 block dots, each folded in with its two scales' product.
+  """
+  m, k = x.shape
+  n = q.shape[-1]
+  if not cpu_native.available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {cpu_native.unavailable_reason()}")
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  x = x.astype(jnp.float32)
+  if layer is None:
+    return jax.ffi.ffi_call(TARGET_ACT_Q8, out)(x, q, scale)
+  return jax.ffi.ffi_call(TARGET_ACT_Q8_LAYER, out)(x, q, scale, jnp.asarray(layer, jnp.int32))
 
 
 def int8_kernel_runs() -> bool:
@@ -27,14 +59,14 @@ def int8_kernel_runs() -> bool:
 
 def cannot(p: Problem) -> str | None:
   """The weight-only native kernel's reasons (not on the CPU, or not built here)."""
-  return cpu_native.cannot(p)
+  return weight_only.cannot(p)
 
 
 def slower(p: Problem) -> str | None:
   """Where it runs the round trip, the weight-only kernel's own reason (more rows than it
   takes; XLA's GEMM is faster there)."""
   if not int8_kernel_runs():
-    return cpu_native.slower(p)
+    return weight_only.slower(p)
   return None
 
 
@@ -44,10 +76,10 @@ def run(
   """On x2d (m, K) and q (K, N), scale (K/32, N) or, with `layer`, layer `layer` of stacked
   q (L, K, N), scale (L, K/32, N) read in place: (m, N) float32."""
   if int8_kernel_runs():
-    return cpu_native.q8_matmul_cpu_act_q8(x2d, q, scale, layer)
+    return q8_matmul_cpu_act_q8(x2d, q, scale, layer)
   if layer is None:
-    return cpu_native.q8_matmul_cpu(round_trip(x2d), q, scale)
-  return cpu_native.q8_matmul_cpu_layer(round_trip(x2d), q, scale, layer)
+    return weight_only.q8_matmul_cpu(round_trip(x2d), q, scale)
+  return weight_only.q8_matmul_cpu_layer(round_trip(x2d), q, scale, layer)
 
 
-__all__ = ["NAME", "SUMMARY", "cannot", "int8_kernel_runs", "run", "slower"]
+__all__ = ["NAME", "SUMMARY", "cannot", "int8_kernel_runs", "q8_matmul_cpu_act_q8", "run", "slower"]
