@@ -200,6 +200,7 @@ class Mlp(nn.Module):
     return nn.Dense(40, name="down")(h)
 
 
+@pytest.mark.slow
 def test_quantize_model_runs_the_q8_0_product_and_reports_it(rng):
   """An unmodified linen model through `qwix.quantize_model` with an act_qtype rule: each
   matched product is the Q8_0 x Q8_0 product of the layer's own Q8_0 weight."""
@@ -223,6 +224,7 @@ def test_quantize_model_runs_the_q8_0_product_and_reports_it(rng):
   assert rel_err(y, ref) <= 1e-5
 
 
+@pytest.mark.slow
 def test_qat_forward_is_the_served_q8_0_product(rng):
   """QAT with an act_qtype rule: the forward is the served Q8_0 x Q8_0 product, the gradient
   straight through both roundings (finite, and the float model's at the fake-quant weights
@@ -243,6 +245,7 @@ def test_qat_forward_is_the_served_q8_0_product(rng):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_load_gguf_with_q8_0_activations():
   """The tiny llama file with `act_qtype='q8_0'`: every Q8_0 product quantizes its
   activations (the rule says so) and the logits stay within the activations' rounding of the
@@ -254,6 +257,7 @@ def test_load_gguf_with_q8_0_activations():
   assert 0 < rel_err(b, a) < 5e-2
 
 
+@pytest.mark.slow
 def test_export_carries_each_platforms_q8_0_product(rng):
   """One `jax.export` for ('cpu', 'cuda', 'tpu') of an act_qtype product: the CPU module calls
   the native kernel's Q8_0-activation target where the dispatcher picks it, the others run

@@ -203,6 +203,7 @@ class _Net(nn.Module):
     return nn.Dense(8, use_bias=False, name="down")(h)
 
 
+@pytest.mark.slow
 def test_load_like_gives_params_apply_takes(tmp_path, rng):
   """The README's round trip: `load(path, like=abstract)` gives WithAux(Q8Array, Q8How)
   where the abstract has them, bit for bit the saved values; plain `load` gives bare Q8Arrays,

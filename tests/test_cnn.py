@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import qwix
 from flax import nnx
 
@@ -85,6 +86,7 @@ def assert_report(report: q8rules.Report) -> None:
   assert "left float" in str(report)
 
 
+@pytest.mark.slow
 def test_linen_cnn_dense_q8_conv_float(rng):
   model = LinenCNN()
   x = jnp.asarray(rng.standard_normal((2, 8, 8, 3)), jnp.float32)
@@ -117,6 +119,7 @@ def test_linen_cnn_dense_q8_conv_float(rng):
   assert jnp.all(jnp.isfinite(q8_model.apply({"params": converted}, x)))
 
 
+@pytest.mark.slow
 def test_nnx_cnn_dense_q8_conv_float(rng):
   x = jnp.asarray(rng.standard_normal((2, 8, 8, 3)), jnp.float32)
   provider = q8rules.Q8Provider([q8rules.Q8Rule()])

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).parent / "data" / "gguf_models"
 COLD = re.compile(r"(\d+) program\(s\) compiled, (\d+) from the compilation cache")
 
@@ -42,6 +44,7 @@ def run_cli(env: dict[str, str]) -> tuple[int, int]:
   return int(found[1]), int(found[2])
 
 
+@pytest.mark.slow
 def test_second_run_compiles_nothing(tmp_path):
   env = {"Q8RULES_COMPILE_CACHE": str(tmp_path / "cache"), "Q8RULES_NO_COMPILE_CACHE": ""}
   compiled, hits = run_cli(env)
@@ -51,6 +54,7 @@ def test_second_run_compiles_nothing(tmp_path):
   assert compiled == 0 and hits > 0
 
 
+@pytest.mark.slow
 def test_switched_off(tmp_path):
   env = {"Q8RULES_COMPILE_CACHE": str(tmp_path / "cache"), "Q8RULES_NO_COMPILE_CACHE": "1"}
   compiled, hits = run_cli(env)

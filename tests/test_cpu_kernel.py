@@ -94,6 +94,7 @@ for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576),
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.cpu_count() < 2 or not shutil.which("taskset"), reason="needs 2 CPUs")
 def test_output_does_not_depend_on_the_threads():
   """A product split over threads (K cut into units fixed by the problem, each unit's sums

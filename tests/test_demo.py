@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 
 from q8rules.demo import main
 from q8rules.kernels import resolve_product
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports(capsys):
   out = main(
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import qwix
 
 import q8rules
@@ -22,6 +23,7 @@ def _setup():
   return model, tokens, cache, float_params
 
 
+@pytest.mark.slow
 def test_nd_weights_served_as_q8_0():
   """q/k/v (D, N, H) and o (N, H, D) become (D, N*H) and (N*H, D) Q8 matrices; the served
   logits are Q8_0's error away from float, equal to QAT's forward, and init-time

@@ -46,6 +46,7 @@ def host_loop(m, prompt, n, temperature=0.0, seed=0, stop_ids=()):
 PROMPT = [0, 41, 70, 77, 77, 80]
 
 
+@pytest.mark.slow
 def test_prefill_runs_the_head_on_the_last_position_only(m):
   """`prefill` (what `stream` runs on the prompt) gives the last row of `logits` and, bit for
   bit, the cache of the full pass; the model called with `last_only` returns that one row."""

@@ -112,6 +112,7 @@ def test_layer_of_indexes_every_leaf(rng):
   np.testing.assert_array_equal(got["q"].take().q, w.q[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_in_place_scan_gives_the_sliced_scans_logits(arch):
   """The decoder's in-place scan and nn.scan's slicing give the same logits and tokens (gemma3
@@ -124,6 +125,7 @@ def test_in_place_scan_gives_the_sliced_scans_logits(arch):
   assert m.generate(IDS, 8) == sliced.generate(IDS, 8)
 
 
+@pytest.mark.slow
 def test_in_place_scan_of_a_float_model():
   """Without quantization the in-place scan indexes float params: the same logits as nn.scan."""
   from q8rules.models.transformer import Transformer, TransformerConfig, init_cache

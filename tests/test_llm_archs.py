@@ -210,6 +210,7 @@ def test_generate_follows_llama_cpp(name):
     assert tok == r["f32_tokens"][pos + 1], (i, new, r["f32_tokens"][len(prompt) :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_unrolled_layers_equal_scanned(name):
   """scan_layers=False (each layer's kind static) gives the scanned model's logits (each

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 from q8rules.llm import cli, load_gguf
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
 
+@pytest.mark.slow
 def test_run_prints_text_and_speed(capsys):
   path = DATA / "tiny-qwen2-q8_0.gguf"
   out = cli.main(

@@ -163,6 +163,7 @@ def test_split_set_with_a_part_missing(tmp_path):
   raises(tmp_path / "tiny-00001-of-00003.gguf", "1 part\\(s\\) missing", "tiny-00002-of-00003.gguf")
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_cannot_be_built_does_not_block_the_weights(tmp_path, capsys):
   """An unknown tokenizer model: the model loads with `.tokenizer = None` and one warning
   saying why; logits and generate take ids, equal to the file's own; the CLI takes --ids and
@@ -216,6 +217,7 @@ def test_phi3_missing_a_rope_factor_table(tmp_path):
   raises(path, "missing", "'rope_factors_short.weight'")
 
 
+@pytest.mark.slow
 def test_sliding_window_pattern_as_an_array(tmp_path):
   """The pattern key as per-layer bools (llama.cpp's array form): the file's own pattern
   written out loads to the same logits; all-global differs; a wrong length is refused."""

@@ -18,6 +18,7 @@ from q8rules.q8_0 import Q8Array
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_sharded_load_matches_single_device(arch):
   devices = jax.devices()
@@ -50,6 +51,7 @@ def _mesh(n: int, axis_type) -> jax.sharding.Mesh:
   return jax.make_mesh((n,), ("tp",), axis_types=(axis_type,), devices=devices[:n])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_explicit_mesh_matches_auto_and_single_device(arch):
   """`jax.make_mesh`'s default axes here are Explicit: the KV cache is made split like k / v
@@ -66,6 +68,7 @@ def test_explicit_mesh_matches_auto_and_single_device(arch):
   assert explicit.generate(ids, 4) == single.generate(ids, 4)
 
 
+@pytest.mark.slow
 def test_flax_rules_path_on_an_explicit_mesh():
   """The README's tensor-parallel path (quantize_model, shard_params, shard_products) on an
   Explicit mesh: with `init_cache` (placed on the mesh, replicated) or a cache split like k / v

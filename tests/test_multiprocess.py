@@ -141,6 +141,7 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> None:
     pytest.fail(f"a process failed or hung (limit {TIMEOUT_S} s):\n{report}")
 
 
+@pytest.mark.slow
 def test_two_processes_one_model(tmp_path):
   path = write_llama(tmp_path / "tp4-llama-q8_0.gguf")
   bad = write_llama(tmp_path / "bad-llama-q8_0.gguf", kv_heads=2, ffn=192)

@@ -16,6 +16,7 @@ def test_notebooks_exist():
   assert "01_apply_rules.ipynb" in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path: pathlib.Path):
   nb = nbformat.read(path, as_version=4)

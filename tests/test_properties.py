@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +73,7 @@ def _jit_quantize(axis: int, scale_dtype: str):
   return jax.jit(lambda w: q8rules.quantize(w, axis=axis, scale_dtype=scale_dtype))
 
 
+@pytest.mark.slow
 @settings(max_examples=20, **SETTINGS)
 @given(case=quantizer_cases(), jit=st.booleans())
 def test_quantizer_is_gguf_bit_for_bit(case, jit):
@@ -118,6 +120,7 @@ def host_implementations(m: int, k: int, n: int) -> list[str]:
   scale_dtype=st.sampled_from(["float32", "float16"]),
   seed=st.integers(0, 2**32 - 1),
 )
+@pytest.mark.slow
 def test_q8_matmul_every_host_implementation_within_1e6_of_float64(m, k, n, scale_dtype, seed):
   rng = np.random.default_rng(seed)
   q, scale = random_q8(rng, k, n, np.dtype(scale_dtype))
@@ -158,6 +161,7 @@ def einsum_cases(draw):
   return spec, lhs_shape, rhs_shape, draw(st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, **SETTINGS)
 @given(case=einsum_cases())
 def test_einsum_layout_round_trip(case):

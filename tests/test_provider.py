@@ -142,6 +142,7 @@ def test_report_notes_padding_and_bytes(linen_setup):
   assert "K padded 40 -> 64" in str(report)
 
 
+@pytest.mark.slow
 def test_quantize_params_equals_init(linen_setup):
   model, q8_model, _, q8_vars, x = linen_setup
   float_params = model.init(jax.random.key(2), x)["params"]
@@ -152,6 +153,7 @@ def test_quantize_params_equals_init(linen_setup):
   assert jax.tree.structure(converted) == jax.tree.structure(q8_vars["params"])
 
 
+@pytest.mark.slow
 def test_rule_module_path_excludes_a_layer(rng):
   model = LinenNet()
   x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
@@ -383,6 +385,7 @@ def test_unsupported_product_stays_float_with_warning(rng):
 # ---- dispatch to the Pallas fold ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_provider_dispatches_decode_products_to_the_fold(rng):
   """A rule asking for the fold runs it (interpret mode on CPU) and the report says so."""
 

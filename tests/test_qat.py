@@ -142,6 +142,7 @@ def assert_ste_identity(grads, float_grad, fq, x, y) -> None:
   assert_as_accurate_as_float(grads, ref32, ref64)
 
 
+@pytest.mark.slow
 def test_ste_gradient_linen(rng):
   x, y = data(rng)
   model = LinenNet()
@@ -168,6 +169,7 @@ def test_ste_gradient_linen(rng):
   assert rel_err(grads["up"]["kernel"], at_w["up"]["kernel"]) > 1e-4
 
 
+@pytest.mark.slow
 def test_ste_gradient_nnx(rng):
   x, y = data(rng, out=24)
   net = nnx_model(rng)
@@ -189,6 +191,7 @@ def test_ste_gradient_nnx(rng):
 # ---- training and conversion ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_linen_trains_and_converts_to_serving(rng):
   x, y = data(rng, b=8)
   model = LinenNet()
@@ -232,6 +235,7 @@ def test_linen_trains_and_converts_to_serving(rng):
   assert rel_err(float_apply({"params": p}, x_new), y64) > 1e-4  # quantization is visible
 
 
+@pytest.mark.slow
 def test_nnx_trains_and_converts_to_serving(rng):
   x, y = data(rng, b=8, out=24)
   net = nnx_model(rng)
@@ -270,6 +274,7 @@ def test_nnx_trains_and_converts_to_serving(rng):
 # ---- nn.scan over remat layers -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_scan_remat_quantizes_each_layer_slice(rng):
   x = jnp.asarray(rng.normal(size=(6, 48)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(6, 10)), jnp.float32)

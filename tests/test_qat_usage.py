@@ -59,6 +59,7 @@ def test_qat_provider_wants_a_q8rule():
     q8rules.Q8QatProvider([qwix.QtRule(weight_qtype="int8")])
 
 
+@pytest.mark.slow
 def test_serving_options_choose_the_forward_kernel(rng):
   """implementation/interpret pick the kernel QAT's forward runs, as they pick the served
   model's; a shape the named implementation cannot run (the fold at 12 rows > its 8) runs on
@@ -144,6 +145,7 @@ def _benchmark():
   return module
 
 
+@pytest.mark.slow
 def test_digits_quick():
   bench = _benchmark()
   t = time.perf_counter()

@@ -295,6 +295,7 @@ def run_processes(source: str, n: int, workdir: Path) -> list[str]:
   return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[line for line, _ in BLOCKS])
 def test_readme_block_runs(index, tmp_path):
   source = BLOCKS[index][1]

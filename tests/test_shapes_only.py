@@ -13,6 +13,7 @@ from q8rules import Q8Provider, Q8Rule
 from q8rules.models.transformer import Transformer, TransformerConfig, init_cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16])
 def test_shapes_only_gives_the_quantized_inits_shapes(scan_layers, scale_dtype):

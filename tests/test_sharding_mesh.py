@@ -155,6 +155,7 @@ def test_row_parallel(rng):
   assert worst <= 1.0, f"bf16 output off by {worst:.2f} bf16 ulps (cast before the psum?)"
 
 
+@pytest.mark.slow
 def test_megatron_mlp(rng):
   d_model, d_ff, d = 256, 1024, 8
   mesh = mesh_of(d)

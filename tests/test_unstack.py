@@ -16,6 +16,7 @@ DATA = Path(__file__).parent / "data" / "gguf_models"
 IDS = [0, 41, 70, 77, 77, 80, 222, 88]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_unrolled_matches_scanned(arch):
   m = load_gguf(DATA / f"tiny-{arch}-q8_0.gguf", dtype=jnp.float32)

@@ -33,6 +33,7 @@ def test_quantize_refuses_an_axis_out_of_range(shape, axis):
   assert str(shape) in message
 
 
+@pytest.mark.slow
 def test_quantize_accepts_every_axis_in_range():
   w = np.ones((32, 64, 96), np.float32)
   for axis in range(-3, 3):

@@ -135,6 +135,7 @@ def test_a_float_table_given_is_looked_up_and_used_float(setup):
   assert rel_err(out, reference64(float_params, np.asarray(ids), flax_embed, True)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_qat_apply_first_under_jit_and_grad(setup):
   _, _, q8_model, rules, ids, key, float_params = setup
   qat_model = qwix.quantize_model(Decoder(setup[0]), q8rules.Q8QatProvider(rules))

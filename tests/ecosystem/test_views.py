@@ -116,6 +116,7 @@ def test_quantize_params_equals_init_time(served):
     assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
+@pytest.mark.slow
 def test_qat_forward_equals_served_and_trains(served):
   model, q8, _, ids = served
   qat = qwix.quantize_model(model, q8rules.Q8QatProvider([q8rules.Q8Rule()]), ids)
