@@ -7,8 +7,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "q8rules"
 FLOORS_PAGE = PACKAGE.parent / "docs" / "kernels.md"
 """The page that shows the floors (a ``` block after `<!-- floors -->`)."""
@@ -230,14 +228,6 @@ def test_no_python_module_too_long():
   assert too_long((".py",), MAX_PY_LINES) == {}
 
 
-NATIVE_NOT_SPLIT = pytest.mark.xfail(
-  strict=True,
-  reason="the native library is still one C++ source with AVX2 / AVX-512 twins (issue 30's"
-  " open part: one source per op, the twins folded into templates)",
-)
-
-
-@NATIVE_NOT_SPLIT
 def test_no_cpp_source_too_long():
   """No C++ source over 600 lines."""
   assert too_long((".cc", ".h"), MAX_CC_LINES) == {}
@@ -309,7 +299,6 @@ def test_no_copied_python_code():
   assert copies(sources(".py")) == []
 
 
-@NATIVE_NOT_SPLIT
 def test_no_copied_cpp_code():
   """No run of six or more lines of code stands twice in q8rules/'s C++."""
   assert copies(sources(".cc", ".h")) == []

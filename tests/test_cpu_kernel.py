@@ -81,6 +81,7 @@ _THREADS_SCRIPT = """
 import hashlib, sys
 import jax, numpy as np
 from q8rules.kernels import cpu_native
+from q8rules.kernels.matmul import cpu as matmul_cpu
 from tests._utils import random_q8, random_x
 rng = np.random.default_rng(7)
 f = jax.jit(matmul_cpu.q8_matmul_cpu)

@@ -1,4 +1,4 @@
-"""The native CPU library (`cpu/q8_gemv.cc` and its headers): built on first use, loaded, and
+"""The native CPU library (`cpu/library.cc` and its headers): built on first use, loaded, and
 its FFI targets registered; its run-time queries; the GGUF repack.
 
 The ops' 'cpu' implementations call it through XLA's FFI (`kernels/matmul/cpu.py`,
@@ -45,11 +45,13 @@ TARGET_DECODE_ATTENTION = "q8rules_decode_attention"
 """The FFI target of one new token's attention over a layer of the KV cache
 (`q8rules.kernels.decode_attention`)."""
 
-SOURCE = Path(__file__).with_name("cpu") / "q8_gemv.cc"
-"""The kernel's C++ source, shipped as package data."""
+SOURCE = Path(__file__).with_name("cpu") / "library.cc"
+"""The library's C++ source (its FFI handlers and C functions), shipped as package data; each
+op's code is a header beside it."""
 
-HEADERS = (SOURCE.with_name("q8_act_int8.h"), SOURCE.with_name("decode_attention.h"))
-"""The headers SOURCE includes (their bytes enter the library's cache key)."""
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))
+"""The headers SOURCE includes, one per op plus the SIMD helpers and the FFI bindings (their
+bytes enter the library's cache key)."""
 
 CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra")
 """Compiler flags, warnings on (the compiler's output is kept beside the library: `build_log`).

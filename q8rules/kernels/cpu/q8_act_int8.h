@@ -1,4 +1,4 @@
-// The Q8_0 x Q8_0 product of the native CPU kernel (included by q8_gemv.cc): activations
+// The Q8_0 x Q8_0 product of the native CPU kernel (included through q8_matmul.h): activations
 // quantized to Q8_0 blocks of 32 along K, as llama.cpp quantizes them for its Q8_0 weights,
 // then exact int32 block dots against the weight's int8 values:
 //   y[r, n] = sum_b (dx[r, b] * dw[b, n]) * sum_{i < 32} xq[r, 32b + i] * q[32b + i, n]

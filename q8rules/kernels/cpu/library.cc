@@ -1,0 +1,143 @@
+// The native library q8rules builds on first use (kernels/cpu_native.py): XLA FFI handlers for
+// each op, and the C functions the Python side calls through ctypes. Each op's code is its own
+// header: q8_matmul.h (with q8_tiles.h and simd.h) the weight-only product, q8_act_int8.h the
+// Q8_0-activation product, decode_attention.h one new token's attention, repack.h the GGUF
+// repack. The handlers' signatures are declared once each (ffi_bind.h).
+
+// GCC 12's avx512fintrin.h seeds its conversions with _mm512_undefined_*(), which
+// -Wuninitialized then reports at every inlined use in this library (GCC bug 105593); on that
+// compiler alone those two warnings are off.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "decode_attention.h"
+#include "ffi_bind.h"
+#include "q8_act_int8.h"
+#include "q8_matmul.h"
+#include "repack.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// One new token's attention over layer `slot` of the cache, positions [0, pos] (clamped to the
+// cache's length): decode_attention.h.
+inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
+                               ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
+                               float softcap) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto od = out->dimensions();
+  bool ok = qd.size() == 3 && kd.size() == 5 && vd.size() == 5 && od.size() == 3 &&
+            k.element_type() == v.element_type();
+  for (size_t i = 0; ok && i < 5; ++i) ok = kd[i] == vd[i];
+  ok = ok && qd[0] == kd[1] && qd[2] == kd[4] && kd[3] > 0 && qd[1] % kd[3] == 0 &&
+       od[0] == qd[0] && od[1] == qd[1] && od[2] == qd[2] && kd[2] > 0;
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "q8_decode_attention: expected q (B, H, D), keys and values (L, B, S, KV, D) of one "
+        "type, H a multiple of KV, out (B, H, D)");
+  }
+  const int64_t layers = kd[0], batch = kd[1], length = kd[2], kv_heads = kd[3], d = kd[4];
+  const int64_t layer = slot.typed_data()[0];
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument("q8_decode_attention: the layer is outside the cache");
+  }
+  const int64_t n = std::clamp<int64_t>(int64_t{pos.typed_data()[0]} + 1, 1, length);
+  const int64_t offset = layer * batch * length * kv_heads * d;
+  if (k.element_type() == ffi::DataType::F32) {
+    q8attn::DecodeAttention(q.typed_data(), static_cast<const float*>(k.untyped_data()) + offset,
+                            static_cast<const float*>(v.untyped_data()) + offset,
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
+                            softcap);
+  } else if (k.element_type() == ffi::DataType::BF16) {
+    q8attn::DecodeAttention(q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()) + offset,
+                            static_cast<const uint16_t*>(v.untyped_data()) + offset,
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
+                            softcap);
+  } else {
+    return ffi::Error::InvalidArgument("q8_decode_attention: the cache must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The weight-only product (y = x @ W) and the same with Q8_0 activations (q8_act_int8.h), each
+// on a whole weight and on one layer of stacked weights read in place.
+Q8_PRODUCT_HANDLER(Q8Gemv, q8mm::Q8GemvImpl<false>);
+Q8_LAYER_PRODUCT_HANDLER(Q8GemvLayer, q8mm::Q8GemvLayerImpl<false>);
+Q8_PRODUCT_HANDLER(Q8GemvActQ8, q8mm::Q8GemvImpl<true>);
+Q8_LAYER_PRODUCT_HANDLER(Q8GemvActQ8Layer, q8mm::Q8GemvLayerImpl<true>);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (B, H, D)
+                                  .Arg<ffi::AnyBuffer>()         // keys (L, B, S, KV, D)
+                                  .Arg<ffi::AnyBuffer>()         // values (L, B, S, KV, D)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot () int32: the layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos () int32: the new token's
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out (B, H, D)
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+);
+
+// Q8_0 tensors as a GGUF file stores them, into the kernel layout (repack.h).
+extern "C" void Q8RepackKernelBatch(const uint8_t* const* blocks, int8_t* dq, uint16_t* ds,
+                                    int64_t batch, int64_t rows, int64_t nb, int64_t ldq,
+                                    int64_t lds, int64_t q_stride, int64_t s_stride,
+                                    int64_t threads) {
+  q8repack::RepackKernelBatch(blocks, dq, ds, batch, rows, nb, ldq, lds, q_stride, s_stride,
+                              threads);
+}
+
+// Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
+extern "C" int Q8GemvHasAvx2() {
+  q8mm::Isa isa;
+  return q8mm::SelectIsa(&isa) && isa != q8mm::kScalar ? 1 : 0;
+}
+
+// Force (1) or stop forcing (0) the scalar path, whatever the CPU supports.
+extern "C" void Q8GemvForceScalar(int force) { q8mm::g_force_scalar.store(force != 0); }
+
+// The best path this CPU supports: 0 scalar, 1 avx2, 2 avx512.
+extern "C" int Q8GemvBestIsa() { return q8mm::BestIsa(); }
+
+// The path the next call would run (as above), or -1 if $Q8RULES_CPU_ISA is invalid.
+extern "C" int Q8GemvSelectedIsa() {
+  q8mm::Isa isa;
+  return q8mm::SelectIsa(&isa) ? isa : -1;
+}
+
+// The path the last call ran, or -1 before the first call.
+extern "C" int Q8GemvLastIsa() { return q8mm::g_last_isa.load(); }
+
+// The threads the last call used (the caller and pool helpers), 0 before the first call.
+extern "C" int Q8GemvLastThreads() { return q8mm::g_last_threads.load(); }
+
+// 1: the last Q8_0-activation product ran on AVX-512 VNNI; 0: scalar; -1: none has run.
+extern "C" int Q8GemvLastActVnni() { return q8mm::g_last_act_vnni.load(); }
+
+// Whether this CPU has the Q8_0-activation product's VNNI path.
+extern "C" int Q8GemvHasVnni() { return q8act::HasVnni() ? 1 : 0; }
+
+// Q8_0 of x (m, k) as the Q8_0-activation product quantizes it: int8 values, scales (the
+// float16 d widened) and -128 * block sums; on AVX-512 when `simd` (and the CPU has it), else
+// scalar. For tests against gguf.quants.
+extern "C" void Q8QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* xq,
+                                      float* dx, int32_t* xc, int simd) {
+  q8act::QuantizeRows(x, m, k, k, xq, dx, xc, simd != 0 && q8act::HasVnni());
+}
+
+// The name of path `isa` ("scalar", "avx2", "avx512"), or "" if there is none.
+extern "C" const char* Q8GemvIsaName(int isa) {
+  return isa >= 0 && isa <= q8mm::kAvx512 ? q8mm::kIsaNames[isa] : "";
+}
+

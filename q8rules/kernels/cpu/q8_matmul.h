@@ -1,0 +1,452 @@
+// The weight-only Q8_0 product on the CPU (op 'matmul', and the Q8_0-activation product's
+// driver: q8_act_int8.h):
+//   y (M, N) f32 = x (M, K) f32 @ W,  W[k, n] = q[k, n] * scale[k / 32, n],
+// q int8 (K, N) row-major, scale float32 or float16 (K/32, N). Numerics are the fold's: per
+// 32-row block b, s[n] = sum_i x[32b + i] q[32b + i, n] in float32 (FMA), then
+// y[n] += scale[b, n] * s[n]. Decode-sized M is bound by reading q, so q is read once,
+// converted to float32 in registers, and used by every x row. Paths (AVX-512, AVX2, scalar;
+// the same block order) are picked at run time from the CPU and $Q8RULES_CPU_ISA; the SIMD
+// tiles are q8_tiles.h, written once for both vector widths. Design measurements are in
+// benchmarks/RESULTS.md.
+
+#ifndef Q8RULES_Q8_MATMUL_H_
+#define Q8RULES_Q8_MATMUL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "q8_act_int8.h"
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace q8mm {
+// Internal linkage, as one translation unit (library.cc) includes it: the compiler may then
+// specialise the column loops for their call sites.
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int64_t kBlock = 32;      // Q8_0 rows per scale
+constexpr int64_t kMaxRows = 16;    // x rows sharing one read of q
+// One x row streams q kStreamRows rows at a time over up to kStreamColumns columns
+// (q8_tiles.h: StreamBlock), prefetching kStreamAheadL2 bytes ahead into L2.
+constexpr int64_t kStreamRows = 8;
+constexpr int64_t kStreamColumns = 4096;
+constexpr int64_t kStreamAheadL2 = q8act::kStreamAheadL2;
+
+// One product, all arrays row-major. A thread's share is a run of 32-row blocks: the same struct with x, q and
+// scale advanced to its first block, k its rows, and y its own accumulator.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+inline constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
+
+struct Problem {
+  const float* x;       // (M, k) with row stride ldx
+  const int8_t* q;      // (k, N)
+  const void* scale;    // (k/32, N) float32 or float16
+  bool scale_f16;
+  float* y;             // (M, N), accumulated into (+=)
+  int64_t m, k, n;
+  int64_t ldx;          // x's row stride (the full K)
+  Isa isa;              // the path every thread runs
+  // Q8_0 activations (q8_act_int8.h), else null: x's values (M, K), scales and -128 * block
+  // sums (M, K/32), row strides ldx and ldx / 32; y is then stretch-permuted until the end.
+  const int8_t* xq = nullptr;
+  const float* dx = nullptr;
+  const int32_t* xc = nullptr;
+  bool vnni = false;    // the Q8_0-activation product's path: VNNI, else scalar
+};
+
+// The blocks [b0, b1) of p, accumulating into y.
+inline Problem Blocks(const Problem& p, int64_t b0, int64_t b1, float* y) {
+  Problem s = p;
+  s.x = p.x + b0 * kBlock;
+  if (p.xq != nullptr) {
+    s.xq = p.xq + b0 * kBlock;
+    s.dx = p.dx + b0;
+    s.xc = p.xc + b0;
+  }
+  s.q = p.q + b0 * kBlock * p.n;
+  s.scale = static_cast<const char*>(p.scale) + b0 * p.n * (p.scale_f16 ? 2 : 4);
+  s.k = (b1 - b0) * kBlock;
+  s.y = y;
+  return s;
+}
+
+// IEEE half -> float without F16C (the scalar path).
+inline float HalfToFloat(uint16_t h) { return q8act::HalfBitsToFloat(h); }
+
+inline float ScaleAt(const Problem& p, int64_t b, int64_t col) {
+  const int64_t i = b * p.n + col;
+  if (p.scale_f16) return HalfToFloat(static_cast<const uint16_t*>(p.scale)[i]);
+  return static_cast<const float*>(p.scale)[i];
+}
+
+// ---------------------------------------------------------------------------
+// Scalar path (any x86-64): the same block order as the AVX2 path.
+// Columns [n0, n1), x rows [m0, m0 + mg). s: mg x (n1 - n0) floats.
+// ---------------------------------------------------------------------------
+inline void ColumnsScalar(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mg,
+                   float* s) {
+  const int64_t w = n1 - n0;
+  for (int64_t b = 0; b < p.k / kBlock; ++b) {
+    std::fill(s, s + mg * w, 0.0f);
+    for (int64_t i = 0; i < kBlock; ++i) {  // stream the block's rows
+      const int64_t row = b * kBlock + i;
+      const int8_t* qr = p.q + row * p.n + n0;
+      for (int64_t r = 0; r < mg; ++r) {
+        const float xv = p.x[(m0 + r) * p.ldx + row];
+        float* sr = s + r * w;
+        for (int64_t j = 0; j < w; ++j) sr[j] += xv * static_cast<float>(qr[j]);
+      }
+    }
+    for (int64_t r = 0; r < mg; ++r) {  // y += scale * s
+      float* yr = p.y + (m0 + r) * p.n + n0;
+      const float* sr = s + r * w;
+      for (int64_t j = 0; j < w; ++j) yr[j] += ScaleAt(p, b, n0 + j) * sr[j];
+    }
+  }
+}
+
+#if Q8_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+using Vec = q8simd::Avx2;
+#include "q8_tiles.h"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
+namespace avx512 {
+using Vec = q8simd::Avx512;
+#include "q8_tiles.h"
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // Q8_X86
+
+// Set through Q8GemvForceScalar: tests run the scalar path on a SIMD CPU.
+inline std::atomic<bool> g_force_scalar{false};
+// The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
+inline std::atomic<int> g_last_isa{-1};
+inline std::atomic<int> g_last_threads{0};
+// Whether the last Q8_0-activation product ran on VNNI (1) or scalar (0); -1: none yet.
+inline std::atomic<int> g_last_act_vnni{-1};
+
+// The best path this CPU supports.
+inline Isa BestIsa() {
+#if Q8_X86
+  static const Isa best = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c")))
+      return kScalar;
+    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
+  }();
+  return best;
+#else
+  return kScalar;
+#endif
+}
+
+// The path a call runs: $Q8RULES_CPU_ISA (avx512, avx2 or scalar; unset, empty
+// or "auto": the best), capped at what the CPU supports, and scalar while
+// Q8GemvForceScalar is on. Read on every call. False for an unknown value.
+inline bool SelectIsa(Isa* isa) {
+  Isa want = kAvx512;
+  const char* env = std::getenv("Q8RULES_CPU_ISA");
+  if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
+    if (std::strcmp(env, "avx512") == 0) {
+      want = kAvx512;
+    } else if (std::strcmp(env, "avx2") == 0) {
+      want = kAvx2;
+    } else if (std::strcmp(env, "scalar") == 0) {
+      want = kScalar;
+    } else {
+      return false;
+    }
+  }
+  if (g_force_scalar.load(std::memory_order_relaxed)) want = kScalar;
+  *isa = std::min(want, BestIsa());
+  return true;
+}
+
+// All x rows of p (groups of <= 16 rows), all columns, accumulated into p.y.
+inline void Columns(const Problem& p) {
+  std::vector<float> s;  // the scalar path's partial sums
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
+    const int64_t mg = std::min(kMaxRows, p.m - m0);
+    if (p.xq != nullptr) {
+      const int64_t nb = p.ldx / kBlock;
+      const q8act::Int8Operands o{p.xq + m0 * p.ldx, p.dx + m0 * nb, p.xc + m0 * nb,
+                                  p.q,               p.scale,        p.scale_f16,
+                                  p.y + m0 * p.n,    mg,             p.k,
+                                  p.n,               p.ldx,          nb};
+      q8act::ColumnsInt8(o, p.vnni);
+      continue;
+    }
+#if Q8_X86
+    if (p.isa == kAvx512) {
+      avx512::Columns(p, 0, p.n, m0, mg);
+      continue;
+    }
+    if (p.isa == kAvx2) {
+      avx2::Columns(p, 0, p.n, m0, mg);
+      continue;
+    }
+#endif
+    s.resize(static_cast<size_t>(mg * p.n));
+    ColumnsScalar(p, 0, p.n, m0, mg, s.data());
+  }
+}
+
+// Values of q x M a product multiplies: what its thread count and units follow.
+inline int64_t WorkOf(const Problem& p) { return p.k * p.n * std::max<int64_t>(p.m, 1); }
+
+// Unit i of p (its blocks [i * per_unit, (i + 1) * per_unit)), accumulated into acc.
+inline void RunUnit(const Problem& p, int64_t per_unit, int64_t i, float* acc) {
+  const int64_t blocks = p.k / kBlock;
+  Columns(Blocks(p, i * per_unit, std::min(blocks, (i + 1) * per_unit), acc));
+}
+
+// y (M x N) += a unit's accumulator.
+inline void AddInto(float* y, const std::vector<float>& acc) {
+  for (size_t i = 0; i < acc.size(); ++i) y[i] += acc[i];
+}
+
+// Work shared between the caller and the pool's threads. K is cut into a fixed
+// number of runs of blocks (units); whoever increments `next` to i does unit i,
+// over all N columns (each q row is read as one contiguous run), into unit i's
+// own accumulator: unit 0's is y, unit i's (i > 0) a zeroed M x N buffer. When
+// every unit is done the caller adds the buffers into y in unit order. Units are
+// claimed dynamically, so a helper that starts late (or shares its core with
+// another process) just does fewer, and the result does not depend on who did
+// which: the units are fixed by the problem (BlocksPerUnit) and their sums added
+// in one order, so the output is the same bit for bit on every run, with any
+// number of threads (one included: it runs every unit), in every process.
+struct Shared {
+  Problem p;
+  int64_t units = 1;
+  int64_t blocks_per_unit = 1;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::vector<std::vector<float>> partial;  // unit i's accumulator is partial[i - 1]
+
+  // Claim and run units until none is left.
+  void Work() {
+    for (int64_t i = next.fetch_add(1); i < units; i = next.fetch_add(1)) {
+      float* acc = p.y;
+      if (i > 0) {
+        auto& buf = partial[static_cast<size_t>(i - 1)];
+        buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
+        acc = buf.data();
+      }
+      RunUnit(p, blocks_per_unit, i, acc);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// The CPUs this process may run on (its affinity mask, e.g. under taskset),
+// else the hardware's threads.
+inline int64_t UsableCpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+}
+
+// Values of q x M per thread worth waking (and per unit of work: below two of them a
+// product is one unit, on the calling thread).
+inline constexpr int64_t kWorkPerThread = int64_t{1} << 16;
+
+// The 32-row blocks in each unit K is cut into (see Shared): a function of the
+// problem alone, not of the threads, so the output is the same bit for bit whatever
+// the pool, the CPU count or the scheduling. About 8 units at decode sizes
+// (M <= 16: each unit's buffer, M x N floats, is small next to q), 4 for more rows;
+// one unit (no buffers) for a small product.
+inline int64_t BlocksPerUnit(const Problem& p) {
+  const int64_t blocks = p.k / kBlock;
+  if (WorkOf(p) < 2 * kWorkPerThread) return blocks;
+  const int64_t want = std::min(blocks, int64_t{p.m <= kMaxRows ? 8 : 4});
+  return (blocks + want - 1) / want;
+}
+
+// Threads worth using: one per kWorkPerThread values of q x M, at most the pool's threads
+// plus the caller and the CPUs this process may use. (One per 1 MiB left
+// SmolLM-135M's 576-wide layers on one thread at decode: 2 threads decoded it at
+// 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md.)
+inline int64_t Threads(const Problem& p, int64_t pool_threads) {
+  int64_t t = std::max<int64_t>(1, WorkOf(p) / kWorkPerThread);
+  t = std::min<int64_t>(t, pool_threads + 1);
+  t = std::min<int64_t>(t, p.k / kBlock);
+  if (t > 1) t = std::min<int64_t>(t, UsableCpus());
+  return std::max<int64_t>(t, 1);
+}
+
+// The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
+// of q's and scale's) and first elements; y (M, N).
+// The product p (y zeroed) on the caller and up to the pool's threads, in units (Shared).
+inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t blocks = p.k / kBlock;
+  const int64_t per_unit = BlocksPerUnit(p);
+  const int64_t units = (blocks + per_unit - 1) / per_unit;
+  const int64_t threads = std::min(units, Threads(p, pool.num_threads()));
+  g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
+  if (units == 1) {
+    Columns(p);
+    return;
+  }
+  if (threads == 1) {  // the units one after another: unit 0 into y, each other one into
+    // one reused buffer added into y as it is done (the sums, and so y, as with threads)
+    RunUnit(p, per_unit, 0, p.y);
+    std::vector<float> buf(static_cast<size_t>(p.m * p.n));
+    for (int64_t i = 1; i < units; ++i) {
+      std::fill(buf.begin(), buf.end(), 0.0f);
+      RunUnit(p, per_unit, i, buf.data());
+      AddInto(p.y, buf);
+    }
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->p = p;
+  shared->blocks_per_unit = per_unit;
+  shared->units = units;
+  shared->partial.resize(static_cast<size_t>(units - 1));
+  // The helpers hold the shared state, so one that wakes up after the caller
+  // has done every unit finds nothing to claim and touches no buffer.
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([shared] { shared->Work(); });
+  }
+  shared->Work();
+  // Wait for the units the helpers claimed (at most one each is still running).
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
+#if Q8_X86
+    if (spins < 4096) {
+      _mm_pause();
+      continue;
+    }
+#endif
+    std::this_thread::yield();
+  }
+  for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
+  return;
+}
+
+inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
+               const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
+               const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool act_q8) {
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("q8_gemv: x, q, scale and y must be 2-D");
+  }
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = qd[1];
+  p.ldx = p.k;
+  if (qd[0] != p.k || p.k % kBlock != 0 || sd[0] != p.k / kBlock || sd[1] != p.n ||
+      yd[0] != p.m || yd[1] != p.n) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv: expected x (M, K), q (K, N), scale (K/32, N), y (M, N), K a multiple of 32");
+  }
+  if (scale_type == ffi::DataType::F32) {
+    p.scale_f16 = false;
+  } else if (scale_type == ffi::DataType::F16) {
+    p.scale_f16 = true;
+  } else {
+    return ffi::Error::InvalidArgument("q8_gemv: scale must be float32 or float16");
+  }
+  p.x = x.typed_data();
+  p.q = q;
+  p.scale = scale;
+  p.y = y->typed_data();
+  if (!SelectIsa(&p.isa)) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
+  }
+  g_last_isa.store(p.isa, std::memory_order_relaxed);
+  std::fill(p.y, p.y + p.m * p.n, 0.0f);
+  if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> xc;
+  if (act_q8) {  // Q8_0 activations, once for every thread's share (q8_act_int8.h)
+    p.vnni = p.isa == kAvx512 && q8act::HasVnni();
+    xq.resize(static_cast<size_t>(p.m * p.k));
+    dx.resize(static_cast<size_t>(p.m * (p.k / kBlock)));
+    xc.resize(dx.size());
+    q8act::QuantizeRows(p.x, p.m, p.k, p.ldx, xq.data(), dx.data(), xc.data(), p.vnni);
+    p.xq = xq.data();
+    p.dx = dx.data();
+    p.xc = xc.data();
+    g_last_act_vnni.store(p.vnni ? 1 : 0, std::memory_order_relaxed);
+  }
+  Compute(pool, p);
+  if (act_q8) q8act::UnpermuteColumns(p.y, p.m, p.n);
+  return ffi::Error::Success();
+}
+
+
+template <bool kActQ8>
+inline ffi::Error Q8GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, q.dimensions(), q.typed_data(), scale.dimensions(), scale.element_type(),
+             scale.untyped_data(), y, kActQ8);
+}
+
+// Layer `layer` of stacked q (L, K, N) and scale (L, K/32, N), read in place (no slice copied).
+template <bool kActQ8>
+inline ffi::Error Q8GemvLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                           ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = q.dimensions();
+  const auto sd = scale.dimensions();
+  if (qd.size() != 3 || sd.size() != 3 || sd[0] != qd[0] || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "q8_gemv_layer: expected q (L, K, N), scale (L, K/32, N) and one int32 layer index");
+  }
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= qd[0]) {
+    return ffi::Error::InvalidArgument("q8_gemv_layer: layer index " + std::to_string(i) +
+                                       " outside [0, " + std::to_string(qd[0]) + ")");
+  }
+  const int64_t q_layer = qd[1] * qd[2];
+  const int64_t s_layer = sd[1] * sd[2];
+  const int64_t s_bytes = scale.element_type() == ffi::DataType::F16 ? 2 : 4;
+  const auto* s = static_cast<const char*>(scale.untyped_data()) + i * s_layer * s_bytes;
+  return Run(pool, x, qd.last(2), q.typed_data() + i * q_layer, sd.last(2),
+             scale.element_type(), s, y, kActQ8);
+}
+
+
+}  // namespace
+}  // namespace q8mm
+
+#endif  // Q8RULES_Q8_MATMUL_H_
