@@ -390,6 +390,8 @@ def test_rows_not_whole_blocks(tmp_path, model_file):
 
 
 def test_unsupported_quant_types(tmp_path, rng):
+  """A type gguf.quants cannot dequantize is refused, named, whatever the policy; the others
+  are requantized to Q8_0 by default, or dequantized to float32 on request."""
   w4 = weights(rng, 16, 64)
   path = tmp_path / "q4.gguf"
   q8_1 = rng.integers(0, 256, (4, 2 * 40), dtype=np.uint8)  # Q8_1: gguf cannot dequantize it
@@ -401,10 +403,12 @@ def test_unsupported_quant_types(tmp_path, rng):
       "q81": (q8_1, T.Q8_1),
     },
   )
-  with pytest.raises(CheckpointError, match=r"(?s)q4\.gguf: 2 tensor.*'q4': Q4_0.*'q81': Q8_1"):
-    ckpt_gguf.load(path)
-  with pytest.raises(CheckpointError, match=r"'q81': Q8_1 \(gguf.quants cannot dequantize it\)"):
-    ckpt_gguf.load(path, dequantize_other=True)
+  for dequantize_other in (False, True):
+    with pytest.raises(
+      CheckpointError,
+      match=r"(?s)q4\.gguf: 1 tensor\(s\) cannot be served.*'q81': Q8_1 \(gguf.quants cannot",
+    ):
+      ckpt_gguf.load(path, dequantize_other=dequantize_other)
   only_q4 = tmp_path / "only_q4.gguf"
   raw4 = gguf_quantize(w4, T.Q4_0)
   write_gguf(only_q4, {"ok": (q8_bytes(w4), T.Q8_0), "q4": (raw4, T.Q4_0)})
@@ -413,6 +417,8 @@ def test_unsupported_quant_types(tmp_path, rng):
   q4 = ckpt["q4"]
   assert q4.dtype == np.float32
   np.testing.assert_array_equal(q4, gguf_dequantize(raw4, T.Q4_0).T)
+  served = ckpt_gguf.load(only_q4)["q4"]
+  assert isinstance(served, Q8Array) and served.q.shape == (64, 16)
 
 
 def test_unknown_tensor_name(model_file):

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -119,19 +120,25 @@ def test_unsupported_arch(tmp_path):
   )
 
 
-def test_unsupported_quant_type_then_dequantize_other(tmp_path):
+def test_other_quant_type_requantized_or_dequantized(tmp_path):
+  """A Q4_0 matrix is served as Q8_0 by default (its requantized blocks), as float32 with
+  dequantize_other=True (with a warning naming it). (A type gguf.quants cannot dequantize is
+  refused, named: tests/test_checkpoint_gguf.py.)"""
   w = file_weight("blk.0.ffn_up.weight")
   path = rewrite_to(tmp_path, replace={"blk.0.ffn_up.weight": (w, T.Q4_0)})
-  raises(path, "'blk.0.ffn_up.weight': Q4_0", "dequantize_other=True")
+  served = load_gguf(path, dtype=jnp.float32)
+  assert served.requantized == {"Q4_0": 1}
+  q8_file = load_gguf(SRC, dtype=jnp.float32)  # the same model, all Q8_0: the same tree
+  assert jax.tree.structure(served.params) == jax.tree.structure(q8_file.params)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     m = load_gguf(path, dtype=jnp.float32, dequantize_other=True)
   assert any("'blk.0.ffn_up.weight': Q4_0" in str(c.message) for c in caught)
   up = m.params["layers_0"]["mlp"]["up"]["kernel"]
   assert np.asarray(up).dtype == np.float32 and up.shape == (128, 256)
-  q8 = load_gguf(SRC, dtype=jnp.float32).logits(IDS)
-  q4 = m.logits(IDS)
-  assert np.linalg.norm(q4 - q8) / np.linalg.norm(q8) < 0.1
+  q8 = q8_file.logits(IDS)
+  for q4 in (m.logits(IDS), served.logits(IDS)):
+    assert np.linalg.norm(q4 - q8) / np.linalg.norm(q8) < 0.1
 
 
 def test_truncated_file(tmp_path):

@@ -47,7 +47,7 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
   """The groups of `config`'s blocks that can be fused in `ckpt` (see the module).
 
   Args:
-    ckpt: the GGUF checkpoint (`tensor_type`).
+    ckpt: the GGUF checkpoint (`served_type`).
     config: the config read from the file (scanned blocks: `scan_layers`).
     slots: GGUF name -> TensorSlot for `config` (`tensor_slots`).
   """
@@ -68,7 +68,7 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
       if not any(present):
         continue
       names = [n for p in paths if p in by_path for n in by_path[p]]
-      if not all(present) or len({ckpt.tensor_type(n) for n in names}) != 1:
+      if not all(present) or len({ckpt.served_type(n) for n in names}) != 1:
         groups = {}
         break
       groups[("layers", block, fused, leaf)] = tuple(paths)

@@ -42,11 +42,12 @@ from q8rules.sharding import param_shardings
 
 
 def uniform_across_layers(ckpt: Any, slots: Mapping[str, TensorSlot]) -> bool:
-  """Whether every block tensor has one GGUF type in all layers (so the blocks can be stacked)."""
+  """Whether every block tensor is served as one type in all layers (so the blocks can be
+  stacked): a file that mixes quantized types across layers, requantized, stacks."""
   types: dict[tuple[str, ...], set[Any]] = {}
   for name, slot in slots.items():
     if slot.layer is not None:
-      types.setdefault(slot.path[1:], set()).add(ckpt.tensor_type(name))
+      types.setdefault(slot.path[1:], set()).add(ckpt.served_type(name))
   return all(len(t) == 1 for t in types.values())
 
 
@@ -91,6 +92,7 @@ def load_gguf(
   dtype: Any = jnp.bfloat16,
   mesh: Any = None,
   dequantize_other: bool = False,
+  quantize: str | None = None,
   progress: bool | None = None,
   fuse: bool = True,
   act_qtype: str | None = None,
@@ -100,8 +102,11 @@ def load_gguf(
   Args:
     path: the .gguf file, or the first part of a split set
       (`name-00001-of-0000N.gguf`: all parts are opened).
-    dtype: activation dtype (bfloat16 or float32). Weights keep the file's
-      types: Q8_0 as Q8Arrays, F32 / F16 / BF16 as they are.
+    dtype: activation dtype (bfloat16 or float32). Weights: Q8_0 as Q8Arrays (the file's
+      blocks as they are); every other quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+      IQ*, ...) requantized to Q8_0 at load, tensor by tensor, a few rows float at a time
+      (`q8rules.checkpoint.gguf.requant`; `GGUFModel.requantized` counts them); F32 / F16 /
+      BF16 as they are (see `quantize`).
     mesh: a `jax.sharding.Mesh` with an axis 'tp' (Auto or Explicit axes; other
       axes replicate the params): each tensor goes from the file straight to its
       shards (`TP_SPECS`: column-parallel q, k, v, gate, up; row-parallel o,
@@ -109,8 +114,11 @@ def load_gguf(
       `jax.distributed.initialize`; every process makes the same call) each
       process reads only the byte ranges of its own devices' shards
       (`GGUFModel.bytes_read` says how many).
-    dequantize_other: load tensors of other quantized types (Q4_0, Q4_K, ...)
-      as float32, with a warning; by default they are refused.
+    dequantize_other: load tensors of other quantized types (Q4_0, Q4_K, ...) as float32,
+      with a warning, instead of requantizing them to Q8_0.
+    quantize: None, or 'q8_0': the float weight matrices (F32 / F16 / BF16, as
+      `llama-quantize` picks them: not the norms) are quantized to Q8_0 at load, the blocks
+      bit-equal to `llama-quantize`'s Q8_0 output of the file.
     progress: a tqdm bar over tensors (None: when stderr is a terminal).
     fuse: each layer's q | k | v and gate | up matrices concatenated along their output
       axis at load, one product each (`q8rules.llm.fuse`: the file's Q8_0 values and
@@ -126,12 +134,17 @@ def load_gguf(
 
   Raises:
     CheckpointError (naming the file and tensor; nothing is returned
-      half-loaded): unsupported arch or tensor type, a missing or unexpected
+      half-loaded): unsupported arch or tensor type (one `gguf.quants` cannot
+      dequantize), a corrupt block (one that decodes to inf or NaN), a missing or unexpected
       tensor, a shape that disagrees with the metadata, a truncated file, a
       split set with a part missing.
   """
   ckpt = open_gguf(
-    path, scale_dtype=np.float16, dequantize_other=dequantize_other, progress=progress
+    path,
+    scale_dtype=np.float16,
+    dequantize_other=dequantize_other,
+    quantize=quantize,
+    progress=progress,
   )
   try:
     return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse, act_qtype=act_qtype)
@@ -189,7 +202,7 @@ def plan_load(
   other = [
     f"{n!r}: {ckpt.tensor_type(n).name}"
     for n in slots
-    if ckpt.tensor_type(n) != Q8_0 and ckpt.tensor_type(n) not in PLAIN_TYPES
+    if ckpt.tensor_type(n) not in PLAIN_TYPES and ckpt.served_type(n) != Q8_0
   ]
   if other:
     warnings.warn(
@@ -198,7 +211,7 @@ def plan_load(
       stacklevel=4,
     )
   fusion = fuse_plan(ckpt, config, slots) if fuse and mesh is None else Fusion(config, {})
-  q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.tensor_type(n) == Q8_0]
+  q8_paths = [s.path for n, s in slots.items() if s.dense and ckpt.served_type(n) == Q8_0]
   q8_paths = fused_paths(q8_paths, fusion)
   config = fusion.config  # the model's (the file's slots stay `slots`)
   model: nn.Module = Transformer(config)
@@ -231,6 +244,7 @@ def _load(
   tokenizer = _tokenizer(ckpt.metadata, str(ckpt.path))
   out = GGUFModel(ckpt.path, config, plan.model, params, ckpt.metadata, tokenizer, mesh)
   out.bytes_read = tensors.bytes_read
+  out.requantized = ckpt.requantized
   return out
 
 

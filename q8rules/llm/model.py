@@ -13,6 +13,7 @@ rules; token ids in, logits out, whether or not the file's tokenizer loaded.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,6 +69,8 @@ class GGUFModel:
     mesh: the device mesh the params are sharded over, or None.
     bytes_read: bytes of tensor data this process read from the file at load (on a mesh
       over several processes, its own shards' and the replicated tensors').
+    requantized: how many tensors of each file type were requantized to Q8_0 at load
+      (e.g. `Counter({'Q5_0': 81, 'Q4_K': 27, 'Q6_K': 9})`; empty for a Q8_0 file).
   """
 
   path: Any
@@ -78,6 +81,7 @@ class GGUFModel:
   tokenizer: Any = None
   mesh: Any = None
   bytes_read: int = 0
+  requantized: Counter[str] = dataclasses.field(default_factory=Counter)
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))

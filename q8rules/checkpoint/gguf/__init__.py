@@ -38,9 +38,14 @@ Scales keep their float16 values exactly: float16 by default, or widened
 
 Tensor types: Q8_0 becomes a `Q8Array`; F32, F16, F64, I8, I16, I32 and I64
 become numpy arrays of that dtype; BF16 becomes an `ml_dtypes.bfloat16` numpy
-array (the same dtype as `jnp.bfloat16`, values exact). Other quantized types
-are refused with an error naming each tensor and its type, unless
-`dequantize_other=True`, when `gguf.quants.dequantize` turns them into float32.
+array (the same dtype as `jnp.bfloat16`, values exact). A matrix of another
+quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*, TQ*, MXFP4: whatever
+`gguf.quants` dequantizes) is requantized to Q8_0 at read (`requant`: dequantized
+as llama.cpp does, quantized with the Q8_0 quantizer, a few rows at a time) and
+becomes a `Q8Array`; with `dequantize_other=True` it becomes float32 instead.
+With `quantize='q8_0'` the float weight matrices (F32, F16, BF16) are quantized to
+Q8_0 too, as `llama-quantize` would. A type `gguf.quants` cannot dequantize is
+refused with an error naming each tensor and its type.
 
 Every array returned is a numpy array on the host, owned (not a view of the
 file). Put it on a device with `jax.device_put`, or let `assign` place it like
@@ -49,8 +54,8 @@ the param it replaces.
 Modules: `read` (`load`, `GGUFCheckpoint`), `write` (`save`), `parse` (the
 header parsed: fields and tensor table), `header` (opening a file: mapped, its
 tensor table checked), `metadata` (key-value fields as values), `layouts`
-(the Q8_0 block, the tensor types, the two layouts), `split` (`open_gguf`:
-split files as one checkpoint).
+(the Q8_0 block, the tensor types, the two layouts), `requant` (other types
+served as Q8_0), `split` (`open_gguf`: split files as one checkpoint).
 """
 
 from q8rules.checkpoint.gguf.layouts import (

@@ -30,15 +30,14 @@ from q8rules.checkpoint.gguf.layouts import (
   Layout,
   check_layout,
   check_scale_dtype,
-  dequantizable,
   q8_shapes,
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
+from q8rules.checkpoint.gguf.requant import TypePolicy, describe_requantized, q8_0_blocks
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.checkpoint.reader import MappedReader
 from q8rules.q8_0 import Q8Array
-from q8rules.tree_paths import listing
 
 
 class GGUFCheckpoint(MappedReader):
@@ -49,16 +48,20 @@ class GGUFCheckpoint(MappedReader):
   asked for (nothing is cached: a file larger than memory can be walked
   tensor by tensor). `repacked` counts the tensors materialised so far.
 
-  Values (see `q8rules.checkpoint.gguf` for layouts): a Q8_0 tensor is a
-  `Q8Array` (`q` int8, `scale` float16 or float32, numpy); any other tensor
-  a numpy array. Iteration follows the file's tensor order.
+  Values (see `q8rules.checkpoint.gguf` for layouts): a tensor served as Q8_0 (Q8_0 in the
+  file; another quantized type, requantized; with `quantize='q8_0'` a float weight matrix,
+  quantized: `policy.served_type`) is a `Q8Array` (`q` int8, `scale` float16 or float32,
+  numpy); any other tensor a numpy array. Iteration follows the file's tensor order.
 
   Attributes:
     path: the file.
     layout: 'kernel' or 'gguf'.
     scale_dtype: float16 or float32, of Q8Array scales.
     dtype: the static `dtype` of the Q8Arrays (what `dequantize` gives).
-    dequantize_other: whether other quantized types come back as float32.
+    policy: what each tensor is served as (`requant.TypePolicy`: `dequantize_other`,
+      `quantize`).
+    requantized: how many tensors of each file type are served as Q8_0 without being Q8_0
+      in the file.
     progress: default of `load_all`'s progress bar (None: auto).
     repacked: Counter of the tensor names materialised so far.
   """
@@ -69,7 +72,7 @@ class GGUFCheckpoint(MappedReader):
     file: GGUFFile,
     *,
     scale_dtype: np.dtype,
-    dequantize_other: bool,
+    policy: TypePolicy,
     layout: Layout,
     dtype: np.dtype,
     progress: bool | None,
@@ -78,31 +81,19 @@ class GGUFCheckpoint(MappedReader):
     self.layout = layout
     self.scale_dtype = scale_dtype
     self.dtype = dtype
-    self.dequantize_other = dequantize_other
+    self.policy = policy
     self.progress = progress
     self.repacked: Counter[str] = Counter()
     self._bytes_read = 0
     self._file: GGUFFile | None = file
     self._tensors = file.tensors
     self._byteorder = file.header.byteorder
-    self._check_types()
+    policy.check(path, self._tensors.values(), self._byteorder)
+    self.requantized = policy.requantized(self._tensors.values())
 
-  def _check_types(self) -> None:
-    bad = []
-    for name, t in self._tensors.items():
-      qtype = t.tensor_type
-      if qtype == Q8_0 or qtype in PLAIN_TYPES:
-        continue
-      if not self.dequantize_other:
-        bad.append(f"{name!r}: {qtype.name}")
-      elif not dequantizable(qtype):
-        bad.append(f"{name!r}: {qtype.name} (gguf.quants cannot dequantize it)")
-    if bad:
-      hint = "" if self.dequantize_other else " (dequantize_other=True loads them as float32)"
-      raise CheckpointError(
-        f"{self.path}: {len(bad)} tensor(s) of types other than Q8_0, F32, F16, BF16,"
-        f" F64 and I8..I64{hint}:\n{listing(bad)}"
-      )
+  def describe_requantized(self) -> str:
+    """One line: how many tensors of which types are requantized to Q8_0 ('' if none)."""
+    return describe_requantized(self.requantized)
 
   # ---- metadata ----
 
@@ -152,8 +143,20 @@ class GGUFCheckpoint(MappedReader):
     return self._bytes_read
 
   def tensor_type(self, name: str) -> GGMLQuantizationType:
-    """The tensor's GGUF type, e.g. `GGMLQuantizationType.Q8_0`."""
+    """The tensor's GGUF type in the file, e.g. `GGMLQuantizationType.Q4_K`."""
     return self._info(name).tensor_type
+
+  def served_type(self, name: str) -> GGMLQuantizationType:
+    """What the tensor is served as: Q8_0 for a `Q8Array` (the file's Q8_0, a requantized
+    or a quantized tensor), F32 for a quantized tensor dequantized, else its file type."""
+    return self.policy.served_type(self._info(name))
+
+  def _q8_data(self, t: Tensor) -> tuple[np.ndarray, str]:
+    """(Q8_0 blocks, their byte order) of a tensor served as Q8_0: the file's own blocks,
+    or the tensor requantized (`requant.q8_0_blocks`)."""
+    if t.tensor_type == Q8_0:
+      return t.data, self._byteorder
+    return q8_0_blocks(t, path=self.path), "<"
 
   def gguf_shape(self, name: str) -> tuple[int, ...]:
     """The tensor's shape in numpy order (ggml's `ne` reversed), as gguf-py's reader gives it."""
@@ -191,7 +194,8 @@ class GGUFCheckpoint(MappedReader):
     check_layout(layout)
     t = self._info(name)
     shape = self.gguf_shape(name)
-    if t.tensor_type == Q8_0:
+    served = self.policy.served_type(t)
+    if served == Q8_0:
       q_shape, scale_shape, axis = q8_shapes(shape, layout)
       return Q8Array(
         q=jax.ShapeDtypeStruct(q_shape, np.int8),
@@ -199,7 +203,7 @@ class GGUFCheckpoint(MappedReader):
         axis=axis,
         dtype=self.dtype,
       )
-    dtype = PLAIN_TYPES.get(t.tensor_type, np.dtype(np.float32))
+    dtype = PLAIN_TYPES.get(served, np.dtype(np.float32))
     return jax.ShapeDtypeStruct(swap_last(shape) if layout == "kernel" else shape, dtype)
 
   def __getitem__(self, name: str) -> Q8Array | np.ndarray:
@@ -238,17 +242,20 @@ class GGUFCheckpoint(MappedReader):
 
     Returns:
       `self[name][index]` (a `Q8Array` whose q is `q[index]`), copied out of the file.
-      Tensors of other quantized types (`dequantize_other`) are read whole, then sliced.
+      A tensor requantized to Q8_0 is requantized whole, then its region cut out; one
+      dequantized to float32 (`dequantize_other`) is read whole, then sliced.
     """
     layout = layout or self.layout
     check_layout(layout)
     t = self._info(name)
     shape = self.gguf_shape(name)
     try:
-      if t.tensor_type == Q8_0:
+      if self.policy.served_type(t) == Q8_0:
+        data, byteorder = self._q8_data(t)
         value, nbytes = regions.q8_region(
-          t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype, index
+          data, shape, byteorder, self.scale_dtype, layout, self.dtype, index
         )
+        nbytes = nbytes if t.tensor_type == Q8_0 else t.data.nbytes
       elif t.tensor_type in PLAIN_TYPES and t.tensor_type != GGMLQuantizationType.BF16:
         value, nbytes = regions.plain_region(t.data.reshape(shape), layout, index)
       elif t.tensor_type == GGMLQuantizationType.BF16:
@@ -269,14 +276,15 @@ class GGUFCheckpoint(MappedReader):
 
   def _repack(self, t: Tensor, shape: tuple[int, ...], layout: Layout) -> Q8Array | np.ndarray:
     qtype = t.tensor_type
-    if qtype == Q8_0:
-      return repack.repack_q8(t.data, shape, self._byteorder, self.scale_dtype, layout, self.dtype)
+    if self.policy.served_type(t) == Q8_0:
+      data, byteorder = self._q8_data(t)
+      return repack.repack_q8(data, shape, byteorder, self.scale_dtype, layout, self.dtype)
     if qtype == GGMLQuantizationType.BF16:
       bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
       arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
     elif qtype in PLAIN_TYPES:
       arr = t.data.reshape(shape)
-    elif self.dequantize_other:
+    elif self.policy.dequantize_other or len(shape) < 2:
       arr = np.asarray(gguf_lib.quants.dequantize(t.data, qtype), np.float32).reshape(shape)
     else:  # refused when the file was opened; kept for safety
       raise CheckpointError(f"{self.path}: tensor {t.name!r} has unsupported type {qtype.name}")
@@ -291,7 +299,7 @@ class GGUFCheckpoint(MappedReader):
     stacked afterwards. Others are read one by one and stacked."""
     infos = [self._info(n) for n in names]
     shapes = {self.gguf_shape(n) for n in names}
-    if len(shapes) != 1 or any(t.tensor_type != Q8_0 for t in infos):
+    if len(shapes) != 1 or any(self.policy.served_type(t) != Q8_0 for t in infos):
       if out is not None:
         raise CheckpointError(f"{self.path}: only Q8_0 tensors of one shape stack into `out`")
       return super().get_stacked(names)
@@ -301,7 +309,7 @@ class GGUFCheckpoint(MappedReader):
       infos,
       f"Q8_0, shape {shape}",
       lambda: repack.repack_q8_layers(
-        [t.data for t in infos],
+        [self._q8_data(t)[0] for t in infos],
         shape,
         self._byteorder,
         self.scale_dtype,
@@ -322,6 +330,8 @@ class GGUFCheckpoint(MappedReader):
     (`what`: their type and shape), each counted as read once it is done."""
     try:
       value = read()
+    except CheckpointError:
+      raise
     except Exception as e:
       raise CheckpointError(
         f"{self.path}: tensors {names[0]!r} ... {names[-1]!r} ({what}): cannot read them:"
@@ -349,7 +359,7 @@ class GGUFCheckpoint(MappedReader):
       return self._fused_fallback(groups, out)
     rows = [next(iter(sh))[0] for sh in shapes]
     n_in = {next(iter(sh))[1] for sh in shapes}
-    if len(n_in) != 1 or any(t.tensor_type != Q8_0 for g in infos for t in g):
+    if len(n_in) != 1 or any(self.policy.served_type(t) != Q8_0 for g in infos for t in g):
       return self._fused_fallback(groups, out)
     n = n_in.pop()
     return self._read_q8(
@@ -357,7 +367,7 @@ class GGUFCheckpoint(MappedReader):
       [t for g in infos for t in g],
       f"Q8_0, n_in {n}, fused along N",
       lambda: repack.repack_q8_fused(
-        [[t.data for t in g] for g in infos],
+        [[self._q8_data(t)[0] for t in g] for g in infos],
         rows,
         n,
         self._byteorder,
@@ -412,6 +422,7 @@ def load(
   *,
   scale_dtype: Any = np.float16,
   dequantize_other: bool = False,
+  quantize: str | None = None,
   layout: Layout = "kernel",
   dtype: Any = np.float32,
   progress: bool | None = None,
@@ -427,9 +438,13 @@ def load(
     path: the .gguf file.
     scale_dtype: float16 (GGUF's own, default) or float32 (the same values,
       widened exactly) for Q8Array scales.
-    dequantize_other: load tensors of other quantized types (Q4_0, Q6_K, ...)
-      as float32 numpy arrays through `gguf.quants.dequantize`; by default they
-      are refused, each named with its type.
+    dequantize_other: load tensors of other quantized types (Q4_0, Q6_K, ...) as
+      float32 numpy arrays through `gguf.quants.dequantize`; by default each one of rank
+      >= 2 is requantized to Q8_0 (`requant.q8_0_blocks`: dequantized as llama.cpp does,
+      then quantized to Q8_0, a few rows at a time) and served as a Q8Array.
+    quantize: None (default: float tensors as they are), or 'q8_0': the float weight
+      matrices (F32, F16, BF16; `requant.quantizes_float`: what `llama-quantize` quantizes)
+      are quantized to Q8_0 at load, bit-equal to `llama-quantize`'s Q8_0 output.
     layout: 'kernel' (default): Q8 matrices as (K=n_in, N=n_out) blocked along
       axis 0 and every tensor of rank >= 2 with its last two axes swapped;
       'gguf': numpy order as gguf-py's reader reports it. See `q8rules.checkpoint.gguf`.
@@ -453,7 +468,7 @@ def load(
     Path(path),
     file,
     scale_dtype=check_scale_dtype(scale_dtype),
-    dequantize_other=dequantize_other,
+    policy=TypePolicy(dequantize_other, quantize),
     layout=layout,
     dtype=np.dtype(dtype),
     progress=progress,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from q8rules.checkpoint._common import CheckpointError
 from q8rules.checkpoint.gguf.read import GGUFCheckpoint, load
+from q8rules.checkpoint.gguf.requant import describe_requantized
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.checkpoint.reader import (
   CheckpointReader,
@@ -81,6 +83,17 @@ class GGUFSplitCheckpoint(CheckpointReader):
 
   def tensor_type(self, name: str) -> Any:
     return self._part(name).tensor_type(name)
+
+  def served_type(self, name: str) -> Any:
+    return self._part(name).served_type(name)
+
+  @property
+  def requantized(self) -> Counter[str]:
+    """How many tensors of each file type all parts serve as Q8_0 without being Q8_0."""
+    return sum((p.requantized for p in self.parts), Counter())
+
+  def describe_requantized(self) -> str:
+    return describe_requantized(self.requantized)
 
   def gguf_shape(self, name: str) -> tuple[int, ...]:
     return self._part(name).gguf_shape(name)
