@@ -20,8 +20,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_decode import FILES  # noqa: E402
@@ -49,26 +47,13 @@ def split(src: Path, parts: int) -> Path:
   first part's path."""
   import gguf
 
-  r = gguf.GGUFReader(src)
+  from tests._utils import copy_gguf
+
   first = src.with_name(f"{src.stem}-split-00001-of-{parts:05d}.gguf")
   if first.exists():
     return first
-  arch = r.fields["general.architecture"].contents()
-  w = gguf.GGUFWriter(
-    src.with_name(f"{src.stem}-split.gguf"), arch, split_max_tensors=-(-len(r.tensors) // parts)
-  )
-  for key, field in r.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-      continue
-    vtype = gguf.GGUFValueType(field.types[0])
-    sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(key, field.contents(), vtype, sub)
-  for t in r.tensors:
-    w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  n = len(gguf.GGUFReader(src).tensors)
+  copy_gguf(src, src.with_name(f"{src.stem}-split.gguf"), split_max_tensors=-(-n // parts))
   return first
 
 

@@ -120,26 +120,17 @@ def write_f16(src: Path, dst: Path) -> None:
   import gguf
 
   from q8rules.checkpoint.gguf.requant import is_quantized
+  from tests._utils import copy_gguf
 
   if dst.exists():
     return
-  r = gguf.GGUFReader(src)
-  w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
-  for key, field in r.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-      continue
-    vtype = gguf.GGUFValueType(field.types[0])
-    sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(key, field.contents(), vtype, sub)
-  for t in r.tensors:
+
+  def as_f16(t):
     if is_quantized(t.tensor_type):
-      w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16))
-    else:
-      w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+      return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16)
+    return np.asarray(t.data), t.tensor_type
+
+  copy_gguf(src, dst, as_f16)
 
 
 def nll(logits: np.ndarray, ids: list[int]) -> float:

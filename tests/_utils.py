@@ -77,3 +77,28 @@ def write_gguf(path, tensors: dict, kv: dict | None = None, arch: str = "llama")
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+
+
+def copy_gguf(src, dst, convert=None, **writer_kw) -> None:
+  """`src` (a GGUF file) written to `dst` by gguf.GGUFWriter: its metadata as it is, each
+  tensor `t` (a gguf.ReaderTensor) as `convert(t)` gives it, an array (written by its dtype)
+  or (raw bytes, GGML type); by default the file's own bytes and type. `writer_kw`: more
+  arguments of GGUFWriter (e.g. split_max_tensors)."""
+  r = gguf.GGUFReader(src)
+  w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents(), **writer_kw)
+  for key, field in r.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    vtype = gguf.GGUFValueType(field.types[0])
+    sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+    w.add_key_value(key, field.contents(), vtype, sub)
+  for t in r.tensors:
+    out = convert(t) if convert else (np.asarray(t.data), t.tensor_type)
+    if isinstance(out, tuple):
+      w.add_tensor(t.name, out[0], raw_dtype=out[1])
+    else:
+      w.add_tensor(t.name, out)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()

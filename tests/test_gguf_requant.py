@@ -23,7 +23,7 @@ from q8rules.checkpoint.gguf import requant
 from q8rules.checkpoint.gguf.header import Tensor
 from q8rules.checkpoint.gguf.layouts import dequantizable
 from q8rules.q8_0 import Q8Array
-from tests._utils import weights, write_gguf
+from tests._utils import copy_gguf, weights, write_gguf
 
 QUANTIZED = [t for t in T if requant.is_quantized(t) and dequantizable(t)]
 """Every quantized type (not Q8_0) that gguf.quants dequantizes: IQ*, TQ*, MXFP4 included."""
@@ -221,26 +221,6 @@ def test_quantize_q8_0_serves_float_matrices(mixed_file):
   assert ckpt.requantized["F16"] == 1
 
 
-def rewrite(src, dst, convert) -> None:
-  """`src`'s metadata and tensors written to `dst`, each tensor through `convert(name, array)`
-  (an array, or (raw bytes, type))."""
-  ckpt = ckpt_gguf.load(src, layout="gguf")
-  w = gguf.GGUFWriter(dst, ckpt.arch)
-  for k, v in ckpt.typed_metadata.items():
-    if k != "general.architecture":
-      w.add_key_value(k, v.value, v.type, v.sub_type)
-  for name in ckpt:
-    out = convert(name, np.asarray(ckpt[name]))
-    if isinstance(out, tuple):
-      w.add_tensor(name, out[0], raw_dtype=out[1])
-    else:
-      w.add_tensor(name, out)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-
-
 def test_load_gguf_serves_a_quantized_file_as_its_q8_0_twin(tmp_path, rng):
   """load_gguf of the tiny llama with its matrices Q4_0 / Q6_K / Q5_1: every one served as
   Q8_0, params and logits bit-equal to the same model written with the requantized blocks as a
@@ -252,23 +232,24 @@ def test_load_gguf_serves_a_quantized_file_as_its_q8_0_twin(tmp_path, rng):
   src = Path(__file__).parent / "data" / "gguf_models" / "tiny-llama-f32.gguf"
   types: dict[str, T] = {}
 
-  def quantized(name: str, w: np.ndarray):
-    if w.ndim != 2 or "norm" in name:
+  def quantized(t):  # t: a gguf.ReaderTensor of the F32 file
+    w = np.asarray(t.data)
+    if w.ndim != 2 or "norm" in t.name:
       return w
-    qtype = T.Q6_K if w.shape[1] % 256 == 0 else (T.Q5_1 if "attn_v" in name else T.Q4_0)
-    types[name] = qtype
+    qtype = T.Q6_K if w.shape[1] % 256 == 0 else (T.Q5_1 if "attn_v" in t.name else T.Q4_0)
+    types[t.name] = qtype
     if qtype == T.Q6_K:  # gguf-py does not quantize K-quants: random blocks of that shape
       return random_blocks(rng, qtype, *w.shape), qtype
     return gguf_quantize(w, qtype), qtype
 
+  def requantized(t):
+    if t.name not in types:
+      return np.asarray(t.data), t.tensor_type
+    return expected(np.asarray(t.data), types[t.name]), T.Q8_0
+
   q_path, q8_path = tmp_path / "mixed.gguf", tmp_path / "q8.gguf"
-  rewrite(src, q_path, quantized)
-  original = ckpt_gguf.load(q_path, layout="gguf")
-  rewrite(
-    q_path,
-    q8_path,
-    lambda n, w: (expected(original.raw(n), types[n]), T.Q8_0) if n in types else w,
-  )
+  copy_gguf(src, q_path, quantized)
+  copy_gguf(q_path, q8_path, requantized)
   a = q8rules.load_gguf(q_path, progress=False, dtype=np.float32)
   b = q8rules.load_gguf(q8_path, progress=False, dtype=np.float32)
   assert sum(a.requantized.values()) == len(types) and not b.requantized
