@@ -123,9 +123,10 @@ def test_random_blocks(rng, monkeypatch, qtype, isa):
 @pytest.mark.parametrize("qtype", (T.Q4_0, T.Q5_1, T.Q6_K, T.F16), ids=lambda t: t.name)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_chunks_and_threads(rng, qtype, threads):
-  """Rows that do not fill the last 4096-value chunk, over threads that get uneven shares."""
-  data = random_blocks(rng, qtype, 17, 768)  # 13056 values: 3 chunks and a part
-  check(data, qtype, 17, 768, threads)
+  """Rows that do not fill the last 4096-value chunk, nor the last run of 8 chunks that a
+  thread takes at a time: 23 x 4608 = 105984 values, 25 chunks and 3584 values, 4 runs."""
+  data = random_blocks(rng, qtype, 23, 4608)
+  check(data, qtype, 23, 4608, threads)
 
 
 @pytest.mark.parametrize("qtype", (T.F32, T.F16), ids=lambda t: t.name)

@@ -8,9 +8,9 @@
 // A tensor is a run of rows that are runs of blocks, so both directions walk it as one flat
 // stream in chunks of kChunk values (a multiple of every block size and of Q8_0's 32): a
 // requantize decodes one chunk into a float buffer on its thread's stack, then quantizes it,
-// so no float copy of the tensor is ever made. Chunks are shared out in contiguous ranges
-// over the call's threads, each run with IEEE float32 (no flush to zero, whatever the
-// caller's MXCSR holds).
+// so no float copy of the tensor is ever made. Runs of chunks are taken in turn by the
+// call's threads, each run with IEEE float32 (no flush to zero, whatever the caller's MXCSR
+// holds).
 //
 // Exactness: every product and sum is its own statement, and this file's functions are
 // compiled with no FP contraction whatever the flags: GCC's default for C++ fuses a * b + c
@@ -21,6 +21,7 @@
 #define Q8RULES_REQUANT_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -393,18 +394,24 @@ class IeeeFloat {
   unsigned csr_ = 0;
 };
 
-// fn(c0, c1) over chunks [0, chunks), cut into `threads` contiguous ranges (at most one a
-// chunk): the caller runs the first, one started thread each of the others.
+// fn(c0, c1) over chunks [0, chunks), in runs of kRun chunks that the caller and up to
+// threads - 1 started threads take in turn from one counter, so a thread whose core is busy
+// with other work takes fewer (a fixed split waits for its slowest share).
+constexpr int64_t kRun = 8;  // chunks a take: 32768 values, some 20-40 us of work
+
 template <class Fn>
 void OnThreads(int64_t chunks, int64_t threads, const Fn& fn) {
-  const int64_t parts = std::max<int64_t>(1, std::min(threads, chunks));
-  auto run = [&fn, chunks, parts](int64_t t) {
+  const int64_t runs = (chunks + kRun - 1) / kRun;
+  std::atomic<int64_t> next{0};
+  auto work = [&fn, &next, chunks, runs] {
     const IeeeFloat ieee;
-    fn(t * chunks / parts, (t + 1) * chunks / parts);
+    for (int64_t r = next.fetch_add(1); r < runs; r = next.fetch_add(1)) {
+      fn(r * kRun, std::min(chunks, (r + 1) * kRun));
+    }
   };
   std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < parts; ++t) helpers.emplace_back(run, t);
-  run(0);
+  for (int64_t t = 1; t < std::min(threads, runs); ++t) helpers.emplace_back(work);
+  work();
   for (auto& h : helpers) h.join();
 }
 
