@@ -192,6 +192,8 @@ def test_errors_name_the_shapes(rng):
     rn.requantize_q8_0_native(q4k, int(T.Q4_K), 2, 256, out=np.empty(575, np.uint8))
   with pytest.raises(ValueError, match=r"shape \(\) has no rows"):
     rn.dequantize_native(q4k, int(T.Q4_K), ())
+  with pytest.raises(ValueError, match=r">f2 data is big-endian"):
+    rn.dequantize_native(np.zeros((2, 32), ">f2"), int(T.F16), (2, 32))
   out = np.empty((2, 272), np.uint8)
   assert rn.requantize_q8_0_native(q4k, int(T.Q4_K), 2, 256, out=out) is out
 

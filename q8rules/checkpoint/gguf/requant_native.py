@@ -6,10 +6,12 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16 and
 (`requant_native_types()`, asked of the loaded library). Each function returns None where the
 library is unavailable or does not read the type: the caller then uses gguf.quants.
 
-A requantize never holds the float32 tensor: each thread decodes 4096 values into a buffer of
-its own, then quantizes them. Non-finite values do not crash it, and give gguf.quants' blocks
-(a block with a NaN gets a NaN scale, one with an infinity an infinite scale, and int8 values
-0 where gguf.quants' cast of a NaN gives 0); the loader refuses such weights before calling.
+Blocks are read as little-endian (GGUF's default byte order; an array of a big-endian dtype is
+refused): a big-endian file's tensors go through gguf.quants. A requantize never holds the
+float32 tensor: each thread decodes 4096 values into a buffer of its own, then quantizes them.
+Non-finite values do not crash it, and give gguf.quants' blocks (a block with a NaN gets a NaN
+scale, one with an infinity an infinite scale, and int8 values 0 where gguf.quants' cast of a
+NaN gives 0); the loader refuses such weights before calling.
 """
 
 from __future__ import annotations
@@ -78,12 +80,17 @@ def _bytes_of(
   data: np.ndarray, qtype: int, block: tuple[int, int], n_rows: int, n_cols: int, what: str
 ) -> np.ndarray:
   """`data`'s bytes, C-contiguous, checked to be (n_rows, n_cols) values of `qtype`; a
-  ValueError naming the shapes otherwise."""
+  ValueError naming the shapes (or the byte order) otherwise."""
   values, nbytes = block
   if n_rows < 0 or n_cols <= 0 or n_cols % values:
     raise ValueError(
       f"{what}: rows of {n_cols} values are not whole blocks of {_name(qtype)}"
       f" ({values} values a block), for {n_rows} rows"
+    )
+  if data.dtype.byteorder == ">":  # the library is x86-64 only: native order is little
+    raise ValueError(
+      f"{what}: {data.dtype} data is big-endian; the native code reads little-endian blocks"
+      " (a big-endian GGUF file's tensors go through gguf.quants)"
     )
   raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
   want = n_rows * (n_cols // values) * nbytes
