@@ -138,6 +138,12 @@ def _load() -> ctypes.CDLL | None:
     return _state.get("lib")  # type: ignore[return-value]
 
 
+def library() -> ctypes.CDLL | None:
+  """The loaded library (built on the first call), for the modules that call its C functions
+  (`q8rules.checkpoint.gguf.requant_native`); None where it is unavailable."""
+  return _load()
+
+
 def build_log() -> str | None:
   """What the compiler printed when it built the loaded library (its command first), or None
   (not loaded, or built before the log was kept)."""
@@ -255,7 +261,7 @@ thread costs about what it saves): whole tensors to each thread when a call repa
 stack's layers), else the rows of the one tensor."""
 
 
-def _cpus() -> int:
+def cpus() -> int:
   """The CPUs this process may run on (a `taskset` is honoured)."""
   try:
     return max(1, len(os.sched_getaffinity(0)))
@@ -329,7 +335,7 @@ def repack_q8_transposed(
     starts = [parts[0].ctypes.data + i * tensor_bytes for i in range(batch)]
   else:
     starts = [p.ctypes.data for p in parts]
-  threads = _cpus() if batch * tensor_bytes >= REPACK_THREAD_BYTES else 1
+  threads = cpus() if batch * tensor_bytes >= REPACK_THREAD_BYTES else 1
   ptr, i64 = ctypes.c_void_p, ctypes.c_int64
   lib.Q8RepackKernelBatch(
     (ptr * batch)(*starts),

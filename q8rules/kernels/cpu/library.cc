@@ -2,7 +2,8 @@
 // each op, and the C functions the Python side calls through ctypes. Each op's code is its own
 // header: q8_matmul.h (with q8_tiles.h and simd.h) the weight-only product, q8_act_int8.h the
 // Q8_0-activation product, decode_attention.h one new token's attention, repack.h the GGUF
-// repack. The handlers' signatures are declared once each (ffi_bind.h).
+// repack, requant.h GGUF's other tensor types as float32 and as Q8_0. The handlers'
+// signatures are declared once each (ffi_bind.h).
 
 // GCC 12's avx512fintrin.h seeds its conversions with _mm512_undefined_*(), which
 // -Wuninitialized then reports at every inlined use in this library (GCC bug 105593); on that
@@ -21,6 +22,7 @@
 #include "q8_act_int8.h"
 #include "q8_matmul.h"
 #include "repack.h"
+#include "requant.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -96,6 +98,32 @@ extern "C" void Q8RepackKernelBatch(const uint8_t* const* blocks, int8_t* dq, ui
                                     int64_t threads) {
   q8repack::RepackKernelBatch(blocks, dq, ds, batch, rows, nb, ldq, lds, q_stride, s_stride,
                               threads);
+}
+
+// GGUF's other tensor types (requant.h): the block of GGML type `type` (its values and bytes,
+// and 1), or 0 when the library does not read that type.
+extern "C" int Q8RequantBlock(int type, int64_t* values, int64_t* bytes) {
+  q8requant::Format f;
+  if (!q8requant::FormatOf(type, &f)) return 0;
+  *values = f.values;
+  *bytes = f.bytes;
+  return 1;
+}
+
+// Rows (n_rows, n_cols) of GGML type `type` into n_rows * n_cols float32, as
+// gguf.quants.dequantize gives them. 0, or -1 for a type not read here, -2 for rows that are
+// not whole blocks.
+extern "C" int Q8Dequantize(int type, const uint8_t* src, int64_t n_rows, int64_t n_cols,
+                            float* out, int64_t threads) {
+  return q8requant::Dequantize(type, src, n_rows, n_cols, out, threads);
+}
+
+// The same rows as Q8_0 GGUF blocks (n_rows * n_cols / 32 of 34 bytes), as
+// gguf.quants.quantize(dequantize(rows), Q8_0) gives them. Returns as Q8Dequantize (-2 also
+// for n_cols not a multiple of 32).
+extern "C" int Q8Requantize(int type, const uint8_t* src, int64_t n_rows, int64_t n_cols,
+                            uint8_t* out, int64_t threads) {
+  return q8requant::Requantize(type, src, n_rows, n_cols, out, threads);
 }
 
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
