@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from q8rules.checkpoint._common import CheckpointError
 from q8rules.checkpoint.gguf.header import Tensor
 from q8rules.checkpoint.gguf.layouts import BLOCK_BYTES, PLAIN_TYPES, Q8_0, dequantizable
+from q8rules.checkpoint.gguf.requant_native import requantize_q8_0_native
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.q8_0 import BLOCK
 
@@ -135,8 +136,10 @@ def q8_0_blocks(t: Tensor, *, path: object = "") -> np.ndarray:
   `(*t.shape[:-1], t.shape[-1] // 32 * 34)`, the layout a Q8_0 tensor of `t.shape` has in a
   GGUF file (little-endian float16 scales), ready for `repack`.
 
-  Rows are dequantized (a quantized type) or widened (F16, BF16, F32) about `CHUNK_VALUES`
-  values at a time and quantized to Q8_0 with `gguf.quants.quantize`.
+  Rows are dequantized (a quantized type) or widened (F16, BF16, F32) and quantized to Q8_0 by
+  the native library where it reads the type (`requant_native`: a few thousand values a thread
+  at a time, bit-equal to gguf.quants), else by `gguf.quants` about `CHUNK_VALUES` values at a
+  time.
 
   Raises:
     CheckpointError naming the file, tensor and row: a non-finite value (a float weight's,
@@ -160,7 +163,24 @@ def q8_0_blocks(t: Tensor, *, path: object = "") -> np.ndarray:
     block, _ = GGML_QUANT_SIZES[qtype]
     assert n_cols % block == 0, (t.name, qtype, shape)
   what = f"{path}: tensor {t.name!r} ({qtype.name}, shape {shape})"
-  for r in range(0, n_rows, step):
+  if requantize_q8_0_native(src, int(qtype), n_rows, n_cols, out) is not None:
+    d = out.reshape(n_rows, -1, BLOCK_BYTES)[..., :2].copy().view(np.float16)
+    bad = ~np.isfinite(d).all(axis=(1, 2))
+    if bad.any():  # the precise error, from gguf.quants on the rows from the first bad one
+      first = int(np.argmax(bad))
+      _requantize_numpy(src[first:], qtype, out[first:], step, first, what)
+    return out.reshape(*shape[:-1], -1)
+  _requantize_numpy(src, qtype, out, step, 0, what)
+  return out.reshape(*shape[:-1], -1)
+
+
+def _requantize_numpy(
+  src: np.ndarray, qtype: GGMLQuantizationType, out: np.ndarray, step: int, row0: int, what: str
+) -> None:
+  """`src`'s rows (as the file stores them) into `out`'s Q8_0 blocks through gguf.quants,
+  `step` rows at a time; CheckpointError naming the row (counted from `row0`) of a non-finite
+  value or a Q8_0 scale beyond float16."""
+  for r in range(0, len(src), step):
     with np.errstate(all="ignore"):
       x = _floats(src[r : r + step], qtype)
       finite = np.isfinite(x).all(axis=-1)
@@ -169,11 +189,10 @@ def q8_0_blocks(t: Tensor, *, path: object = "") -> np.ndarray:
     if not finite.all():
       kind = "a corrupt block" if is_quantized(qtype) else "a non-finite weight"
       raise CheckpointError(
-        f"{what}: row {r + int(np.argmin(finite))} holds a non-finite value ({kind});"
+        f"{what}: row {row0 + r + int(np.argmin(finite))} holds a non-finite value ({kind});"
         " it cannot be served as Q8_0"
       )
-    check_scales(out[r : r + step], r, what)
-  return out.reshape(*shape[:-1], -1)
+    check_scales(out[r : r + step], row0 + r, what)
 
 
 def check_scales(blocks: np.ndarray, first_row: int, what: str) -> None:
