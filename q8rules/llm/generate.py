@@ -8,17 +8,18 @@ its logits, and stops early at a stop id; the KV cache is donated, so it is upda
 place. The model step is the same traced program as the one-token call, so its logits are
 unchanged; sampling is too: greedy is `argmax`, otherwise each sampled token splits the key
 once (`key, sub = split(key)`; `categorical(sub, logits / temperature)`), as the host loop
-did, so a seed gives the same tokens.
+did, so a seed gives the same tokens. The other steps of llama.cpp's sampler chain (repetition
+penalty, top-k, top-p, min-p: `q8rules.llm.sampling`) run in the same program.
 
-    sampler = Sampler(temperature=0.7, seed=0)
-    tok, key = first_token(logits[0, -1], key, sampler)      # after the prefill
+    sampler = Sampler(temperature=0.7, top_p=0.9)
+    tok, key, recent = first_token(logits, key, sampler, sampler.recent(prompt))  # after prefill
     loop = DecodeLoop(apply, size=16)
-    toks, count, cache, tok, key = loop(variables, cache, tok, pos, key, n, stops, sampler)
+    toks, count, cache, tok, key, recent = loop(variables, cache, tok, pos, key, recent, n,
+                                                stops, sampler)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.llm.sampling import Sampler, sample
+
 CHUNK = 16
 """Decode steps per device call in `GGUFModel.stream` (tokens are yielded a chunk at a time)."""
 
@@ -34,33 +37,19 @@ MAX_STOPS = 8
 """Stop ids are passed as a fixed-size array (padded with -1): up to this many per call."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampler:
-  """Greedy (temperature 0) or sampling from softmax(logits / temperature)."""
-
-  temperature: float = 0.0
-
-  @property
-  def greedy(self) -> bool:
-    return not self.temperature > 0
+@functools.partial(jax.jit, static_argnames=("settings",))
+def _first(logits, key, recent, temperature, *, settings):
+  return sample(logits, key, recent, temperature, settings)
 
 
-def _sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool):
-  """(token int32, key) from one position's logits (vocab,), as the host loop sampled."""
-  if greedy:
-    return jnp.argmax(logits).astype(jnp.int32), key
-  key, sub = jax.random.split(key)
-  return jax.random.categorical(sub, logits / temperature).astype(jnp.int32), key
-
-
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _first(logits: jax.Array, key: jax.Array, temperature: jax.Array, *, greedy: bool):
-  return _sample(logits, key, temperature, greedy)
-
-
-def first_token(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, Any]:
-  """The token after the prompt, from the prefill's last logits (vocab,), and the next key."""
-  return _first(logits, key, jnp.float32(sampler.temperature or 1.0), greedy=sampler.greedy)
+def first_token(
+  logits: jax.Array, key: jax.Array, sampler: Sampler, recent: jax.Array | None = None
+) -> tuple[jax.Array, Any, jax.Array]:
+  """The token after the prompt, from the prefill's last logits (vocab,), the next key and the
+  recent ids with it (`recent`: the prompt's, `sampler.recent(prompt_ids)`)."""
+  recent = sampler.recent([]) if recent is None else recent
+  temperature = jnp.float32(sampler.temperature or 1.0)
+  return _first(logits, key, recent, temperature, settings=sampler.settings())
 
 
 def stop_array(stop_ids: Sequence[int]) -> jax.Array:
@@ -85,44 +74,45 @@ class DecodeLoop:
     self.size = size
     self._apply = apply
     self._context = context
-    self._jit = jax.jit(self._loop, static_argnames=("greedy",), donate_argnums=(1,))
+    self._jit = jax.jit(self._loop, static_argnames=("settings",), donate_argnums=(1,))
 
-  def _loop(self, variables, cache, tok, pos, key, n, stops, temperature, *, greedy):
+  def _loop(self, variables, cache, tok, pos, key, recent, n, stops, temperature, *, settings):
     toks = jnp.full((self.size,), -1, jnp.int32)
 
     def cond(state):
-      i, _, _, _, _, stopped = state
+      i, _, _, _, _, _, stopped = state
       return (i < n) & ~stopped
 
     def body(state):
-      i, toks, cache, tok, key, _ = state
+      i, toks, cache, tok, key, recent, _ = state
       logits, cache = self._apply(variables, tok.reshape(1, 1), cache, pos + i)
-      tok, key = _sample(logits[0, -1], key, temperature, greedy)
+      tok, key, recent = sample(logits[0, -1], key, recent, temperature, settings)
       toks = toks.at[i].set(tok)
-      return i + 1, toks, cache, tok, key, jnp.any(tok == stops)
+      return i + 1, toks, cache, tok, key, recent, jnp.any(tok == stops)
 
-    start = (jnp.int32(0), toks, cache, tok, key, jnp.bool_(False))
-    count, toks, cache, tok, key, _ = jax.lax.while_loop(cond, body, start)
-    return toks, count, cache, tok, key
+    start = (jnp.int32(0), toks, cache, tok, key, recent, jnp.bool_(False))
+    count, toks, cache, tok, key, recent, _ = jax.lax.while_loop(cond, body, start)
+    return toks, count, cache, tok, key, recent
 
-  def __call__(self, variables, cache, tok, pos, key, n, stops, sampler: Sampler):
+  def __call__(self, variables, cache, tok, pos, key, recent, n, stops, sampler: Sampler):
     """Run up to min(n, size) steps from token `tok` at position `pos` (stopping after a token
-    in `stops`): (tokens (size,) int32 with the first `count` valid, count, cache, the last
-    token, key)."""
+    in `stops`; `recent`: the last ids the penalty sees): (tokens (size,) int32 with the first
+    `count` valid, count, cache, the last token, key, recent)."""
     args = (
       variables,
       cache,
       tok,
       jnp.int32(pos),
       key,
+      recent,
       jnp.int32(min(n, self.size)),
       stops,
       jnp.float32(sampler.temperature or 1.0),
     )
     if self._context is None:
-      return self._jit(*args, greedy=sampler.greedy)
+      return self._jit(*args, settings=sampler.settings())
     with self._context():
-      return self._jit(*args, greedy=sampler.greedy)
+      return self._jit(*args, settings=sampler.settings())
 
 
 def decode(
@@ -135,10 +125,13 @@ def decode(
   max_new_tokens: int,
   stop_ids: Sequence[int],
   sampler: Sampler,
+  recent: jax.Array | None = None,
 ) -> Iterator[int]:
   """Yield `first`, then the tokens the loop samples after it (a chunk per device call),
   up to `max_new_tokens` in all or through the first token in `stop_ids`. `pos` is the
-  position `first` goes to (the prompt's length)."""
+  position `first` goes to (the prompt's length); `recent`: the ids the penalty sees, `first`
+  included (`first_token`'s)."""
+  recent = sampler.recent([]) if recent is None else recent
   stops = stop_array(stop_ids)
   stop_set = set(int(i) for i in stop_ids)
   tok = first
@@ -148,8 +141,8 @@ def decode(
   if nxt in stop_set:
     return
   while done < max_new_tokens:
-    toks, count, cache, tok, key = loop(
-      variables, cache, tok, pos + done - 1, key, max_new_tokens - done, stops, sampler
+    toks, count, cache, tok, key, recent = loop(
+      variables, cache, tok, pos + done - 1, key, recent, max_new_tokens - done, stops, sampler
     )
     for t in np.asarray(toks[: int(count)]).tolist():
       yield t

@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from q8rules.llm import distributed
-from q8rules.llm.generate import CHUNK, DecodeLoop, Sampler, decode, first_token
+from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token
+from q8rules.llm.sampling import Sampler
 from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
@@ -152,19 +153,24 @@ class GGUFModel:
     seed: int = 0,
     stop_ids: Sequence[int] = (),
     on_prefill: Callable[[], None] | None = None,
+    sampler: Sampler | None = None,
   ) -> Iterator[int]:
     """Yield new token ids: the prompt in one pass, then the decode loop on the device
     (`q8rules.llm.generate`: `CHUNK` tokens per device call, yielded as each chunk ends).
 
-    Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature).
+    Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature);
+    `sampler` (a `q8rules.llm.sampling.Sampler`: top-k, top-p, min-p, repetition penalty,
+    as llama.cpp's chain) replaces `temperature` and `seed` when given.
     Stops after `max_new_tokens` or after yielding a token in `stop_ids`.
     `on_prefill` is called once the prompt's logits are ready (for timing).
     """
+    if max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    sampler = sampler or Sampler(temperature=temperature, seed=seed)
     last, cache = self.prefill(prompt_ids, max_new_tokens)
     t = np.size(prompt_ids)  # checked by prefill: a 1-D sequence
-    key = jax.random.key(seed)
-    sampler = Sampler(temperature)
-    first, key = first_token(last, key, sampler)
+    key = jax.random.key(sampler.seed)
+    first, key, recent = first_token(last, key, sampler, sampler.recent(prompt_ids))
     first.block_until_ready()
     if on_prefill is not None:
       on_prefill()
@@ -172,7 +178,7 @@ class GGUFModel:
       return
     variables = {"params": self.params}
     yield from decode(
-      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, sampler
+      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, sampler, recent
     )
 
   def generate(
@@ -183,10 +189,19 @@ class GGUFModel:
     temperature: float = 0.0,
     seed: int = 0,
     stop_ids: Sequence[int] = (),
+    sampler: Sampler | None = None,
   ) -> list[int]:
-    """The new token ids (up to max_new_tokens) after prompt_ids; greedy by default (KV cache)."""
+    """The new token ids (up to max_new_tokens) after prompt_ids; greedy by default (KV cache);
+    `sampler` as in `stream`."""
     return list(
-      self.stream(prompt_ids, max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop_ids)
+      self.stream(
+        prompt_ids,
+        max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop_ids=stop_ids,
+        sampler=sampler,
+      )
     )
 
 
