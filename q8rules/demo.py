@@ -30,10 +30,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
   """Defaults shown after each option's help; the description kept as written."""
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python -m q8rules", description=__doc__, formatter_class=_HelpFormatter
-  )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """The demo's options (the model's shape, the decode steps, the implementation)."""
   p.add_argument("--layers", type=int, default=4, help="decoder layers")
   p.add_argument("--dim", type=int, default=512, help="model width D (heads = D / 64)")
   p.add_argument(
@@ -51,11 +49,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   p.add_argument("--tied", action="store_true", help="tied embeddings (the table is the head)")
   p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+    prog="q8rules demo", description=__doc__, formatter_class=_HelpFormatter
+  )
+  add_arguments(p)
   return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  args = parse_args(argv)
+  """Parse `argv` and run the demo; returns what it measured."""
+  return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+  """The demo on parsed options (`add_arguments`'); returns what it measured."""
   config = TransformerConfig(
     vocab=args.vocab,
     dim=args.dim,

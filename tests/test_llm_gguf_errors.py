@@ -175,7 +175,8 @@ def test_a_tokenizer_that_cannot_be_built_does_not_block_the_weights(tmp_path, c
   """An unknown tokenizer model: the model loads with `.tokenizer = None` and one warning
   saying why; logits and generate take ids, equal to the file's own; the CLI takes --ids and
   says so without them."""
-  from q8rules.llm.cli import main as cli
+  from q8rules.cli import main, parser
+  from q8rules.cli import run as run_cmd
 
   path = rewrite_to(tmp_path, meta={"tokenizer.ggml.model": "no-such-tokenizer"})
   with warnings.catch_warnings(record=True) as caught:
@@ -187,10 +188,15 @@ def test_a_tokenizer_that_cannot_be_built_does_not_block_the_weights(tmp_path, c
   want = load_gguf(SRC, dtype=jnp.float32)
   np.testing.assert_array_equal(m.logits(IDS), want.logits(IDS))
   assert m.generate(IDS, 4) == want.generate(IDS, 4)
-  out = cli([str(path), "--ids", ",".join(map(str, IDS)), "--max-new-tokens", "3", "--no-progress"])
+  ids = ",".join(map(str, IDS))
+  out = run_cmd.execute(
+    parser().parse_args(["run", str(path), "--ids", ids, "-n", "3", "--no-progress"])
+  )
   assert out["new_ids"] == want.generate(IDS, 3)
-  with pytest.raises(SystemExit, match="--ids"):
-    cli([str(path), "--prompt", "Hello", "--no-progress"])
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    main(["run", str(path), "--prompt", "Hello", "--no-progress"])
+  assert e.value.code == 1 and "--ids" in capsys.readouterr().err
 
 
 GEMMA2 = DATA / "tiny-gemma2-q8_0.gguf"

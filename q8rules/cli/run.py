@@ -1,0 +1,217 @@
+"""`q8rules run MODEL.gguf -p "..." -n 32`: generate text from a GGUF model.
+
+The generated text alone goes to stdout (`> out.txt` holds only the text; `--echo` puts the
+prompt first, as llama.cpp's `--no-display-prompt` off does); the load's progress, the model
+line and the speeds go to stderr. Sampling follows llama.cpp's chain (repetition penalty,
+top-k, top-p, min-p, temperature: `q8rules.llm.sampling`); greedy by default. The compilation
+cache is on (`q8rules.llm.enable_compile_cache`; `Q8RULES_NO_COMPILE_CACHE=1` turns it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from q8rules.cli import errors as E
+
+NAME = "run"
+HELP = "generate text from a GGUF model"
+EXAMPLE = 'q8rules run model.gguf -p "The capital of France is" -n 32'
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+  """The model, load and sampling flags `run` and `chat` share."""
+  p.add_argument("model", help="a .gguf file (or the first part of a split set)")
+  p.add_argument(
+    "-n", "--max-new-tokens", type=E.positive_int, default=32, help="tokens to generate"
+  )
+  p.add_argument("--temp", "--temperature", dest="temperature", type=E.non_negative_float,
+                 default=0.0, help="0: greedy")  # fmt: skip
+  p.add_argument("--top-k", type=E.non_negative_int, default=0, help="0: off")
+  p.add_argument("--top-p", type=E.unit_open_closed, default=1.0, help="1.0: off")
+  p.add_argument("--min-p", type=E.unit_closed, default=0.0, help="0: off")
+  p.add_argument("--repeat-penalty", type=E.positive_float, default=1.0, help="1.0: off")
+  p.add_argument("--repeat-last-n", type=E.non_negative_int, default=64)
+  p.add_argument("-s", "--seed", type=int, default=0)
+  p.add_argument("-t", "--threads", type=E.positive_int, default=None, help="CPUs to run on")
+  p.add_argument("--float32", action="store_true", help="float32 activations (default bfloat16)")
+  p.add_argument(
+    "--quantize",
+    choices=["q8_0"],
+    default=None,
+    help="quantize the file's float weight matrices (F16 / BF16 / F32) to Q8_0 at load",
+  )
+  p.add_argument("--dequantize-other", action="store_true",
+                 help="hold Q4_0, Q4_K, ... as float32 instead of requantizing them to Q8_0")  # fmt: skip
+  p.add_argument("--act-qtype", choices=["q8_0"], default=None,
+                 help="Q8_0 activations too, as llama.cpp (int8 block dots)")  # fmt: skip
+  p.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_sampling(p)
+  p.add_argument("-p", "--prompt", default="Hello", help="the prompt text")
+  p.add_argument("--ids", "--prompt-ids", dest="prompt_ids", default=None,
+                 help="comma-separated token ids instead of text")  # fmt: skip
+  p.add_argument("--echo", action="store_true", help="print the prompt to stdout first")
+
+
+def sampler_of(args: argparse.Namespace) -> Any:
+  from q8rules.llm.sampling import Sampler
+
+  return Sampler(
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    min_p=args.min_p,
+    repeat_penalty=args.repeat_penalty,
+    repeat_last_n=args.repeat_last_n,
+    seed=args.seed,
+  )
+
+
+def load(args: argparse.Namespace) -> tuple[Any, float]:
+  """The model of `args` (its line and what was requantized on stderr), and its load time."""
+  import jax.numpy as jnp
+
+  from q8rules.checkpoint.gguf.requant import describe_requantized
+  from q8rules.llm import compile_cache
+  from q8rules.llm.load import load_gguf
+
+  compile_cache.enable()
+  t0 = time.perf_counter()
+  m = load_gguf(
+    args.model,
+    dtype=jnp.float32 if args.float32 else jnp.bfloat16,
+    dequantize_other=args.dequantize_other,
+    quantize=args.quantize,
+    progress=not args.no_progress,
+    act_qtype=args.act_qtype,
+  )
+  load_s = time.perf_counter() - t0
+  c = m.config
+  print(
+    f"{args.model}: {c.arch}, {c.layers} layers, dim {c.dim}, {c.heads} heads ({c.kv_heads} KV),"
+    f" vocab {c.vocab}, context {c.context_length}; loaded in {load_s:.2f} s",
+    file=sys.stderr,
+  )
+  if m.requantized:
+    print(describe_requantized(m.requantized), file=sys.stderr)
+  return m, load_s
+
+
+def check_ids(m: Any, ids: list[int], new: int) -> None:
+  """UsageError unless `ids` are in the vocabulary and fit the context with `new` more."""
+  vocab, context = m.config.vocab, m.config.context_length
+  bad = [i for i in ids if not 0 <= i < vocab]
+  if bad:
+    raise E.UsageError(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+  if len(ids) + new > context:
+    raise E.UsageError(
+      f"the prompt's {len(ids)} tokens and {new} new ones exceed the model's context of {context}"
+    )
+
+
+def prompt_ids(m: Any, args: argparse.Namespace) -> list[int]:
+  """The prompt's ids: --ids, or the text tokenized (an empty text: BOS, as llama.cpp)."""
+  tok = m.tokenizer
+  if args.prompt_ids is not None:
+    try:
+      ids = [int(i) for i in args.prompt_ids.split(",") if i.strip()]
+    except ValueError:
+      raise E.UsageError(f"--ids {args.prompt_ids!r}: not comma-separated integers") from None
+    if not ids:
+      raise E.UsageError("--ids: no token id given")
+    return ids
+  if tok is None:
+    raise E.ModelError(
+      f"{args.model}: its tokenizer could not be built (the warning above says why): pass"
+      " token ids with --ids 1,2,3"
+    )
+  ids = tok.encode(args.prompt)
+  if not ids:
+    if tok.bos_id is None:
+      raise E.UsageError("an empty prompt, and the vocabulary has no BOS token to start from")
+    ids = [tok.bos_id]
+  return ids
+
+
+def stream_text(m: Any, ids: list[int], args: argparse.Namespace, stop: list[int]) -> dict:
+  """Generate after `ids`, writing the text to stdout as it comes; the ids and the times."""
+  from q8rules.llm import compile_cache
+
+  tok, before = m.tokenizer, compile_cache.stats()
+  times: dict[str, float] = {}
+  new: list[int] = []
+  stamps: list[float] = []
+  shown = ""
+  start = time.perf_counter()
+  for t in m.stream(
+    ids,
+    args.max_new_tokens,
+    sampler=sampler_of(args),
+    stop_ids=stop,
+    on_prefill=lambda: times.setdefault("prefill", time.perf_counter() - start),
+  ):
+    stamps.append(time.perf_counter())
+    if len(stamps) == 1:
+      times["compiled"] = {k: v - before[k] for k, v in compile_cache.stats().items()}
+    new.append(t)
+    if tok is not None:
+      text = tok.decode(new).rstrip("\ufffd")  # hold back a character's leading bytes
+      sys.stdout.write(text[len(shown) :])
+      shown = text
+    else:
+      sys.stdout.write(f" {t}")
+    sys.stdout.flush()
+  if tok is not None:
+    sys.stdout.write(tok.decode(new)[len(shown) :])
+  sys.stdout.write("\n")
+  sys.stdout.flush()
+  return dict(new_ids=new, stamps=stamps, start=start, **times)
+
+
+def execute(args: argparse.Namespace) -> dict:
+  """Run the command; returns what it measured (load_s, ids, rates)."""
+  from q8rules.cli.rates import decode_rate, prefill_rate
+  from q8rules.llm.generate import CHUNK
+
+  t0 = time.perf_counter()
+  m, load_s = load(args)
+  ids = prompt_ids(m, args)
+  check_ids(m, ids, args.max_new_tokens)
+  tok = m.tokenizer
+  if args.echo:
+    sys.stdout.write(tok.decode(ids) if tok is not None else " ".join(map(str, ids)))
+  stop = sorted(tok.eog_ids) if tok is not None else []
+  out = stream_text(m, ids, args, stop)
+  decode = decode_rate(out["stamps"], CHUNK)
+  prefill_tps = prefill_rate(len(ids), out["prefill"])
+  stopped = (
+    " (stopped at an end-of-generation token)"
+    if out["new_ids"][-1:] and (out["new_ids"][-1] in stop)
+    else ""
+  )
+  print(
+    f"prefill: {len(ids)} tokens, {prefill_tps:.1f} tokens/s (with its compilation);"
+    f" generated {len(out['new_ids'])} tokens{stopped}; decode: {decode.describe()}",
+    file=sys.stderr,
+  )
+  first_token_s = out["stamps"][0] - t0
+  c = out["compiled"]
+  print(
+    f"cold start: load {load_s:.2f} s, first token {first_token_s:.2f} s after the load began;"
+    f" {c['compiled']} program(s) compiled, {c['cache_hits']} from the compilation cache",
+    file=sys.stderr,
+  )
+  return dict(
+    load_s=load_s,
+    prompt_ids=ids,
+    new_ids=out["new_ids"],
+    prefill_tps=prefill_tps,
+    decode_tps=decode.per_s,
+    first_token_s=first_token_s,
+    compile=c,
+  )
