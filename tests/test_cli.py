@@ -75,7 +75,7 @@ def test_help_lists_every_command(capsys):
     main(["--help"])
   assert e.value.code == 0
   text = capsys.readouterr().out
-  for command in ("demo", "run"):
+  for command in ("demo", "run", "chat"):
     assert f"  {command} " in text and f"q8rules {command} " in text  # listed, with an example
 
 
@@ -131,6 +131,8 @@ BAD = [  # (name, arguments ({x}: a file of bad_files), exit status, a piece of 
   ("bad quantize", ["run", GOOD, "--quantize", "q4_0"], 2, "invalid choice"),
   ("no model", ["run"], 2, "required: model"),
   ("prompt past the context", ["run", GOOD, "-n", "1000"], 2, "exceed the model's context"),
+  ("chat without a template", ["chat", GOOD, "-p", "hi"], 1, "no chat template"),
+  ("chat bad tokens", ["chat", GOOD, "-n", "0"], 2, "integer >= 1"),
 ]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -143,6 +143,30 @@ class GGUFModel:
     cache = self._cache(tokens.shape[1] + max_new_tokens)
     logits, cache = self._run(tokens, cache, 0, last_only=True)
     return logits[0, -1], cache
+
+  def apply_chat_template(
+    self,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tokenize: bool = True,
+  ) -> list[int] | str:
+    """The file's `tokenizer.chat_template` over `messages` ([{'role': ..., 'content': ...}]),
+    rendered and tokenized as llama-cpp-python does (`q8rules.llm.chat`): token ids, or the
+    text when `tokenize` is False. ChatTemplateError naming the file when it has no template
+    or the template fails to render."""
+    from q8rules.llm.chat import ChatTemplateError, apply_chat_template
+
+    if self.tokenizer is None:
+      raise ChatTemplateError(f"{self.path}: no tokenizer could be built, so no chat template")
+    return apply_chat_template(
+      self.tokenizer,
+      self.metadata,
+      messages,
+      add_generation_prompt=add_generation_prompt,
+      tokenize=tokenize,
+      path=self.path,
+    )
 
   def stream(
     self,
