@@ -127,28 +127,43 @@ def decode(
   sampler: Sampler,
   recent: jax.Array | None = None,
 ) -> Iterator[int]:
-  """Yield `first`, then the tokens the loop samples after it (a chunk per device call),
-  up to `max_new_tokens` in all or through the first token in `stop_ids`. `pos` is the
+  """Yield `first`, then the tokens the loop samples after it (a chunk per device call, the
+  next one dispatched before the current one's tokens are yielded, so the caller's work on
+  them overlaps the device's), up to `max_new_tokens` in all or through the first token in
+  `stop_ids`. `pos` is the
   position `first` goes to (the prompt's length); `recent`: the ids the penalty sees, `first`
   included (`first_token`'s)."""
   recent = sampler.recent([]) if recent is None else recent
   stops = stop_array(stop_ids)
   stop_set = set(int(i) for i in stop_ids)
-  tok = first
   nxt = int(first)
   yield nxt
   done = 1
   if nxt in stop_set:
     return
-  while done < max_new_tokens:
-    toks, count, cache, tok, key, recent = loop(
-      variables, cache, tok, pos + done - 1, key, recent, max_new_tokens - done, stops, sampler
-    )
-    for t in np.asarray(toks[: int(count)]).tolist():
+
+  def launch(start: int, cache: Any, tok: Any, key: Any, recent: Any) -> Any:
+    """The chunk whose first token is new token `start` (dispatched: JAX runs it while the
+    caller handles the tokens of the chunk before), or None past `max_new_tokens`."""
+    if start >= max_new_tokens:
+      return None
+    n = max_new_tokens - start
+    return loop(variables, cache, tok, pos + start - 1, key, recent, n, stops, sampler)
+
+  pending = launch(done, cache, first, key, recent)
+  while pending is not None:
+    toks, count, cache, tok, key, recent = pending
+    # the next chunk goes out before this one's tokens are read: if this one stops early
+    # (a stop id, or the last tokens), the next is dropped unread
+    pending = launch(done + loop.size, cache, tok, key, recent)
+    count = int(count)
+    for t in np.asarray(toks)[:count].tolist():  # a copy of the buffer, no new device op
       yield t
       done += 1
       if t in stop_set:
         return
+    if count < loop.size:
+      return
 
 
 __all__ = ["CHUNK", "DecodeLoop", "Sampler", "decode", "first_token", "stop_array"]

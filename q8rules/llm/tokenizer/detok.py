@@ -9,6 +9,7 @@ prefix; with clean_spaces the spaces before ?!., and some contractions go.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from q8rules.llm.tokenizer.attrs import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
@@ -45,9 +46,16 @@ def piece(vocab: Vocab, tid: int, *, special: bool) -> bytes:
   return b""
 
 
+_CLEANED = re.compile(rb" [?!.,']")
+"""What the clean-up passes can change: a space before ? ! . , or '."""
+
+
 def _clean_spaces(text: bytes) -> bytes:
   """llama.cpp's three clean-up passes, in place as it does them (pass 2 zeroes the space
-  it drops, so " ' ' " is cleaned once)."""
+  it drops, so " ' ' " is cleaned once). Each pass changes only a space before one of
+  ?!.,' : text without such a pair comes back as it is, without the byte loops."""
+  if not _CLEANED.search(text):
+    return text
   t, n = bytearray(text), len(text)
   for step in (1, 2, 3):
     total, i = min(n, 1), 1
