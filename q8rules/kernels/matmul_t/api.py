@@ -181,15 +181,15 @@ def _batch_of(p: Primitive):
   def rule(args, dims, **params):
     a, q, scale = args
     da, dq, ds = dims
-    if dq is batching.not_mapped and ds is batching.not_mapped:
+    if dq is None and ds is None:
       a = jnp.moveaxis(a, da, 0)
       b, m = a.shape[:2]
       out = p.bind(a.reshape(b * m, a.shape[2]), q, scale, **params)
       return out.reshape(b, m, out.shape[1]), 0
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not batching.not_mapped)
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
 
     def batched(x, d):
-      if d is batching.not_mapped:
+      if d is None:
         return jnp.broadcast_to(x, (size, *x.shape))
       return jnp.moveaxis(x, d, 0)
 
