@@ -44,7 +44,8 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
   "gpu": ("xla",),
   "tpu": ("xla",),
 }
-"""What `implementation=None` tries, per platform; the last always runs."""
+"""What `implementation=None` tries, per platform (the last always runs): the native kernel on
+the CPU, the XLA chunks on GPU and TPU."""
 
 OP = registry.register(
   registry.Op.of("matmul_t", (cpu, xla, reference), DEFAULT_ORDER, fallback="xla")
