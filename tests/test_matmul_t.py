@@ -309,3 +309,18 @@ def test_errors_name_the_op(rng):
     q8_matmul_t(jnp.asarray(dy), Q8Array(jnp.asarray(q), jnp.asarray(scale[:1])))
   with pytest.raises(ValueError, match=r"implementation='fold': expected None, one of"):
     q8_matmul_t(jnp.asarray(dy), w, implementation="fold")
+
+
+def test_xla_and_reference_dots_are_float32_precision(rng):
+  """The op's dots, and those of the 'xla' product's gradient, run at HIGHEST (IEEE float32 on
+  a GPU too, not TF32)."""
+  dy, q, scale = operands(rng, 3, 256, 64)
+  w = weight(q, scale)
+  x = rng.standard_normal((3, 256)).astype(np.float32)
+  programs = [
+    (jax.jit(lambda d, i=i: q8_matmul_t(d, w, implementation=i)), dy) for i in ("xla", "reference")
+  ]
+  grad = jax.grad(lambda x: jnp.sum(q8_matmul(x, w, implementation="xla") * dy))
+  for fn, arg in [*programs, (jax.jit(grad), x)]:
+    lines = [line for line in fn.lower(arg).as_text().splitlines() if "dot_general" in line]
+    assert lines and all("HIGHEST" in line for line in lines), lines
