@@ -288,7 +288,8 @@ def test_registered_with_orders_and_reasons():
   assert api.resolve_t(1, 4096, 4096, backend="tpu") == "xla"
   assert api.resolve_t(1, 4096, 4096, backend="gpu") == "xla"
   if cpu_native.available():
-    assert api.resolve_t(512, 4096, 4096, backend="cpu") == "cpu"
+    assert api.resolve_t(16, 4096, 4096, backend="cpu") == "cpu"
+  assert api.resolve_t(17, 4096, 4096, backend="cpu") == "xla"  # XLA's GEMM is faster there
   with pytest.raises(ValueError, match=r"'cpu': the native CPU kernel runs on the CPU only"):
     api.resolve_t(1, 4096, 4096, backend="tpu", implementation="cpu")
   assert api.resolve_t(1, 64, 64, backend="tpu", implementation=("cpu", "xla")) == "xla"

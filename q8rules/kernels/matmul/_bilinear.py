@@ -3,8 +3,8 @@
 `x2d (m, K) @ (q (K, N) * scale)` is bilinear in (x, scale), so a call XLA cannot see into
 (an FFI kernel, a primitive lowered per platform) gets its tangents from outside it: in x,
 `matmul_t.api.linear_in_x`, a primitive linear in x whose transpose is the transposed product
-(op 'matmul_t': the native kernel on the CPU, XLA's chunks elsewhere, never the whole float
-weight), so the gradient with respect to x runs that op; in the scales, the XLA scan, which is
+(op 'matmul_t': the native kernel on the CPU for decode-sized rows, XLA's chunks elsewhere,
+never the whole float weight), so the gradient with respect to x runs that op; in the scales, the XLA scan, which is
 transposable. The int8 values get no tangent (a frozen base). Its vmap rule comes from the rows: a batch of x folds into them (one read of
 the weight for the batch), a batched weight runs once per element.
 

@@ -149,10 +149,10 @@ def _fold_fwd(x2d, q, scale, form, block_n, splits, interpret):
 
 
 def _fold_bwd(form, block_n, splits, interpret, res, dy):
-  """dx = dy @ W^T by op 'matmul_t' (the native kernel on the CPU, XLA's chunks elsewhere);
-  dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n] by the transpose of the XLA
-  scan (`xla_chunked`); no dq (the int8 values are frozen). Neither builds the whole float
-  weight."""
+  """dx = dy @ W^T by op 'matmul_t' (the native kernel on the CPU up to 16 rows, XLA's chunks
+  elsewhere); dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n] by the transpose
+  of the XLA scan (`xla_chunked`); no dq (the int8 values are frozen). Neither builds the
+  whole float weight."""
   del form, block_n, splits, interpret
   x2d, q, scale = res
   dx = q8_matmul_t(dy, Q8Array(q, scale), preferred_element_type=x2d.dtype)

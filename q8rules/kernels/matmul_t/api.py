@@ -75,7 +75,8 @@ def backward_implementation(forward: ImplementationArg) -> tuple[str, ...] | Non
   """The `implementation=` of this op that serves the gradient of a weight-only product run
   with `implementation=forward`: the names this op shares with it ('cpu', 'xla',
   'reference'), in order, else None (the best for the platform: the fold's and
-  'xla_dequant''s gradients run the native kernel on the CPU and 'xla' elsewhere)."""
+  'xla_dequant''s gradients run the native kernel on the CPU up to 16 rows and 'xla'
+  elsewhere)."""
   shared = tuple(n for n in registry.implementation_names(forward) if n in OP.implementations)
   return shared or None
 
