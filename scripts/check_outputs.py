@@ -8,7 +8,8 @@ Cases (fresh random data, fixed seeds): the weight-only product through every im
 that runs on this host ('fold' in interpret mode, 'cpu' at each SIMD cap the CPU has, 'xla',
 'xla_dequant', 'reference') over decode and prefill shapes, float32 / bfloat16 / float16
 activations, float32 / float16 scales, whole and stacked (one layer read in place); its vmap
-and gradients; the Q8_0-activation product ('cpu', 'xla'); one token's decode attention; the
+and gradients; the transposed product (op 'matmul_t': 'cpu' at each SIMD cap, 'xla',
+'reference'); the Q8_0-activation product ('cpu', 'xla'); one token's decode attention; the
 GGUF repack; and the logits of the tiny GGUF models of tests/data (prefill and decode steps,
 scanned and unrolled). Only public entry points are called, so the script runs unchanged on
 both sides of a refactor that moves modules.
@@ -59,6 +60,8 @@ def product_cases() -> Iterator[Case]:
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         w = _weight(rng, k, n, scale_dtype)
         stacked = _weight(rng, k, n, scale_dtype, layers=3)
+        dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+        yield from _transposed_cases(f"{m}x{k}x{n}/{dtype}/{scale_dtype}", dy, w)
         names = [i for i in impls if q8rules.kernels.why_not(i, m, k, n, dtype, "cpu") is None]
         for impl in names + ["cpu"] * ("cpu" in _cpu_names(m, k, n, dtype)):
           caps = _isas() if impl == "cpu" else [None]
@@ -92,6 +95,18 @@ def product_cases() -> Iterator[Case]:
                   ),
                 ),
               )
+
+
+def _transposed_cases(shape: str, dy, w) -> Iterator[Case]:
+  """Op 'matmul_t' (dy @ W^T, the gradient in x): 'cpu' at each SIMD cap, 'xla', 'reference'."""
+  for impl, caps in (("cpu", _isas()), ("xla", [None]), ("reference", [None])):
+    for cap in caps:
+      yield (
+        f"matmul_t/{impl}{'@' + cap if cap else ''}/{shape}",
+        _with_isa(
+          cap, lambda d=dy, w=w, i=impl: q8rules.kernels.q8_matmul_t(d, w, implementation=i)
+        ),
+      )
 
 
 def _cpu_names(m: int, k: int, n: int, dtype: str) -> list[str]:

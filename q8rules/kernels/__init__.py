@@ -7,6 +7,8 @@ reference implementation, and one module per implementation.
                      'fold' (Pallas: Mosaic TPU, Triton GPU), 'cpu' (native), 'xla',
                      'xla_dequant', 'reference'
   matmul_act_q8/     the Q8_0 x Q8_0 product (`act_qtype='q8_0'`): 'cpu', 'xla'
+  matmul_t/          the transposed product dy @ W^T (the gradient in x): `q8_matmul_t(dy, w)`;
+                     'cpu' (native), 'xla', 'reference'
   decode_attention/  one new token's attention over a KV cache layer: 'cpu', 'xla'
   native/            the native CPU library, one C++ source per op
 
@@ -31,6 +33,7 @@ from q8rules.kernels.matmul.api import (
 from q8rules.kernels.matmul.cpu import CPU_MAX_ROWS
 from q8rules.kernels.matmul.fold import fold_applies, q8_fold
 from q8rules.kernels.matmul_act_q8 import api as matmul_act_q8_api
+from q8rules.kernels.matmul_t.api import q8_matmul_t
 from q8rules.kernels.problem import check_operands, platform_of
 from q8rules.kernels.registry import OPS, Implementation, ImplementationArg, Op, resolve
 
@@ -58,6 +61,7 @@ __all__ = [
   "platform_of",
   "q8_fold",
   "q8_matmul",
+  "q8_matmul_t",
   "resolve",
   "resolve_product",
   "run_product",

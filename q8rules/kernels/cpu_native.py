@@ -2,8 +2,8 @@
 its FFI targets registered; its run-time queries; the GGUF repack.
 
 The ops' 'cpu' implementations call it through XLA's FFI (`kernels/matmul/cpu.py`,
-`kernels/matmul_act_q8/cpu.py`, `kernels/decode_attention/cpu.py`). The first use per process
-compiles the source with `$CXX` (default `c++`, warnings on) into `$Q8RULES_CACHE` (default
+`kernels/matmul_act_q8/cpu.py`, `kernels/matmul_t/cpu.py`, `kernels/decode_attention/cpu.py`).
+The first use per process compiles the source with `$CXX` (default `c++`, warnings on) into `$Q8RULES_CACHE` (default
 `~/.cache/q8rules`), named by a hash of sources, jaxlib, compiler and flags; `available()` is
 False, with `unavailable_reason()`, where that cannot happen (not x86-64, no compiler, a failed
 build). It loads whatever JAX's default backend is: on a GPU or TPU host the GGUF repack runs
@@ -40,6 +40,10 @@ TARGET_ACT_Q8 = "q8rules_q8_gemv_act_q8"
 
 TARGET_ACT_Q8_LAYER = "q8rules_q8_gemv_act_q8_layer"
 """The FFI target of the product with Q8_0 activations on one layer of stacked weights."""
+
+TARGET_MATMUL_T = "q8rules_q8_matmul_t"
+"""The FFI target of the transposed product dy @ W^T, the gradient of x @ W with respect to x
+(`q8rules.kernels.matmul_t`)."""
 
 TARGET_DECODE_ATTENTION = "q8rules_decode_attention"
 """The FFI target of one new token's attention over a layer of the KV cache
@@ -128,6 +132,7 @@ def _load() -> ctypes.CDLL | None:
       for target, symbol in (
         (TARGET_ACT_Q8, lib.Q8GemvActQ8),
         (TARGET_ACT_Q8_LAYER, lib.Q8GemvActQ8Layer),
+        (TARGET_MATMUL_T, lib.Q8MatmulT),
         (TARGET_DECODE_ATTENTION, lib.Q8DecodeAttention),
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")

@@ -27,6 +27,7 @@ from q8rules.kernels.cpu_native import (
   TARGET_ACT_Q8_LAYER,
   TARGET_DECODE_ATTENTION,
   TARGET_LAYER,
+  TARGET_MATMUL_T,
 )
 from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 
@@ -35,12 +36,14 @@ CUSTOM_CALL_TARGETS = (
   TARGET_LAYER,
   TARGET_ACT_Q8,
   TARGET_ACT_Q8_LAYER,
+  TARGET_MATMUL_T,
   TARGET_DECODE_ATTENTION,
   TRITON_CUSTOM_CALL,
   MOSAIC_CUSTOM_CALL,
 )
 """The custom-call targets q8rules' kernels lower to: native CPU (the product, on a stacked
-layer in place, and both with Q8_0 activations; one decode token's attention), Triton (GPU),
+layer in place, and both with Q8_0 activations; the transposed product, the gradient with
+respect to x; one decode token's attention), Triton (GPU),
 Mosaic (TPU)."""
 
 

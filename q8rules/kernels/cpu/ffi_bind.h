@@ -7,7 +7,8 @@
 #include "xla/ffi/api/ffi.h"
 
 // x (M, K) f32, q (K, N) int8 (stacked: (L, K, N)), scale (K/32, N) f32 / f16 (stacked:
-// (L, K/32, N)), on the CPU's thread pool.
+// (L, K/32, N)), on the CPU's thread pool. The transposed product (q8_matmul_t.h) takes the
+// same operands with dy (M, N) f32 in x's place.
 #define Q8_PRODUCT_OPERANDS                      \
   ::xla::ffi::Ffi::Bind()                        \
       .Ctx<::xla::ffi::ThreadPool>()             \

@@ -1,7 +1,7 @@
 // The native library q8rules builds on first use (kernels/cpu_native.py): XLA FFI handlers for
 // each op, and the C functions the Python side calls through ctypes. Each op's code is its own
-// header: q8_matmul.h (with q8_tiles.h and simd.h) the weight-only product, q8_act_int8.h the
-// Q8_0-activation product, decode_attention.h one new token's attention, repack.h the GGUF
+// header: q8_matmul.h (with q8_tiles.h and simd.h) the weight-only product, q8_matmul_t.h its
+// transpose (the gradient with respect to x), q8_act_int8.h the Q8_0-activation product, decode_attention.h one new token's attention, repack.h the GGUF
 // repack, requant.h GGUF's other tensor types as float32 and as Q8_0. The handlers'
 // signatures are declared once each (ffi_bind.h).
 
@@ -21,6 +21,7 @@
 #include "ffi_bind.h"
 #include "q8_act_int8.h"
 #include "q8_matmul.h"
+#include "q8_matmul_t.h"
 #include "repack.h"
 #include "requant.h"
 #include "xla/ffi/api/ffi.h"
@@ -78,6 +79,10 @@ Q8_PRODUCT_HANDLER(Q8Gemv, q8mm::Q8GemvImpl<false>);
 Q8_LAYER_PRODUCT_HANDLER(Q8GemvLayer, q8mm::Q8GemvLayerImpl<false>);
 Q8_PRODUCT_HANDLER(Q8GemvActQ8, q8mm::Q8GemvImpl<true>);
 Q8_LAYER_PRODUCT_HANDLER(Q8GemvActQ8Layer, q8mm::Q8GemvLayerImpl<true>);
+
+// The transposed product, y (M, K) = dy (M, N) @ W^T (q8_matmul_t.h): the product's operands
+// with dy in x's place.
+Q8_PRODUCT_HANDLER(Q8MatmulT, q8mmt::Q8MatmulTImpl);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

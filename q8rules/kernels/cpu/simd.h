@@ -1,6 +1,6 @@
 // SIMD helpers of the native library: the x86 target attributes and, for the weight-only
-// product's tiles (q8_tiles.h), one vector type per path with the same operations, so each
-// tile is written once: Avx2 (8 float lanes, __m256) and Avx512 (16, __m512). Every
+// product's tiles (q8_tiles.h) and its transpose (q8_matmul_t.h), one vector type per path
+// with the same operations, so each tile is written once: Avx2 (8 float lanes, __m256) and Avx512 (16, __m512). Every
 // operation is the instruction the path's hand-written code used, so a tile computes the
 // same FMAs in the same order on either type.
 
@@ -43,6 +43,14 @@ struct Avx2 {
   Q8_AVX2 static void StoreU(float* p, V v) { _mm256_storeu_ps(p, v); }
   Q8_AVX2 static void StoreA(float* p, V v) { _mm256_store_ps(p, v); }
   Q8_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  Q8_AVX2 static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  // The 8 lanes' sum: halves added, then pairs (a fixed order).
+  Q8_AVX2 static float Sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
   Q8_AVX2 static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   // 8 scales from element i of a float32 or float16 array.
   Q8_AVX2 static V Scale(const void* scale, bool f16, int64_t i) {
@@ -71,6 +79,8 @@ struct Avx512 {
   Q8_AVX512 static void StoreU(float* p, V v) { _mm512_storeu_ps(p, v); }
   Q8_AVX512 static void StoreA(float* p, V v) { _mm512_store_ps(p, v); }
   Q8_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  Q8_AVX512 static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  Q8_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
   Q8_AVX512 static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   Q8_AVX512 static V Scale(const void* scale, bool f16, int64_t i) {
     if (f16) {

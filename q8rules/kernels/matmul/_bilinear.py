@@ -1,8 +1,11 @@
 """One product's transformation rules, shared by the implementations that are opaque calls.
 
 `x2d (m, K) @ (q (K, N) * scale)` is bilinear in (x, scale), so a call XLA cannot see into
-(an FFI kernel, a primitive lowered per platform) gets its tangents from the XLA path, which
-is transposable, and its vmap rule from the rows: a batch of x folds into them (one read of
+(an FFI kernel, a primitive lowered per platform) gets its tangents from outside it: in x,
+`matmul_t.api.linear_in_x`, a primitive linear in x whose transpose is the transposed product
+(op 'matmul_t': the native kernel on the CPU for decode-sized rows, XLA's chunks elsewhere,
+never the whole float weight), so the gradient with respect to x runs that op; in the scales, the XLA scan, which is
+transposable. The int8 values get no tangent (a frozen base). Its vmap rule comes from the rows: a batch of x folds into them (one read of
 the weight for the batch), a batched weight runs once per element.
 
 The same rules serve a product on one layer of stacked weights (`q8rules.kernels.layer`):
@@ -18,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
+from q8rules.kernels.matmul_t.api import linear_in_x
+from q8rules.kernels.registry import ImplementationArg
 
 Product = Callable[..., jax.Array]
 """(x2d (m, K), q (K, N) int8, scale (K/32, N), *rest) -> (m, N) float32."""
@@ -30,9 +35,13 @@ def _whole(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q, scale
 
 
-def bilinear_product(raw: Product, select: Select = _whole) -> Product:
-  """`raw` with a vmap rule (batched x folds into the rows) and a jvp through the XLA path
-  (on `select(q, scale, *rest)`, the weight `raw` reads)."""
+def bilinear_product(
+  raw: Product, select: Select = _whole, backward: ImplementationArg = None
+) -> Product:
+  """`raw` with a vmap rule (batched x folds into the rows) and a jvp on `select(q, scale,
+  *rest)`, the weight `raw` reads: in x through `linear_in_x`, whose transpose (the gradient
+  with respect to x) is op 'matmul_t' with `implementation=backward`; in the scales through
+  the XLA path."""
 
   @jax.custom_batching.custom_vmap
   def product(x: jax.Array, q: jax.Array, scale: jax.Array, *rest: jax.Array) -> jax.Array:
@@ -64,7 +73,7 @@ def bilinear_product(raw: Product, select: Select = _whole) -> Product:
     y = differentiable(*primals)
     dy = jnp.zeros_like(y)
     if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-      dy = dy + q8_matmul_xla(dx, *select(q, scale, *rest))
+      dy = dy + linear_in_x(dx, *select(q, scale, *rest), backward)
     if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
       dy = dy + q8_matmul_xla(x, select(q, scale, *rest)[0], select(q, dscale, *rest)[1])
     return y, dy

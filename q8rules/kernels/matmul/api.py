@@ -25,6 +25,7 @@ from q8rules.kernels.layer import LayerSlice, check_stacked
 from q8rules.kernels.matmul import cpu, fold, reference, xla_chunked, xla_dequant
 from q8rules.kernels.matmul._bilinear import bilinear_product
 from q8rules.kernels.matmul_act_q8 import api as act
+from q8rules.kernels.matmul_t.api import backward_implementation
 from q8rules.kernels.problem import PLATFORM_OF, Problem, check_operands, platform_of
 from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
@@ -188,20 +189,22 @@ def _product(
   act_qtype: str | None = None,
 ):
   """The product for one (implementation, interpret, act_qtype): the primitive with its vmap
-  and jvp (with Q8_0 activations, the weight-only product's: straight through their rounding)."""
+  and jvp (with Q8_0 activations, the weight-only product's: straight through their rounding).
+  The gradient with respect to x runs op 'matmul_t' (`backward_implementation`)."""
   params = {"implementation": implementation, "interpret": interpret, "act_qtype": act_qtype}
+  backward = backward_implementation(implementation)
 
   if stacked:
 
     def bind_layer(x2d, q, scale, layer):
       return q8_layer_product_p.bind(x2d, q, scale, layer, **params)
 
-    return bilinear_product(bind_layer, _select_layer)
+    return bilinear_product(bind_layer, _select_layer, backward)
 
   def bind(x2d, q, scale):
     return q8_product_p.bind(x2d, q, scale, **params)
 
-  return bilinear_product(bind)
+  return bilinear_product(bind, backward=backward)
 
 
 def run_product(

@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.kernels.matmul import pallas_mosaic_tpu, pallas_triton
+from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
+from q8rules.kernels.matmul_t.api import q8_matmul_t
 from q8rules.kernels.problem import Problem, check_operands, platform_of
-from q8rules.q8_0 import BLOCK, Q8Array, dequantize_blocks
+from q8rules.q8_0 import BLOCK, Q8Array
 
 NAME = "fold"
 SUMMARY = "the Pallas fold (Mosaic TPU, Triton GPU; interpret mode on CPU), decode-shaped products"
@@ -147,21 +149,15 @@ def _fold_fwd(x2d, q, scale, form, block_n, splits, interpret):
 
 
 def _fold_bwd(form, block_n, splits, interpret, res, dy):
-  """dx = dy @ W^T; dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n]; no dq.
-
-  Plain XLA in float32 at HIGHEST precision (it dequantises the whole weight:
-  the backward pass of a decode-shaped product is rare).
-  """
+  """dx = dy @ W^T by op 'matmul_t' (the native kernel on the CPU up to 16 rows, XLA's chunks
+  elsewhere); dscale[b, n] = sum_r dy[r, n] sum_i x[r, 32b+i] q[32b+i, n] by the transpose
+  of the XLA scan (`xla_chunked`); no dq (the int8 values are frozen). Neither builds the
+  whole float weight."""
   del form, block_n, splits, interpret
   x2d, q, scale = res
-  m, k = x2d.shape
-  n = q.shape[1]
-  hi = jax.lax.Precision.HIGHEST
-  dx = jnp.dot(dy, dequantize_blocks(q, scale).T, precision=hi).astype(x2d.dtype)
-  qb = q.astype(jnp.float32).reshape(k // BLOCK, BLOCK, n)
-  xb = x2d.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
-  block_dots = jnp.einsum("rbi,bin->rbn", xb, qb, precision=hi)
-  dscale = jnp.einsum("rbn,rn->bn", block_dots, dy, precision=hi).astype(scale.dtype)
+  dx = q8_matmul_t(dy, Q8Array(q, scale), preferred_element_type=x2d.dtype)
+  _, scale_vjp = jax.vjp(lambda s: q8_matmul_xla(x2d, q, s), scale)
+  (dscale,) = scale_vjp(dy)
   dq = np.zeros(q.shape, dtype=jax.dtypes.float0)
   return dx, dq, dscale
 
@@ -202,8 +198,8 @@ def q8_fold(
     splits: the GPU form's K slices, dividing K/32 (default
       `pallas_triton.k_splits`); the TPU form walks K in its grid and takes none.
 
-  Differentiable (`jax.custom_vjp`) in x and in scale, by plain XLA in the
-  backward pass; q is integer and gets no gradient. Raises ValueError when the
+  Differentiable (`jax.custom_vjp`) in x (by op 'matmul_t') and in scale (by the XLA
+  scan's transpose); q is integer and gets no gradient. Raises ValueError when the
   kernel cannot take the shape (m over the tile rows, K not whole blocks) but
   not on the bytes rule of `fold_applies`, which is advice on speed.
   """
