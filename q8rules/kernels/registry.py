@@ -19,9 +19,12 @@ the right kernel on CPU, GPU and TPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Protocol
+
+import jax
 
 ImplementationArg = str | Sequence[str] | None
 """`implementation=`: None (the best for the platform and problem), a name, or names tried in
@@ -173,6 +176,23 @@ def why_not(op: str | Op, name: str, problem: Problem) -> str | None:
   return o.implementations[name].cannot(problem)
 
 
+def jit_impl(primitive: Any) -> Callable[..., Any]:
+  """An eager `def_impl` for a primitive lowered per platform: the primitive alone, compiled
+  once per parameters and operand shapes (`jax.jit` of its bind, which lowers it as a program
+  would), as JAX runs its own primitives eagerly. Run op by op instead, an implementation's
+  `lax.scan` is traced and compiled again at every eager call."""
+
+  @functools.cache
+  def compiled(items: tuple) -> Callable[..., Any]:
+    params = dict(items)
+    return jax.jit(lambda *args: primitive.bind(*args, **params))
+
+  def impl(*args: Any, **params: Any) -> Any:
+    return compiled(tuple(sorted(params.items())))(*args)
+
+  return impl
+
+
 def resolve(op: str | Op, problem: Problem, implementation: ImplementationArg = None) -> str:
   """The implementation of `op` that runs `problem`: the one choice for every op.
 
@@ -216,6 +236,7 @@ __all__ = [
   "Problem",
   "check_implementation",
   "implementation_names",
+  "jit_impl",
   "op_of",
   "register",
   "resolve",

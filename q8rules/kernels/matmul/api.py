@@ -123,9 +123,7 @@ def _abstract_eval(x2d, q, scale, **params):
   return jax.core.ShapedArray((x2d.shape[0], q.shape[1]), jnp.float32)
 
 
-@q8_product_p.def_impl
-def _impl(x2d, q, scale, **params):
-  return _run_on(platform_of(), x2d, q, scale, **params)
+q8_product_p.def_impl(registry.jit_impl(q8_product_p))
 
 
 for _lp in _LOWERING_PLATFORMS:
@@ -163,9 +161,7 @@ def _layer_abstract_eval(x2d, q, scale, layer, **params):
   return jax.core.ShapedArray((x2d.shape[0], q.shape[2]), jnp.float32)
 
 
-@q8_layer_product_p.def_impl
-def _layer_impl(x2d, q, scale, layer, **params):
-  return _run_layer_on(platform_of(), x2d, q, scale, layer, **params)
+q8_layer_product_p.def_impl(registry.jit_impl(q8_layer_product_p))
 
 
 for _lp in _LOWERING_PLATFORMS:

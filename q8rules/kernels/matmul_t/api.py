@@ -35,7 +35,7 @@ from q8rules.kernels import registry
 from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 from q8rules.kernels.matmul_t import cpu, reference, xla
 from q8rules.kernels.matmul_t.problem import TransposedProblem, check_operands_t
-from q8rules.kernels.problem import PLATFORM_OF, platform_of
+from q8rules.kernels.problem import PLATFORM_OF
 from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
 
@@ -113,9 +113,7 @@ def _x_abstract_eval(x2d, q, scale, **params):
   return jax.core.ShapedArray((x2d.shape[0], q.shape[1]), jnp.float32)
 
 
-@q8_matmul_t_p.def_impl
-def _t_impl(dy2d, q, scale, **params):
-  return _run_on(platform_of(), dy2d, q, scale, **params)
+q8_matmul_t_p.def_impl(registry.jit_impl(q8_matmul_t_p))
 
 
 def _linear_x(x2d, q, scale, *, implementation):
