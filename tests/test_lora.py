@@ -261,32 +261,33 @@ def test_plain_rules_in_the_same_provider_get_no_adapter(rng):
 
 
 class TiedHead(nn.Module):
+  """A lookup and a tied head on one (K, N) = (features, vocab) table, as in test_lookup."""
+
   @nn.compact
   def __call__(self, ids):
-    embed = nn.Embed(N, K, name="embed")
-    return embed.attend(jnp.tanh(embed(ids)))
+    table = self.param("embedding", nn.initializers.normal(1.0), (K, N), jnp.float32)
+    x = jnp.moveaxis(jnp.take(table, ids, axis=1), 0, -1)  # (B, T, K)
+    return jnp.dot(jnp.tanh(x), table)
 
 
 def test_tied_head_adapter_along_k_and_n(rng):
-  """The head `x @ table.T` (K = features, N = vocab) gets A (K, r), B (r, N) on the one Q8
-  table that the lookup also reads; against float64."""
+  """The head `x @ table` (K = features, N = vocab) gets A (K, r), B (r, N) on the one Q8 table
+  that the lookup also reads; against float64."""
   ids = jnp.asarray(rng.integers(0, N, (2, 5)), jnp.int32)
-  provider = q8rules.Q8LoraProvider(
-    [q8rules.Q8LoraRule(module_path="embed", rank=RANK, alpha=ALPHA)]
-  )
+  provider = q8rules.Q8LoraProvider([q8rules.Q8LoraRule(rank=RANK, alpha=ALPHA)])
   model = qwix.quantize_model(TiedHead(), provider)
-  params = model.init(jax.random.key(0), ids)["params"]["embed"]
+  params = model.init(jax.random.key(0), ids)["params"]
+  assert set(params) == {"embedding", "embedding_lora_a", "embedding_lora_b"}
+  assert params["embedding"].array.q.dtype == jnp.int8
   assert params["embedding_lora_a"].shape == (K, RANK)
   assert params["embedding_lora_b"].shape == (RANK, N)
+  assert provider.report().paths()["/take0"] == "lookup"
   a, b = _random_ab(rng)
-  y = model.apply(
-    {"params": {"embed": {**params, "embedding_lora_a": a, "embedding_lora_b": b}}}, ids
-  )
-  table = params["embedding"].array  # (K, N) = (features, vocab) as the head reads it
-  deq = weight64(table.q, table.scale)[:K]
-  x = np.tanh(np.take(deq, np.asarray(ids), axis=1)).transpose(1, 2, 0).reshape(-1, K)
-  ref = x @ deq + x @ np.asarray(a, np.float64) @ np.asarray(b, np.float64) * (ALPHA / RANK)
-  assert rel_err(np.asarray(y).reshape(-1, N), ref) < 1e-6
+  y = model.apply({"params": {**params, "embedding_lora_a": a, "embedding_lora_b": b}}, ids)
+  deq = _w64(params["embedding"])
+  x = np.tanh(np.moveaxis(np.take(deq, np.asarray(ids), axis=1), 0, -1)).reshape(-1, K)
+  err = rel_err(np.asarray(y).reshape(-1, N), _reference(x, deq, a, b))
+  assert err < 1e-6, err
 
 
 def test_dropout_draws_from_the_dropout_stream(rng):
