@@ -327,3 +327,50 @@ def test_bad_rules_are_named(rng):
     _linen("dense", rng, q8rules.Q8LoraRule(module_path="decoder/.*", rank=2, alpha=1.0))
   with pytest.raises(ValueError, match=r"module_path='head'"), pytest.warns(UserWarning):
     _nnx("dense", rng, q8rules.Q8LoraRule(module_path="head", rank=2, alpha=1.0))
+
+
+class NTwo(nnx.Module):
+  """Two adapted products in a row: A and B of the first get their gradient through the second
+  product's frozen Q8_0 weight (its gradient in x, op 'matmul_t')."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.Linear(K, 64, use_bias=False, kernel_init=_kernel_init, rngs=rngs)
+    self.down = nnx.Linear(64, N, use_bias=False, kernel_init=_kernel_init, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(self.up(x))
+
+
+def test_nnx_grads_through_a_frozen_q8_layer(rng):
+  """The keyword form of the provider (one rule); the grads of both layers' A and B against a
+  float64 backward pass through the dequantised weights."""
+  x = jnp.asarray(rng.standard_normal((5, K)), jnp.float32)
+  provider = q8rules.Q8LoraProvider(rank=RANK, alpha=ALPHA)
+  model = qwix.apply_lora_to_model(NTwo(nnx.Rngs(0)), provider, x, rngs=nnx.Rngs(1))
+  s = ALPHA / RANK
+  ab64 = {}
+  for name, (k, n) in (("up", (K, 64)), ("down", (64, N))):
+    layer = getattr(model, name)
+    a = rng.standard_normal((k, RANK)).astype(np.float32)
+    b = rng.standard_normal((RANK, n)).astype(np.float32) * 0.1
+    layer.kernel_lora_a.value, layer.kernel_lora_b.value = jnp.asarray(a), jnp.asarray(b)
+    w = weight64(_value(layer.kernel.array.q), _value(layer.kernel.array.scale))[:k]
+    ab64[name] = (w, a.astype(np.float64), b.astype(np.float64))
+  c = jnp.asarray(rng.standard_normal((5, N)), jnp.float32)
+  grads = nnx.jit(
+    nnx.grad(lambda m, x, c: jnp.sum(m(x) * c), argnums=nnx.DiffState(0, nnx.LoRAParam))
+  )(model, x, c)
+
+  (w1, a1, b1), (w2, a2, b2) = ab64["up"], ab64["down"]
+  x64, dy = np.asarray(x, np.float64), np.asarray(c, np.float64)
+  h = x64 @ w1 + x64 @ a1 @ b1 * s
+  dh = dy @ (w2 + a2 @ b2 * s).T
+  want = {
+    ("up", "a"): s * x64.T @ (dh @ b1.T),
+    ("up", "b"): s * (x64 @ a1).T @ dh,
+    ("down", "a"): s * h.T @ (dy @ b2.T),
+    ("down", "b"): s * (h @ a2).T @ dy,
+  }
+  for (name, which), ref in want.items():
+    got = _value(grads[name][f"kernel_lora_{which}"])
+    assert rel_err(got, ref) < 1e-5, (name, which, rel_err(got, ref))
