@@ -374,3 +374,20 @@ def test_nnx_grads_through_a_frozen_q8_layer(rng):
   for (name, which), ref in want.items():
     got = _value(grads[name][f"kernel_lora_{which}"])
     assert rel_err(got, ref) < 1e-5, (name, which, rel_err(got, ref))
+
+
+def test_bfloat16_activations(rng):
+  """bfloat16 x: B = 0 is the Q8Provider model bit for bit; random A, B within bfloat16's
+  rounding of the output (the sum runs in float32, cast once) of float64's."""
+  model, params, x = _linen("dense", rng)
+  x = x.astype(jnp.bfloat16)
+  plain = qwix.quantize_model(Layer("dense"), q8rules.Q8Provider([q8rules.Q8Rule()]))
+  want = plain.apply(plain.init(jax.random.key(0), x), x)
+  got = jax.jit(model.apply)({"params": params}, x)
+  assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want))
+  a, b = _random_ab(rng)
+  y = model.apply(
+    {"params": {"layer": {**params["layer"], "kernel_lora_a": a, "kernel_lora_b": b}}}, x
+  )
+  ref = _reference(np.asarray(x, np.float32), _w64(params["layer"]["kernel"]), a, b)
+  assert y.dtype == jnp.bfloat16 and rel_err(np.asarray(y, np.float32).reshape(-1, N), ref) < 4e-3
