@@ -15,7 +15,14 @@ from typing import Any
 from q8rules import kernels, sharding
 from q8rules.kernels import export_checks, fold_applies, q8_matmul
 from q8rules.layout import Q8How
-from q8rules.providers import Q8Provider, Q8QatProvider, quantize_params, shard_products
+from q8rules.providers import (
+  Q8LoraProvider,
+  Q8LoraRule,
+  Q8Provider,
+  Q8QatProvider,
+  quantize_params,
+  shard_products,
+)
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
@@ -47,6 +54,8 @@ def __dir__() -> list[str]:
 __all__ = [
   "BLOCK",
   "OpRecord",
+  "Q8LoraProvider",
+  "Q8LoraRule",
   "Q8Array",
   "Q8How",
   "Q8Provider",

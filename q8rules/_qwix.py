@@ -65,6 +65,16 @@ has_attribute = _interception.has_attribute
 """Whether the object at a dotted path exists (an interception of a missing one fails)."""
 
 
+make_rng = _flax_util.make_rng
+"""A random key from a stream ('dropout') of the module being run (linen: `make_rng`; nnx: the
+`qwix_rngs` that `qwix.apply_lora_to_model(..., rngs=...)` sets)."""
+
+
+get_or_create_param = _flax_util.get_or_create_param
+"""The current module's param `name`, created by `init_fn(rng)` when absent (nnx: as
+`nnx_param_type`, e.g. `nnx.LoRAParam`); returned unboxed."""
+
+
 get_current_module = _flax_util.get_current_module
 """The Flax module (linen or nnx) whose code is running; ValueError when there is none."""
 
@@ -121,10 +131,12 @@ __all__ = [
   "find_param",
   "get_attribute",
   "get_current_module",
+  "get_or_create_param",
   "get_value_from_path",
   "has_attribute",
   "initial_run_complete",
   "is_with_aux",
+  "make_rng",
   "module_params",
   "provider_rules",
   "quantize_model",

@@ -49,12 +49,18 @@ class Q8Rule(QuantizationRule):
 
 def describe(rule: QuantizationRule) -> str:
   """The rule with only its non-default fields, e.g. `Q8Rule(module_path='mlp/.*')`."""
-  default = type(rule)()
+
+  def is_default(f: dataclasses.Field) -> bool:
+    if f.default is not dataclasses.MISSING:
+      return getattr(rule, f.name) == f.default
+    if f.default_factory is not dataclasses.MISSING:
+      return getattr(rule, f.name) == f.default_factory()
+    return False  # a required field (a LoRA rule's rank): always shown
+
   fields = [
     f"{f.name}={getattr(rule, f.name)!r}"
     for f in dataclasses.fields(rule)
-    if getattr(rule, f.name) != getattr(default, f.name)
-    and f.name not in ("act_static_scale", "act_calibration_method")
+    if not is_default(f) and f.name not in ("act_static_scale", "act_calibration_method")
   ]
   return f"{type(rule).__name__}({', '.join(fields)})"
 

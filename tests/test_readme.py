@@ -39,7 +39,7 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 PAGES = [README] + [
   README.parent / "docs" / name
-  for name in ("kernels.md", "numerics.md", "checkpoints.md", "multihost.md")
+  for name in ("kernels.md", "numerics.md", "checkpoints.md", "multihost.md", "lora.md")
 ]
 """The pages whose ```python blocks run as written."""
 

@@ -25,6 +25,7 @@ the first stored.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -111,6 +112,11 @@ def _stored(
       raise ValueError(f"{found.name}: no rule for a weight that is not stored as Q8_0")
     how = stored_how(found, view, np.dtype(rule.scale_dtype).name)
     weight = install(found.module, found.name, found.base, how, q)
+    # the model still holds the float value it read (a tied table's head after its lookup)
+    base = found.base
+    provider._run.derived.setdefault(
+      id(base), (dataclasses.replace(found, chain=(), shapes=()), base)
+    )
   provider._run.weights[found.key] = weight.how.scale_dtype
   for op in found.chain:
     weight = weight.view(op)

@@ -202,7 +202,16 @@ class Q8Provider(RecordingProvider, PtqProvider):
       q8_bytes=weight.nbytes,
       note=policies.weight_note(q8, k, k_pad),
     )
+    y = self._adapted(product, q8, layout, y)
     return y.astype(preferred_element_type or lhs.dtype)
+
+  def _adapted(
+    self, product: Product, q8: WithAux, layout: ProductLayout, y: jax.Array
+  ) -> jax.Array:
+    """The served product's result `y` (float32, the op's output shape) as the model gets it,
+    before the cast to the op's dtype: `y` itself here; a LoRA provider adds its delta."""
+    del product, q8, layout
+    return y
 
   def _served_weight(
     self,

@@ -1,0 +1,210 @@
+"""`Q8LoraProvider`: LoRA adapters on a frozen Q8_0 base, as `qwix.LoraProvider` on Qwix's own.
+
+A product matched by a `Q8LoraRule` is served as `Q8Provider` serves it (the Q8_0 param, int8
+values and one scale per 32-row block, through the same kernels, no float copy of the weight)
+and gets the adapter's delta added:
+
+    y = served(x, W_q8) + dropout(x) @ A @ B * alpha / rank
+
+with A (K, rank) and B (rank, N) float32 params along the weight's own K (contracted) and N
+(kept) axes, whatever the op (`lax.dot_general`, `jnp.einsum` of two operands, a tied head
+through `embedding.T`). nnx keeps them as `nnx.LoRAParam` attributes `<param>_lora_a` /
+`<param>_lora_b` of the module (so `nnx.DiffState(0, nnx.LoRAParam)` trains only them), linen
+as params of those names beside the Q8 param. Products matched by a plain `Q8Rule` of the same
+provider are served as Q8_0 without an adapter. The gradient reaches A and B through the delta;
+the base's gradient in x runs the Q8_0 transposed product (op 'matmul_t').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.nn import initializers
+
+from q8rules._qwix import (
+  WithAux,
+  find_param,
+  get_or_create_param,
+  initial_run_complete,
+  make_rng,
+  provider_rules,
+)
+from q8rules.layout import ProductLayout
+from q8rules.providers._common import Product, op_where
+from q8rules.providers.q8_weight import Q8Weight
+from q8rules.providers.serving import Q8Provider
+from q8rules.rules import Q8Rule, describe
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+"""The suffixes of the adapter params' names ('kernel' -> 'kernel_lora_a', 'kernel_lora_b')."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Q8LoraRule(Q8Rule):
+  """A `Q8Rule` whose matched products also get a LoRA adapter (see the module).
+
+  Attributes:
+    rank: the adapter's rank r (A is (K, r), B is (r, N)); at most min(K, N) of each product.
+    alpha: the delta's scale is alpha / rank; > 0.
+    dropout: the rate of the dropout on x before A (0: none; it draws from the 'dropout' rng
+      stream: linen `rngs={'dropout': key}`, nnx the `rngs` given to `apply_lora_to_model`).
+    lora_a_initializer: `init(key, shape, dtype)` of A (default He-uniform, as Qwix's).
+    lora_b_initializer: `init(key, shape, dtype)` of B (default zeros: the adapted model starts
+      as the Q8_0 model, bit for bit).
+  """
+
+  rank: int
+  alpha: float
+  dropout: float = 0.0
+  lora_a_initializer: Callable[..., jax.Array] = initializers.he_uniform()
+  lora_b_initializer: Callable[..., jax.Array] = initializers.zeros
+
+  def __post_init__(self) -> None:
+    """Refuse a rank below 1, alpha <= 0 or a dropout rate outside [0, 1), naming the rule."""
+    super().__post_init__()
+    problems = []
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+      problems.append(f"rank={self.rank!r} (a positive int)")
+    if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha > 0):
+      problems.append(f"alpha={self.alpha!r} (a finite number > 0)")
+    if not (isinstance(self.dropout, int | float) and 0 <= self.dropout < 1):
+      problems.append(f"dropout={self.dropout!r} (a rate in [0, 1))")
+    if problems:
+      raise ValueError(
+        f"Q8LoraRule for module_path={self.module_path!r} cannot take {'; '.join(problems)}"
+      )
+
+  @property
+  def scale(self) -> float:
+    """alpha / rank, the factor on x @ A @ B."""
+    return self.alpha / self.rank
+
+
+def lora_delta(
+  x: jax.Array, a: jax.Array, b: jax.Array, layout: ProductLayout, scale: float
+) -> jax.Array:
+  """`x @ A @ B * scale` in the product's output shape, in float32 at full precision.
+
+  Args:
+    x: the activation as the op got it (any rank, any float dtype; after dropout).
+    a: A (K, rank) float32, K the weight's contracted size (unpadded).
+    b: B (rank, N) float32, N the weight's kept size.
+    layout: the product's layout (how x flattens to (M, K) and (M, N) unflattens).
+    scale: alpha / rank.
+
+  Returns:
+    float32 of the op's output shape.
+  """
+  k = layout.weight.k
+  x2d = layout.lhs_matrix(x.astype(jnp.float32))[:, :k]
+  hi = jax.lax.Precision.HIGHEST
+  d = jnp.dot(jnp.dot(x2d, a, precision=hi), b, precision=hi) * jnp.float32(scale)
+  return layout.output(d, tuple(x.shape))
+
+
+def _param_name(q8: WithAux) -> str | None:
+  """The name, in the current module, of the param the Q8 weight `q8` is (or is a view of)."""
+  if isinstance(q8, Q8Weight) and q8.name:
+    return q8.name.rsplit("/", 1)[-1]
+  return find_param(q8, WithAux)
+
+
+def _initial(
+  init: Callable[..., jax.Array], shape: tuple[int, int], where: str
+) -> Callable[[jax.Array], jax.Array]:
+  """`init(key)` -> the float32 adapter param of `shape`, its shape checked."""
+
+  def run(key: jax.Array) -> jax.Array:
+    value = jnp.asarray(init(key, shape, jnp.float32), jnp.float32)
+    if tuple(value.shape) != shape:
+      raise ValueError(f"{where}: the initializer made shape {value.shape}, not {shape}")
+    return value
+
+  return run
+
+
+class Q8LoraProvider(Q8Provider):
+  """Serve matched weights as Q8_0 and add LoRA adapters where a `Q8LoraRule` matched.
+
+  Use as Qwix's `LoraProvider`: `qwix.apply_lora_to_model(model, provider, *inputs,
+  rngs=nnx.Rngs(0))` for nnx, `qwix.quantize_model(model, provider)` then `init`/`apply` for
+  linen. Rules are `Q8LoraRule`s and plain `Q8Rule`s (served without an adapter), or, as
+  `qwix.LoraProvider` takes them, the fields of one `Q8LoraRule` as keywords.
+
+  Raises (at the first run) ValueError naming the rule's module_path when a `Q8LoraRule` put an
+  adapter on no product (its regex matched no served dot_general/einsum).
+  """
+
+  def __init__(
+    self, rules: Sequence[Q8Rule] | None = None, *, disable_jit: bool = False, **kwargs: Any
+  ):
+    if rules is None:
+      rules = [Q8LoraRule(**kwargs)]
+    elif kwargs:
+      raise ValueError("Q8LoraProvider takes rules or the fields of one Q8LoraRule, not both")
+    super().__init__(rules, disable_jit=disable_jit)
+    self._adapted_rules: set[int] = set()
+
+  def _adapted(
+    self, product: Product, q8: WithAux, layout: ProductLayout, y: jax.Array
+  ) -> jax.Array:
+    """`y` plus the adapter's delta when a `Q8LoraRule` matched the product (see the module)."""
+    rule = product.rule
+    if not isinstance(rule, Q8LoraRule):
+      return y
+    where = op_where(product.op_id)
+    k, n = layout.weight.k, layout.weight.n
+    if rule.rank > min(k, n):
+      raise ValueError(
+        f"{where}: LoRA rank {rule.rank} exceeds min(K, N) = {min(k, n)} of its weight"
+        f" (K={k}, N={n}); in {describe(rule)}"
+      )
+    name = _param_name(q8)
+    if name is None:
+      raise ValueError(f"{where}: cannot find the param of the Q8 weight to attach LoRA to")
+    a = get_or_create_param(
+      name + LORA_A,
+      _initial(rule.lora_a_initializer, (k, rule.rank), where),
+      nnx_param_type=nnx.LoRAParam,
+      need_rng=True,
+    )
+    b = get_or_create_param(
+      name + LORA_B,
+      _initial(rule.lora_b_initializer, (rule.rank, n), where),
+      nnx_param_type=nnx.LoRAParam,
+      need_rng=True,
+    )
+    for param, want in ((a, (k, rule.rank)), (b, (rule.rank, n))):
+      if tuple(param.shape) != want:
+        raise ValueError(
+          f"{where}: LoRA param of shape {tuple(param.shape)} does not match {want}"
+          f" (rank {rule.rank}, K={k}, N={n})"
+        )
+    x = product.lhs
+    if rule.dropout > 0:
+      x = nnx.Dropout(rule.dropout, deterministic=False)(x, rngs=make_rng("dropout"))
+    self._adapted_rules.add(id(rule))
+    return y.astype(jnp.float32) + lora_delta(x, a, b, layout, rule.scale)
+
+  def process_model_output(self, method_name: str, model_output: Any) -> Any:
+    first = not initial_run_complete(self)
+    out = super().process_model_output(method_name, model_output)
+    if first:
+      idle = [
+        r
+        for r in provider_rules(self)
+        if isinstance(r, Q8LoraRule) and id(r) not in self._adapted_rules
+      ]
+      if idle:
+        raise ValueError(
+          "Q8LoraProvider: LoRA rule(s) put an adapter on no served product (their"
+          " module_path matched no dot_general/einsum on a Q8 weight): "
+          + "; ".join(f"module_path={r.module_path!r}: {describe(r)}" for r in idle)
+        )
+    return out
