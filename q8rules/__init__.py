@@ -2,9 +2,9 @@
 
 `import q8rules` loads the core only (the format, the rules, the providers, the
 kernels, sharding). The applications (`q8rules.checkpoint`, `q8rules.llm`,
-`q8rules.models`) load on first use: `q8rules.load_gguf` and `q8rules.checkpoint`
-are resolved lazily, so gguf, safetensors and tokenizers are imported only when
-a checkpoint is touched; `from q8rules import *` takes the core only (`__all__`).
+`q8rules.models`) load on first use: `q8rules.load_gguf`, `q8rules.checkpoint`,
+`q8rules.save_lora` and `q8rules.load_lora` are resolved lazily, so gguf, safetensors and
+tokenizers are imported only when a checkpoint is touched; `from q8rules import *` takes the core only (`__all__`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ from q8rules import kernels, sharding
 from q8rules.kernels import export_checks, fold_applies, q8_matmul
 from q8rules.layout import Q8How
 from q8rules.providers import (
+  LoraAdapter,
   Q8LoraProvider,
   Q8LoraRule,
   Q8Provider,
   Q8QatProvider,
+  join_lora,
+  merge_lora,
   quantize_params,
   shard_products,
+  split_lora,
 )
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
@@ -32,6 +36,8 @@ _LAZY = {
   "llm": ("q8rules.llm", None),
   "models": ("q8rules.models", None),
   "load_gguf": ("q8rules.llm", "load_gguf"),
+  "save_lora": ("q8rules.checkpoint.lora", "save_lora"),
+  "load_lora": ("q8rules.checkpoint.lora", "load_lora"),
 }
 """Application names resolved on first use (module, attribute)."""
 
@@ -53,6 +59,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
   "BLOCK",
+  "LoraAdapter",
   "OpRecord",
   "Q8LoraProvider",
   "Q8LoraRule",
@@ -65,10 +72,13 @@ __all__ = [
   "dequantize",
   "export_checks",
   "fold_applies",
+  "join_lora",
   "kernels",
+  "merge_lora",
   "q8_matmul",
   "quantize",
   "quantize_params",
   "shard_products",
   "sharding",
+  "split_lora",
 ]

@@ -104,12 +104,7 @@ def save(
       leaves with one name, a reserved or non-str metadata entry.
   """
   path = Path(path)
-  metadata = dict(metadata or {})
-  if META_KEY in metadata:
-    raise CheckpointError(f"{path}: metadata key {META_KEY!r} is reserved")
-  bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
-  if bad:
-    raise CheckpointError(f"{path}: safetensors metadata is str -> str; not: {bad}")
+  metadata = user_metadata(path, metadata, META_KEY)
   pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q8)[0]
   tensors: dict[str, np.ndarray] = {}
   q8: dict[str, dict[str, Any]] = {}
@@ -130,6 +125,27 @@ def save(
     else:
       put(name, leaf)
   metadata[META_KEY] = json.dumps({"version": FORMAT_VERSION, "q8": q8}, sort_keys=True)
+  write_file(path, tensors, metadata)
+
+
+def user_metadata(path: Path, metadata: Mapping[str, str] | None, reserved: str) -> dict[str, str]:
+  """A caller's header metadata, checked: str -> str, without the key `reserved`.
+
+  Raises:
+    CheckpointError naming `path`: a non-str entry, or the reserved key.
+  """
+  metadata = dict(metadata or {})
+  if reserved in metadata:
+    raise CheckpointError(f"{path}: metadata key {reserved!r} is reserved")
+  bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+  if bad:
+    raise CheckpointError(f"{path}: safetensors metadata is str -> str; not: {bad}")
+  return metadata
+
+
+def write_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+  """Write a safetensors file to a temporary file beside `path`, then rename it (so `path` is
+  never half written)."""
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   try:
     safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata)
@@ -350,4 +366,12 @@ def _q8_array(path: Path, name: str, q: np.ndarray, scale: np.ndarray, fields: A
   return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
 
 
-__all__ = ["META_KEY", "SafetensorsCheckpoint", "load", "read_metadata", "save"]
+__all__ = [
+  "META_KEY",
+  "SafetensorsCheckpoint",
+  "load",
+  "read_metadata",
+  "save",
+  "user_metadata",
+  "write_file",
+]
