@@ -79,7 +79,7 @@ CONVERSATIONS = {
     {"role": "assistant", "content": "Hello. How can I help?"},
     {"role": "user", "content": "  Tell me a joke.  "},
   ],
-  "unicode": [{"role": "user", "content": "Ça va? 日本語で答えて 🙂 — \"quotes\" and \\ slashes"}],
+  "unicode": [{"role": "user", "content": 'Ça va? 日本語で答えて 🙂 — "quotes" and \\ slashes'}],
   "empty": [{"role": "user", "content": ""}],
 }
 
