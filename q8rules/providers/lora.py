@@ -10,7 +10,10 @@ with A (K, rank) and B (rank, N) float32 params along the weight's own K (contra
 (kept) axes, whatever the op (`lax.dot_general`, `jnp.einsum` of two operands, a tied head
 through `embedding.T`). nnx keeps them as `nnx.LoRAParam` attributes `<param>_lora_a` /
 `<param>_lora_b` of the module (so `nnx.DiffState(0, nnx.LoRAParam)` trains only them), linen
-as params of those names beside the Q8 param. Products matched by a plain `Q8Rule` of the same
+as params of those names beside the Q8 param. On a mesh the adapters follow their base's split
+(A along K as a row-parallel base, B along N as a column-parallel one): a new adapter is
+annotated and placed as its base's Q8 values are (`q8rules.providers.lora_placement`), and
+`q8rules.sharding.shard_params` splits them so. Products matched by a plain `Q8Rule` of the same
 provider are served as Q8_0 without an adapter. The gradient reaches A and B through the delta;
 the base's gradient in x runs the Q8_0 transposed product (op 'matmul_t').
 """
@@ -26,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.nn import initializers
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import (
   WithAux,
@@ -37,12 +42,13 @@ from q8rules._qwix import (
 )
 from q8rules.layout import ProductLayout
 from q8rules.providers._common import Product, op_where
+from q8rules.providers.lora_placement import init_like_base
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.providers.serving import Q8Provider
 from q8rules.rules import Q8Rule, describe
-
-LORA_A, LORA_B = "_lora_a", "_lora_b"
-"""The suffixes of the adapter params' names ('kernel' -> 'kernel_lora_a', 'kernel_lora_b')."""
+from q8rules.sharding.adapters import LORA_A, LORA_B
+from q8rules.sharding.product import type_spec
+from q8rules.sharding.specs import spec_entries
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,8 +110,21 @@ def lora_delta(
   k = layout.weight.k
   x2d = layout.lhs_matrix(x.astype(jnp.float32))[:, :k]
   hi = jax.lax.Precision.HIGHEST
-  d = jnp.dot(jnp.dot(x2d, a, precision=hi), b, precision=hi) * jnp.float32(scale)
+  xa = jnp.dot(x2d, a, precision=hi, **_xa_sharding(x2d, a))
+  d = jnp.dot(xa, b, precision=hi) * jnp.float32(scale)
   return layout.output(d, tuple(x.shape))
+
+
+def _xa_sharding(x2d: jax.Array, a: jax.Array) -> dict[str, Any]:
+  """`out_sharding` of x @ A (M, rank) where a mesh with explicit axes types x or A: the rows
+  split as x's, the rank whole (JAX asks for it when both split K, the row-parallel case: the
+  partial sums are added); {} otherwise (XLA propagates)."""
+  typed = {"x": type_spec(x2d), "A": type_spec(a)}
+  if all(t is None for t in typed.values()):
+    return {}
+  mesh = jax.typeof(x2d if typed["x"] is not None else a).sharding.mesh
+  rows = spec_entries(typed["x"], 2, "x")[0] if typed["x"] is not None else None
+  return {"out_sharding": NamedSharding(mesh, P(rows, None))}
 
 
 def _param_name(q8: WithAux) -> str | None:
@@ -170,13 +189,13 @@ class Q8LoraProvider(Q8Provider):
       raise ValueError(f"{where}: cannot find the param of the Q8 weight to attach LoRA to")
     a = get_or_create_param(
       name + LORA_A,
-      _initial(rule.lora_a_initializer, (k, rule.rank), where),
+      init_like_base(_initial(rule.lora_a_initializer, (k, rule.rank), where), name, "a", where),
       nnx_param_type=nnx.LoRAParam,
       need_rng=True,
     )
     b = get_or_create_param(
       name + LORA_B,
-      _initial(rule.lora_b_initializer, (rule.rank, n), where),
+      init_like_base(_initial(rule.lora_b_initializer, (rule.rank, n), where), name, "b", where),
       nnx_param_type=nnx.LoRAParam,
       need_rng=True,
     )

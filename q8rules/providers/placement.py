@@ -76,7 +76,7 @@ def q8_annotation(layout: WeightLayout, entries: Any, what: str) -> P | None:
   return q8_spec_for_layout(layout, P(*entries), what=what)
 
 
-def _current_mesh() -> Any:
+def current_mesh() -> Any:
   """The mesh `jax.set_mesh` put in context, or None."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh is None or mesh.empty else mesh
@@ -85,7 +85,7 @@ def _current_mesh() -> Any:
 def check_on_mesh(q_shape: tuple[int, ...], spec: P | None, what: str) -> None:
   """Refuse, naming the param, a spec that the mesh in context cannot split Q8_0 values by
   (a K split cutting a 32-row block, an N split that does not divide N)."""
-  mesh = _current_mesh()
+  mesh = current_mesh()
   if spec is None or mesh is None:
     return
   named = {a for e in spec for a in mesh_axes(e)}
@@ -94,7 +94,7 @@ def check_on_mesh(q_shape: tuple[int, ...], spec: P | None, what: str) -> None:
   check_q8_spec(q_shape, spec, mesh, what=what)
 
 
-def _box(box: Any, leaf: jax.Array, spec: P | None) -> Any:
+def box_like(box: Any, leaf: jax.Array, spec: P | None) -> Any:
   """`leaf` in a box like the float param's, its sharding annotation replaced by `spec`."""
   if isinstance(box, nnx.Variable):
     meta = dict(box.get_metadata())
@@ -142,7 +142,7 @@ def install(
   q8 = quantize(base, how, what)
   check_on_mesh(tuple(q8.q.shape), spec, what)
   weight = Q8Weight(array=q8, how=how, name=what)
-  boxed = jax.tree.map(lambda leaf: _box(box, leaf, spec), weight)
+  boxed = jax.tree.map(lambda leaf: box_like(box, leaf, spec), weight)
   if isinstance(module, nn.Module):
     module.put_variable("params", name, boxed)
   else:
@@ -152,7 +152,9 @@ def install(
 
 __all__ = [
   "annotation",
+  "box_like",
   "check_on_mesh",
+  "current_mesh",
   "install",
   "param_path",
   "q8_annotation",

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from q8rules._qwix import WithAux
 from q8rules.layout import Q8How
 from q8rules.q8_0 import Q8Array
+from q8rules.sharding.adapters import adapter_of, adapter_spec
 from q8rules.sharding.specs import (
   AnyMesh,
   SpecKey,
@@ -101,6 +102,16 @@ def _float_param_spec(leaf: Any, spec: Any, mesh: AnyMesh, name: str) -> P:
   return P(*entries)
 
 
+def _adapter_spec(keys: tuple[str, ...], q8_specs: Mapping[tuple[str, ...], P]) -> P | None:
+  """The spec of a LoRA adapter at `keys` ('up', 'kernel_lora_a') that follows its Q8 base's
+  (`q8rules.sharding.adapters`), or None when `keys` is not an adapter of a Q8 param."""
+  found = adapter_of(keys[-1]) if keys else None
+  if found is None:
+    return None
+  base = q8_specs.get((*keys[:-1], found[0]))
+  return None if base is None else adapter_spec(base, found[1], len(base))
+
+
 def _nnx_q8_params(module: Any) -> dict[tuple[str, ...], Any]:
   """Paths (attribute names) of the `WithAux(Q8Array, Q8How)` nodes of an nnx module."""
   found: dict[tuple[str, ...], Any] = {}
@@ -126,7 +137,10 @@ def param_shardings(
       (in, out)). An exact key wins over regexes; among regexes the first in
       the mapping's order. For a Q8 weight the spec is translated through its
       layout (`q8_spec_for_layout`) and applies to both q and scale. Params
-      no key matches are replicated.
+      no key matches are replicated, except LoRA adapters (`<name>_lora_a`, `<name>_lora_b`
+      beside a Q8 param `<name>`, `q8rules.Q8LoraProvider`), which follow their base:
+      A (K, rank) split along K as a row-parallel base is, B (rank, N) along N as a
+      column-parallel base is (`q8rules.sharding.adapters`; a key naming one wins).
     strict: raise when a key of `specs` matches no param (a typo).
 
   Returns:
@@ -135,14 +149,20 @@ def param_shardings(
     straight onto the mesh).
   """
   table = SpecTable(specs)
+  q8_specs = {
+    param_path(path): q8_param_spec(leaf, table.lookup(path_str(path)), mesh, path_str(path))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_q8_param)
+    if is_q8_param(leaf)
+  }
 
   def one(path: tuple[Any, ...], leaf: Any) -> Any:
-    name = path_str(path)
-    spec = table.lookup(name)
+    keys, name = param_path(path), path_str(path)
     if is_q8_param(leaf):
-      q_spec = q8_param_spec(leaf, spec, mesh, name)
-      s = NamedSharding(mesh, q_spec)
+      s = NamedSharding(mesh, q8_specs[keys])
       return leaf.replace(array=dataclasses.replace(leaf.array, q=s, scale=s))
+    spec = table.lookup(name)
+    if spec is None:
+      spec = _adapter_spec(keys, q8_specs)
     return NamedSharding(mesh, _float_param_spec(leaf, spec, mesh, name))
 
   out = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_q8_param)
@@ -175,15 +195,21 @@ def shard_params(
   q8 = _nnx_q8_params(params)
   pure = nnx.to_pure_dict(nnx.state(params, nnx.Param))
   table = SpecTable(specs)
+  q8_specs = {
+    keys: q8_param_spec(node, table.lookup(path_str(keys)), mesh, path_str(keys))
+    for keys, node in q8.items()
+  }
 
   def one(path: tuple[Any, ...], leaf: Any) -> Any:
     keys = param_path(path)
     if len(keys) > 2 and keys[-2] == "array" and keys[:-2] in q8:
-      name = path_str(keys[:-2])
-      spec = q8_param_spec(q8[keys[:-2]], table.lookup(name), mesh, name)
+      spec = q8_specs[keys[:-2]]
     else:
       name = path_str(keys)
-      spec = _float_param_spec(leaf, table.lookup(name), mesh, name)
+      float_spec = table.lookup(name)
+      if float_spec is None:
+        float_spec = _adapter_spec(keys, q8_specs)
+      spec = _float_param_spec(leaf, float_spec, mesh, name)
     return jax.device_put(leaf, NamedSharding(mesh, spec))
 
   placed = jax.tree_util.tree_map_with_path(one, pure)
