@@ -209,3 +209,30 @@ def test_mismatched_shapes_raise(xs, qs, ss, match):
   w = Q8Array(jnp.ones(qs, jnp.int8), jnp.ones(ss, jnp.float32))
   with pytest.raises(ValueError, match="q8_matmul: " + match):
     q8rules.q8_matmul(x, w, implementation="xla")
+
+
+@pytest.mark.parametrize("n", [768, 700, 200])
+def test_column_chunks_for_more_rows_than_a_k_chunk(rng, monkeypatch, n):
+  """More rows of x than a K chunk: chunks of N's columns (dividing N, leaving a tail, or the
+  whole N), the product, its transposed product (op matmul_t's 'xla') and the gradient in x
+  against float64."""
+  from q8rules.kernels.matmul import xla_chunked
+  from q8rules.kernels.matmul_t.xla import q8_matmul_t_xla
+
+  monkeypatch.setattr(xla_chunked, "CHUNK_BYTES", 4 * 64 * 256)  # 256 columns at K = 64
+  m, k = 40, 64
+  assert default_chunk(m, k, n) < m
+  want = {768: 256, 700: 256, 200: 200}[n]
+  assert xla_chunked.column_chunk(m, k, n) == want
+  assert xla_chunked.column_chunk(8, k, n) is None  # decode keeps the K chunks
+  q, scale = random_q8(rng, k, n)
+  x = random_x(rng, (m, k))
+  dy = random_x(rng, (m, n))
+  w = weight64(q, scale)
+  assert rel_err(q8_matmul_xla(x, q, scale), np.asarray(x, np.float64) @ w) <= TOL
+  assert rel_err(q8_matmul_t_xla(dy, q, scale), np.asarray(dy, np.float64) @ w.T) <= TOL
+  grad = jax.grad(lambda x: jnp.sum(q8_matmul_xla(x, q, scale) * dy))(x)
+  assert rel_err(grad, np.asarray(dy, np.float64) @ w.T) <= TOL
+  dscale = random_x(rng, scale.shape)
+  _, tangent = jax.jvp(lambda s: q8_matmul_xla(x, q, s), (scale,), (dscale,))
+  assert rel_err(tangent, np.asarray(x, np.float64) @ weight64(q, dscale)) <= TOL

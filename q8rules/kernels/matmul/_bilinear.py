@@ -71,12 +71,13 @@ def bilinear_product(
     x, q, scale, *rest = primals
     dx, _, dscale, *_ = tangents
     y = differentiable(*primals)
-    dy = jnp.zeros_like(y)
+    parts = []
     if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-      dy = dy + linear_in_x(dx, *select(q, scale, *rest), backward)
+      parts.append(linear_in_x(dx, *select(q, scale, *rest), backward))
     if not isinstance(dscale, jax.custom_derivatives.SymbolicZero):
-      dy = dy + q8_matmul_xla(x, select(q, scale, *rest)[0], select(q, dscale, *rest)[1])
-    return y, dy
+      parts.append(q8_matmul_xla(x, select(q, scale, *rest)[0], select(q, dscale, *rest)[1]))
+    # No zeros to add to: they would be a (m, N) residual of the forward pass.
+    return y, sum(parts[1:], parts[0]) if parts else jnp.zeros_like(y)
 
   differentiable.defjvp(jvp, symbolic_zeros=True)
   return differentiable

@@ -1,10 +1,16 @@
-"""The XLA Q8_0 product for every shape and backend: a scan over K chunks.
+"""The XLA Q8_0 product for every shape and backend: a scan over K chunks, or over N chunks
+when x has more rows than a K chunk.
 
 Each scan step dequantises one chunk of rows (int8 -> float32 times the scale,
 one fusion) and dots it into a float32 accumulator, so no float weight wider
 than a chunk ever exists. The scan body is rematerialised, so reverse mode
 dequantises each chunk again instead of keeping the whole float weight as a
 residual. Why this form, and the forms measured against it: docs/design.md.
+
+With more rows m of x than a K chunk has (prefill, training: m = 512 against a tied head's
+32-row chunks, K = 576 and N = 49152), every step would read and write the whole (m, N)
+accumulator for a thin dot; there the steps take chunks of N's columns instead (`column_chunk`),
+each a whole-K dot into its own (m, cn) part of the output, no accumulator.
 """
 
 from __future__ import annotations
@@ -45,6 +51,30 @@ def default_chunk(m: int, k: int, n: int) -> int:
   return max(BLOCK, min(rows, MAX_CHUNK, half or k))
 
 
+COLUMN_ALIGN = 128
+"""A column chunk is a multiple of this many columns (or the whole N)."""
+
+
+def column_chunk(m: int, k: int, n: int) -> int | None:
+  """Columns of the weight dequantised per step for an (m, K) x (K, N) product, or None for
+  K chunks (`default_chunk`).
+
+  None while m is at most `default_chunk(m, K, N)` (decode: the accumulator is no bigger than
+  the chunk). Past that about `CHUNK_BYTES` of float32 per step: a multiple of `COLUMN_ALIGN`
+  that divides N if one is within that size (no remainder step), or N itself when the whole
+  weight fits.
+  """
+  if m <= default_chunk(m, k, n):
+    return None
+  target = max(COLUMN_ALIGN, CHUNK_BYTES // (4 * max(k, 1)) // COLUMN_ALIGN * COLUMN_ALIGN)
+  if target >= n:
+    return n
+  for c in range(target, COLUMN_ALIGN - 1, -COLUMN_ALIGN):
+    if n % c == 0:
+      return c
+  return target
+
+
 def _chunk_rows(k: int, chunk: int) -> int:
   """`chunk` rounded down to a multiple of 32, at least 32 and at most k."""
   return max(BLOCK, min(chunk, k) // BLOCK * BLOCK)
@@ -68,8 +98,9 @@ def q8_matmul_xla(
     q: (K, N) int8 Q8_0 values, K a multiple of 32.
     scale: (K/32, N) float32 or float16 Q8_0 scales.
     chunk: weight rows dequantised per scan step (rounded down to a multiple
-      of 32); None picks `default_chunk(M, K, N)`. A K that is not a multiple
-      of the chunk ends with one smaller chunk.
+      of 32); None picks `column_chunk(M, K, N)` columns per step when it gives some,
+      else `default_chunk(M, K, N)` rows. A K (N) that is not a multiple of the chunk
+      ends with one smaller chunk.
 
   Returns:
     (M, N) float32, accumulated in float32.
@@ -78,8 +109,42 @@ def q8_matmul_xla(
   """
   m, k = x.shape
   n = q.shape[1]
+  columns = column_chunk(m, k, n) if chunk is None else None
+  if columns is not None:
+    return map_column_chunks(x.astype(jnp.float32), q, scale, columns, _rows_product)
   c = _chunk_rows(k, default_chunk(m, k, n) if chunk is None else chunk)
   return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
+
+
+def map_column_chunks(
+  x: jax.Array,
+  q: jax.Array,
+  scale: jax.Array,
+  c: int,
+  rows_product: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+  """`concat_j rows_product(x, q[:, cols_j], scale[:, cols_j])` over chunks of `c` columns of
+  N (a shorter last chunk), as a `lax.map` whose body is rematerialised (reverse mode
+  dequantises each chunk again). (M, N) float32."""
+  m = x.shape[0]
+  n = q.shape[1]
+  steps, rem = divmod(n, c)
+  if steps == 1 and not rem:
+    return jax.checkpoint(rows_product, prevent_cse=False)(x, q, scale)
+  main = steps * c
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(j: jax.Array) -> jax.Array:
+    qj = jax.lax.dynamic_slice_in_dim(q, j * c, c, axis=1)
+    sj = jax.lax.dynamic_slice_in_dim(scale, j * c, c, axis=1)
+    return rows_product(x, qj, sj)
+
+  parts = jax.lax.map(step, jnp.arange(steps, dtype=jnp.int32))  # (steps, M, c)
+  out = parts.transpose(1, 0, 2).reshape(m, main)
+  if rem:
+    last = jax.checkpoint(rows_product, prevent_cse=False)(x, q[:, main:], scale[:, main:])
+    out = jnp.concatenate([out, last], axis=1)
+  return out
 
 
 def scan_row_chunks(
