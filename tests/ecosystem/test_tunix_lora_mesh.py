@@ -252,3 +252,13 @@ def test_model_grads_on_a_mesh_against_float64(name, rng):
     assert db.sharding.is_equivalent_to(shardings[path][1], 2), path
     assert rel_err(da, ref[path][0]) <= GRAD_TOL, path
     assert rel_err(db, ref[path][1]) <= GRAD_TOL, path
+
+
+def test_a_k_split_cutting_a_block_is_refused_naming_the_param():
+  """On a 4 x 1 mesh fsdp splits the 64 rows of K into 16-row pieces, inside a 32-row block:
+  the model placed there ('placed') is refused while adapting, naming the first such param."""
+  if jax.device_count() < 4:
+    pytest.skip(f"needs 4 devices, found {jax.device_count()} (tests/conftest.py sets 8 on CPU)")
+  mesh = jax.make_mesh((4, 1), AXES, axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"^embedder/input_embedding: cannot split K=64 rows"):
+    _lora_model("gemma3", "placed", mesh)
