@@ -5,8 +5,8 @@ A float weight of any rank becomes the 2-D (K, N) Q8_0 matrix, so its N-D shardi
 own swap asserts on it). Its axes are translated through the weight's layout: the mesh axes
 of the axes flattened into K split K, those of the axes flattened into N split N
 (`q8rules.sharding.specs.q8_spec_for_layout`); `q` (K, N) and `scale` (K/32, N) get the same
-2-D spec. When a mesh is in context (`jax.set_mesh`), a K split that would
-cut a 32-row block is refused here, naming the param.
+2-D spec. When a mesh is in context (`jax.set_mesh`), or the float param is placed on one (a
+`NamedSharding`), a K split that would cut a 32-row block is refused here, naming the param.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import unbox
@@ -82,10 +83,24 @@ def current_mesh() -> Any:
   return None if mesh is None or mesh.empty else mesh
 
 
-def check_on_mesh(q_shape: tuple[int, ...], spec: P | None, what: str) -> None:
-  """Refuse, naming the param, a spec that the mesh in context cannot split Q8_0 values by
-  (a K split cutting a 32-row block, an N split that does not divide N)."""
+def placed_mesh(x: Any) -> Any:
+  """The mesh a concrete array `x` is placed on (its `NamedSharding`'s), or None."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def check_on_mesh(
+  q_shape: tuple[int, ...], spec: P | None, what: str, placed_on: Any = None
+) -> None:
+  """Refuse, naming the param, a spec that the mesh in context, else the mesh `placed_on`
+  (the float param's, `placed_mesh`), cannot split Q8_0 values by (a K split cutting a 32-row
+  block, an N split that does not divide N)."""
   mesh = current_mesh()
+  if mesh is None:
+    mesh = placed_on
   if spec is None or mesh is None:
     return
   named = {a for e in spec for a in mesh_axes(e)}
@@ -140,7 +155,7 @@ def install(
     box = getattr(module, name)
   spec = q8_annotation(how.layout, annotation(box), what)
   q8 = quantize(base, how, what)
-  check_on_mesh(tuple(q8.q.shape), spec, what)
+  check_on_mesh(tuple(q8.q.shape), spec, what, placed_mesh(base))
   weight = Q8Weight(array=q8, how=how, name=what)
   boxed = jax.tree.map(lambda leaf: box_like(box, leaf, spec), weight)
   if isinstance(module, nn.Module):
@@ -157,6 +172,7 @@ __all__ = [
   "current_mesh",
   "install",
   "param_path",
+  "placed_mesh",
   "q8_annotation",
   "stored_layout",
 ]

@@ -3,8 +3,8 @@
 An N-D weight's annotation (nnx `Param(..., sharding=...)`, linen `nn.with_partitioning`)
 becomes the (K, N) spec of `q` and `scale`: the mesh axes of the contracted axes split K, the
 others split N; a free axis the annotation splits goes first in N (Gemma's kv einsum
-(2, heads, D, H) split on heads). Under a mesh in context a K split that would cut a 32-row
-block is refused, naming the param. The sharded run itself is in test_tunix_sharded.py.
+(2, heads, D, H) split on heads). Under a mesh in context, or with the float param placed on
+one, a K split that would cut a 32-row block is refused, naming the param. The sharded run itself is in test_tunix_sharded.py.
 """
 
 from __future__ import annotations
@@ -91,6 +91,30 @@ def test_a_k_split_cutting_a_block_is_refused_naming_the_param(rng):
     pytest.raises(ValueError, match=r"^kv: cannot split K=64 rows .* over 4 devices"),
   ):
     qwix.quantize_model(Attn(rng), provider, x)
+
+
+def _placed(model: nnx.Module, fsdp: int, tp: int) -> nnx.Module:
+  """`model` placed on a real (fsdp, tp) mesh by its annotations, no mesh in context."""
+  if jax.device_count() < fsdp * tp:
+    pytest.skip(f"needs {fsdp * tp} devices (tests/conftest.py sets 8 on CPU)")
+  auto = (AxisType.Auto, AxisType.Auto)
+  mesh = jax.make_mesh(
+    (fsdp, tp), ("fsdp", "tp"), axis_types=auto, devices=jax.devices()[: fsdp * tp]
+  )
+  state = nnx.state(model)
+  nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+  return model
+
+
+def test_a_k_split_cutting_a_block_of_a_placed_param_is_refused_naming_it(rng):
+  """No mesh in context, the float params placed on one (Tunix's models as restored onto a
+  mesh): the placed param's mesh is checked."""
+  x = jnp.asarray(rng.standard_normal((2, 3, D)).astype(np.float32))
+  provider = q8rules.Q8Provider([q8rules.Q8Rule()])
+  q8 = qwix.quantize_model(_placed(Attn(rng), 2, 2), provider, x)
+  assert q8.kv.array.q[...].sharding.spec == P("fsdp", "tp")
+  with pytest.raises(ValueError, match=r"^kv: cannot split K=64 rows .* over 4 devices"):
+    qwix.quantize_model(_placed(Attn(rng), 4, 1), provider, x)
 
 
 class Mlp(nn.Module):

@@ -13,7 +13,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import qwix
 from flax import nnx
@@ -30,8 +29,6 @@ pytestmark = [
 ]
 
 STEPS = 6
-BATCH, LENGTH, PAD = 4, 16, 5
-"""The training batch: 4 sequences of 16 tokens, the last 5 of the second one padding."""
 
 GRAD_TOL = 1e-5
 """Issue 32: gradients of A, B and x within 1e-5 (relative L2) of float64's."""
@@ -48,42 +45,9 @@ TRAINED = [
 keyword call as written; `tl.provider`)."""
 
 
-def _peft():
-  from tunix.sft import peft_trainer
-  from tunix.sft import utils as sft_utils
-
-  return peft_trainer, sft_utils
-
-
-def _batch(rng: np.random.Generator):
-  """One `peft_trainer.TrainingInput` (numpy, as Tunix's data pipelines give it)."""
-  peft_trainer, _ = _peft()
-  tokens = rng.integers(0, tm.VOCAB, (BATCH, LENGTH)).astype(np.int32)
-  mask = np.ones((BATCH, LENGTH), bool)
-  mask[1, -PAD:] = False
-  return peft_trainer.TrainingInput(input_tokens=tokens, input_mask=mask)
-
-
-def _model_inputs(x) -> dict[str, jax.Array]:
-  """Tunix's QLoRA demo's `gen_model_input_fn`: the loss's arguments from a TrainingInput,
-  positions and the causal attention mask made from its input mask by Tunix's own helpers."""
-  _, sft_utils = _peft()
-  mask = jnp.asarray(x.input_mask)
-  return {
-    "input_tokens": jnp.asarray(x.input_tokens),
-    "input_mask": mask,
-    "positions": sft_utils.build_positions_from_mask(mask),
-    "attention_mask": sft_utils.make_causal_attn_mask(mask),
-  }
-
-
-def _bytes(state: nnx.State) -> list[bytes]:
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(state)]
-
-
 @pytest.mark.parametrize("name,dtype,base", TRAINED, ids=["-".join(t) for t in TRAINED])
 def test_peft_trainer_trains_only_the_adapters_of_a_q8_base(name, dtype, base, rng):
-  peft_trainer, sft_utils = _peft()
+  _, sft_utils = tl.peft()
   with tc.tunix_flags():
     model = tm.build(tl.case(name, dtype), rng)
     matrices = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param) and v.ndim >= 2]
@@ -103,22 +67,17 @@ def test_peft_trainer_trains_only_the_adapters_of_a_q8_base(name, dtype, base, r
   assert set(adapters) <= set(q8)
   assert sft_utils.is_lora_enabled(lora_model)  # PeftTrainer then trains nnx.LoRAParam only
 
-  base_before = _bytes(nnx.state(lora_model, nnx.Not(nnx.LoRAParam)))
-  lora_before = _bytes(nnx.state(lora_model, nnx.LoRAParam))
-  batch = _batch(rng)
-  config = peft_trainer.TrainingConfig(eval_every_n_steps=STEPS, max_steps=STEPS)
-  trainer = peft_trainer.PeftTrainer(lora_model, optax.adam(1e-2), config)
-  trainer.with_gen_model_input_fn(_model_inputs)
+  base_before = tl.leaf_bytes(nnx.state(lora_model, nnx.Not(nnx.LoRAParam)))
+  lora_before = tl.leaf_bytes(nnx.state(lora_model, nnx.LoRAParam))
   with tc.tunix_flags():
-    trainer.train([batch] * STEPS, eval_ds=[batch])
+    trainer = tl.train(lora_model, tl.training_input(rng), STEPS)
 
-  losses = trainer.metrics_logger.get_metric_history("", "loss", "train")
-  evals = trainer.metrics_logger.get_metric_history("", "loss", "eval")
+  losses, evals = tl.losses(trainer, "train"), tl.losses(trainer, "eval")
   assert trainer.train_steps == STEPS and len(losses) == STEPS and len(evals) == 2
   assert np.all(np.diff(losses) < 0), losses  # the same batch every step
   assert evals[1] < evals[0]
-  assert _bytes(nnx.state(lora_model, nnx.Not(nnx.LoRAParam))) == base_before
-  lora_after = _bytes(nnx.state(lora_model, nnx.LoRAParam))
+  assert tl.leaf_bytes(nnx.state(lora_model, nnx.Not(nnx.LoRAParam))) == base_before
+  lora_after = tl.leaf_bytes(nnx.state(lora_model, nnx.LoRAParam))
   assert len(lora_after) == 2 * len(adapters)
   assert all(x != y for x, y in zip(lora_before, lora_after, strict=True))
   served = [r for r in provider.report().ops if r.rule == 0]  # the adapters' rule
@@ -130,12 +89,12 @@ def test_peft_trainer_trains_only_the_adapters_of_a_q8_base(name, dtype, base, r
 def test_model_grads_of_every_adapter_against_float64(name, rng):
   """Tunix's loss on the whole adapted model (tied head or lm_head included), random A and B,
   under `nnx.jit` as PeftTrainer takes it."""
-  peft_trainer, _ = _peft()
+  peft_trainer, _ = tl.peft()
   with tc.tunix_flags():
     model = tm.build(tl.case(name), rng)
     lora_model, _ = tl.adapt(model, name)
   tl.randomize_adapters(lora_model, rng)
-  inputs = _model_inputs(_batch(rng))
+  inputs = tl.model_inputs(tl.training_input(rng))
 
   def loss(m: nnx.Module) -> jax.Array:
     return peft_trainer._default_loss_fn(m, **inputs)  # noqa: SLF001 (PeftTrainer's own loss)

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import qwix
 from flax import nnx
 
@@ -73,6 +74,68 @@ def adapt(
   the adapted model and its provider."""
   lora = provider(name, base)
   return qwix.apply_lora_to_model(model, lora, rngs=nnx.Rngs(0), **model.get_model_input()), lora
+
+
+BATCH, LENGTH, PAD = 4, 16, 5
+"""The training batch: 4 sequences of 16 tokens, the last 5 of the second one padding."""
+
+LEARNING_RATE = 1e-2
+"""`optax.adam`'s, for PeftTrainer."""
+
+
+def peft() -> tuple[Any, Any]:
+  """Tunix's `tunix.sft.peft_trainer` and `tunix.sft.utils` (imported when called: Tunix is
+  not installed in the default run)."""
+  from tunix.sft import peft_trainer
+  from tunix.sft import utils as sft_utils
+
+  return peft_trainer, sft_utils
+
+
+def training_input(rng: np.random.Generator) -> Any:
+  """One `peft_trainer.TrainingInput` (numpy, as Tunix's data pipelines give it): tokens
+  (BATCH, LENGTH) int32 and the input mask (BATCH, LENGTH) bool (`PAD` padding positions)."""
+  peft_trainer, _ = peft()
+  tokens = rng.integers(0, tm.VOCAB, (BATCH, LENGTH)).astype(np.int32)
+  mask = np.ones((BATCH, LENGTH), bool)
+  mask[1, -PAD:] = False
+  return peft_trainer.TrainingInput(input_tokens=tokens, input_mask=mask)
+
+
+def model_inputs(x: Any) -> dict[str, jax.Array]:
+  """Tunix's QLoRA demo's `gen_model_input_fn`: the loss's arguments from a TrainingInput,
+  positions and the causal attention mask made from its input mask by Tunix's own helpers."""
+  _, sft_utils = peft()
+  mask = jnp.asarray(x.input_mask)
+  return {
+    "input_tokens": jnp.asarray(x.input_tokens),
+    "input_mask": mask,
+    "positions": sft_utils.build_positions_from_mask(mask),
+    "attention_mask": sft_utils.make_causal_attn_mask(mask),
+  }
+
+
+def train(model: nnx.Module, batch: Any, steps: int) -> Any:
+  """Tunix's `PeftTrainer` on `model` with `optax.adam(LEARNING_RATE)` and its default loss:
+  `steps` steps on `batch` (the same one each step), evaluated on it before and after. Run it
+  under `with mesh:` for sharded training (the mesh Tunix's trainer reads). Returns the trainer
+  (its `metrics_logger` holds the losses)."""
+  peft_trainer, _ = peft()
+  config = peft_trainer.TrainingConfig(eval_every_n_steps=steps, max_steps=steps)
+  trainer = peft_trainer.PeftTrainer(model, optax.adam(LEARNING_RATE), config)
+  trainer.with_gen_model_input_fn(model_inputs)
+  trainer.train([batch] * steps, eval_ds=[batch])
+  return trainer
+
+
+def losses(trainer: Any, mode: str) -> np.ndarray:
+  """The trainer's logged losses, `mode` 'train' (one a step) or 'eval' (one an evaluation)."""
+  return np.asarray(trainer.metrics_logger.get_metric_history("", "loss", mode))
+
+
+def leaf_bytes(state: nnx.State) -> list[bytes]:
+  """Every leaf of `state` as bytes (a sharded array gathered whole)."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(state)]
 
 
 def at(node: Any, path: Path) -> Any:
@@ -230,7 +293,11 @@ def build64(name: str) -> nnx.Module:
 __all__ = [
   "ADAPTED_PER_LAYER",
   "ALPHA",
+  "BATCH",
+  "LEARNING_RATE",
+  "LENGTH",
   "MODULE_PATH",
+  "PAD",
   "RANK",
   "DecoderLayerOnX",
   "Float64Twin",
@@ -241,11 +308,17 @@ __all__ = [
   "case",
   "float64_twin",
   "grads_by_weight",
+  "leaf_bytes",
   "lora64",
+  "losses",
   "matched_modules",
+  "model_inputs",
   "native64",
+  "peft",
   "provider",
   "q8_weights",
   "randomize_adapters",
+  "train",
+  "training_input",
   "value",
 ]
