@@ -258,21 +258,27 @@ def nnx_kernels(model) -> dict:
   return {name: getattr(model, name).kernel for name in lm.NAMES}
 
 
+def annotated_block(seed: int) -> lm.NBlock:
+  """The nnx block with its kernels annotated column- (up) and row-parallel (down) on 'tp'
+  (made under `jax.set_mesh`: eager sharding places them)."""
+  init = nnx.initializers.lecun_normal()
+  return lm.NBlock(
+    nnx.Rngs(seed),
+    up_init=nnx.with_partitioning(init, (None, "tp")),
+    down_init=nnx.with_partitioning(init, ("tp", None, None)),
+  )
+
+
 def test_nnx_eager_sharding_annotates_and_places_the_adapters(rng):
   """A float model made under `jax.set_mesh` with annotated kernels (eager sharding):
   `apply_lora_to_model` gives each adapter the base's split in its metadata and its placement;
   output and nnx.grad of A, B and x against float64, each gradient laid out as its adapter."""
   mesh = mesh_of(AxisType.Auto)
-  init = nnx.initializers.lecun_normal()
   x = jnp.asarray(rng.standard_normal(lm.X_SHAPE), jnp.float32)
   c = jnp.asarray(rng.standard_normal(lm.X_SHAPE), jnp.float32)
   seed = int(rng.integers(2**31))
   with jax.set_mesh(mesh):
-    block = lm.NBlock(
-      nnx.Rngs(seed),
-      up_init=nnx.with_partitioning(init, (None, "tp")),
-      down_init=nnx.with_partitioning(init, ("tp", None, None)),
-    )
+    block = annotated_block(seed)
     provider = q8rules.Q8LoraProvider(lm.rules())
     model = qwix.apply_lora_to_model(block, provider, x, rngs=nnx.Rngs(seed + 1))
     specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.LoRAParam)))
@@ -294,15 +300,10 @@ def test_nnx_adapters_made_outside_the_mesh_follow_the_placed_base(rng):
   it: each adapter is put where its base's Q8 values are, split as above, and annotated so (its
   eager sharding off: there is no mesh in context to resolve it)."""
   mesh = mesh_of(AxisType.Auto)
-  init = nnx.initializers.lecun_normal()
   x = jnp.asarray(rng.standard_normal(lm.X_SHAPE), jnp.float32)
   seed = int(rng.integers(2**31))
   with jax.set_mesh(mesh):
-    block = lm.NBlock(
-      nnx.Rngs(seed),
-      up_init=nnx.with_partitioning(init, (None, "tp")),
-      down_init=nnx.with_partitioning(init, ("tp", None, None)),
-    )
+    block = annotated_block(seed)
   provider = q8rules.Q8LoraProvider(lm.rules())
   model = qwix.apply_lora_to_model(block, provider, x, rngs=nnx.Rngs(seed + 1))
   for (name, which), want in ADAPTER_SPECS.items():
