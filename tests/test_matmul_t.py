@@ -325,3 +325,17 @@ def test_xla_and_reference_dots_are_float32_precision(rng):
   for fn, arg in [*programs, (jax.jit(grad), x)]:
     lines = [line for line in fn.lower(arg).as_text().splitlines() if "dot_general" in line]
     assert lines and all("HIGHEST" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_xla_a_nan_or_inf_in_dy_stays_in_its_rows(rng, m):
+  """The 'xla' slabs wait for dy (their scales take a zero from dy's first value): a NaN or an
+  infinity there reaches only its own row of the output, every other row is the product."""
+  k, n = 64, 96
+  dy, q, scale = operands(rng, m, k, n)
+  dy = np.array(dy)
+  dy[0, 0], dy[1, 5] = np.nan, np.inf
+  out = np.asarray(q8_matmul_t_xla(jnp.asarray(dy), q, scale))
+  assert np.isnan(out[0]).all() and not np.isfinite(out[1]).all()
+  ref = reference_float64(dy[2:], q, scale)
+  assert np.isfinite(out[2:]).all() and rel_err(out[2:], ref) <= TOL

@@ -23,9 +23,26 @@ NAME = "xla"
 SUMMARY = "K-chunked dequantise-and-dot with the slab's transpose in plain XLA, every backend"
 
 
+def _after(dy: jax.Array, scale: jax.Array) -> jax.Array:
+  """`scale` as float32, made to depend on dy's first value (plus a zero that XLA cannot fold:
+  0 whatever that value is, NaN and infinities included), so the slab it dequantises cannot be
+  computed before dy exists.
+
+  Without it XLA:CPU's scheduler computes the backward pass's slabs, which read only params,
+  early, in the forward pass, and holds every layer's float weight until its transposed
+  product: a 135M decoder's training step took 393 MB more temporaries than the float32
+  model's (benchmarks/RESULTS.md `lora`). `optimization_barrier` does not stop it on the CPU.
+  """
+  if dy.size == 0:
+    return scale.astype(jnp.float32)
+  d = dy[0, 0].astype(jnp.float32)
+  zero = jnp.where(jnp.isnan(d), jnp.float32(0), jnp.minimum(jnp.abs(d), jnp.float32(0)))
+  return scale.astype(jnp.float32) + zero
+
+
 def _rows(dy: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """dy (M, N) float32 @ (q (c, N) int8 * scale (c/32, N))^T -> (M, c) float32."""
-  slab = dequantize_blocks(q, scale)
+  slab = dequantize_blocks(q, _after(dy, scale))
   return jnp.dot(
     dy, slab.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
   )
