@@ -24,7 +24,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import get_current_module, unbox
-from q8rules.providers.placement import NNX_SHARDING_KEYS, annotation, box_like, current_mesh
+from q8rules.providers.placement import (
+  NNX_SHARDING_KEYS,
+  annotation,
+  box_like,
+  current_mesh,
+  placed_sharding,
+)
 from q8rules.sharding.adapters import Which, adapter_entries, adapter_spec
 from q8rules.sharding.product import type_spec
 from q8rules.sharding.specs import AnyMesh, devices_along, spec_entries
@@ -45,10 +51,12 @@ def _mesh_and_spec(q: Any) -> tuple[AnyMesh, tuple[Any, ...]] | None:
   """The mesh and spec entries the Q8 values `q` are laid out by: a placed array's
   `NamedSharding`, or the sharding in a traced array's type (explicit mesh axes); else None."""
   if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
-    sharding = q.sharding
-    if isinstance(sharding, NamedSharding):
-      return sharding.mesh, spec_entries(sharding.spec, q.ndim, "Q8 values")
-    return None
+    sharding = placed_sharding(q)
+    return (
+      None
+      if sharding is None
+      else (sharding.mesh, spec_entries(sharding.spec, q.ndim, "Q8 values"))
+    )
   typed = type_spec(q)
   if typed is None:
     return None

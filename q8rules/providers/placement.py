@@ -83,13 +83,20 @@ def current_mesh() -> Any:
   return None if mesh is None or mesh.empty else mesh
 
 
-def placed_mesh(x: Any) -> Any:
-  """The mesh a concrete array `x` is placed on (its `NamedSharding`'s), or None."""
+def placed_sharding(x: Any) -> NamedSharding | None:
+  """The `NamedSharding` a concrete array `x` is placed by, or None (a tracer, another kind of
+  sharding, not an array)."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     sharding = x.sharding
     if isinstance(sharding, NamedSharding):
-      return sharding.mesh
+      return sharding
   return None
+
+
+def placed_mesh(x: Any) -> Any:
+  """The mesh a concrete array `x` is placed on (its `NamedSharding`'s), or None."""
+  sharding = placed_sharding(x)
+  return None if sharding is None else sharding.mesh
 
 
 def check_on_mesh(
@@ -173,6 +180,7 @@ __all__ = [
   "install",
   "param_path",
   "placed_mesh",
+  "placed_sharding",
   "q8_annotation",
   "stored_layout",
 ]

@@ -9,24 +9,20 @@ judge both directions; only the message differs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.kernels.problem import ACTIVATION_DTYPES, Problem, check_operands, platform_of
+from q8rules.kernels.problem import ACTIVATION_DTYPES, Problem, check_operands
 from q8rules.q8_0 import Q8Array
 
 
 @dataclasses.dataclass(frozen=True)
 class TransposedProblem(Problem):
-  """One product `(m, N) @ (K, N)^T -> (m, K)` on a platform; `itemsize`: bytes of a dy value."""
+  """One product `(m, N) @ (K, N)^T -> (m, K)` on a platform; `itemsize`: bytes of a dy value.
 
-  @classmethod
-  def of(cls, m: int, k: int, n: int, dtype: Any, backend: str | None = None) -> TransposedProblem:
-    """The problem of an (m, N) x (K, N)^T product with `dtype` cotangents on `backend`."""
-    return cls(int(m), int(k), int(n), np.dtype(dtype).itemsize, platform_of(backend))
+  `TransposedProblem.of(m, k, n, dtype, backend)` is `Problem.of`'s, `dtype` the cotangents'."""
 
   def describe(self) -> str:
     """'(m, N) x (K, N)^T', as messages name the product."""
