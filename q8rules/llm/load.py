@@ -14,8 +14,9 @@ one layer is traced. A file that mixes types across layers runs unrolled.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -96,6 +97,8 @@ def load_gguf(
   progress: bool | None = None,
   fuse: bool = True,
   act_qtype: str | None = None,
+  lora: Any = None,
+  lora_scale: float | Sequence[float] = 1.0,
 ) -> GGUFModel:
   """Load a llama.cpp GGUF model (an arch of `q8rules.llm.SUPPORTED_ARCHS`) to run in JAX.
 
@@ -127,6 +130,11 @@ def load_gguf(
     act_qtype: None (weight-only: float32-accurate products, the default), or 'q8_0': the
       activations of every Q8_0 product quantized to Q8_0 as llama.cpp does, products on
       int8 block dots (`q8rules.kernels.matmul_act_q8`; AVX-512 VNNI on the CPU).
+    lora: a llama.cpp LoRA adapter file (ours, `GGUFModel.save_lora_gguf`, or one
+      `convert_lora_to_gguf.py` wrote), or a list of them: applied unmerged, as llama.cpp's
+      `--lora` applies them (`q8rules.llm.lora.attach_lora_files`); `GGUFModel.lora` says so.
+    lora_scale: each file's `lora_scale` (one for all, or one per file): its delta is scaled
+      by lora_scale * alpha / rank, as llama.cpp's `--lora-scaled`.
 
   Returns:
     A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
@@ -139,6 +147,7 @@ def load_gguf(
       tensor, a shape that disagrees with the metadata, a truncated file, a
       split set with a part missing.
   """
+  files, scales = _lora_files(lora, lora_scale)
   ckpt = open_gguf(
     path,
     scale_dtype=np.float16,
@@ -147,9 +156,36 @@ def load_gguf(
     progress=progress,
   )
   try:
-    return _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse, act_qtype=act_qtype)
+    m = _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse, act_qtype=act_qtype)
   finally:
     ckpt.close()
+  if files:
+    from q8rules.llm.lora import attach_lora_files
+
+    m = attach_lora_files(m, files, scales)
+  return m
+
+
+def _lora_files(lora: Any, lora_scale: Any) -> tuple[list[Any], list[float]]:
+  """The adapter files of `load_gguf(lora=, lora_scale=)`, read and checked before the model
+  loads, and one finite scale per file.
+
+  Raises:
+    ValueError: a scale that is not a finite number, or scales that do not match the files.
+    CheckpointError naming the adapter file: see `read_lora_gguf`.
+  """
+  if lora is None:
+    return [], []
+  paths = [lora] if isinstance(lora, str | bytes) or hasattr(lora, "__fspath__") else list(lora)
+  scales = [lora_scale] * len(paths) if isinstance(lora_scale, int | float) else list(lora_scale)
+  if len(scales) != len(paths):
+    raise ValueError(f"{len(scales)} lora_scale value(s) for {len(paths)} adapter file(s)")
+  for s in scales:
+    if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s):
+      raise ValueError(f"lora_scale must be a finite number, got {s!r}")
+  from q8rules.checkpoint.gguf.adapter import read_lora_gguf
+
+  return [read_lora_gguf(p) for p in paths], [float(s) for s in scales]
 
 
 @dataclasses.dataclass(frozen=True)

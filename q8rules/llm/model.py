@@ -72,6 +72,8 @@ class GGUFModel:
       over several processes, its own shards' and the replicated tensors').
     requantized: how many tensors of each file type were requantized to Q8_0 at load
       (e.g. `Counter({'Q5_0': 81, 'Q4_K': 27, 'Q6_K': 9})`; empty for a Q8_0 file).
+    lora: the LoRA adapters' `q8rules.llm.lora.LoraSpec` (rank, alpha, targets) when
+      `with_lora` or `load_gguf(lora=...)` added them, else None.
   """
 
   path: Any
@@ -83,6 +85,7 @@ class GGUFModel:
   mesh: Any = None
   bytes_read: int = 0
   requantized: Counter[str] = dataclasses.field(default_factory=Counter)
+  lora: Any = None
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))
@@ -97,6 +100,77 @@ class GGUFModel:
     from q8rules.llm.unstack import unrolled
 
     return unrolled(self)
+
+  def with_lora(
+    self,
+    *,
+    rank: int = 16,
+    alpha: float = 32.0,
+    targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+  ) -> GGUFModel:
+    """This model with trainable LoRA adapters on its Q8_0 weights (`q8rules.llm.lora`).
+
+    Args:
+      rank: r of each adapter: A (K, r), B (r, N); at most min(K, N) of every target.
+      alpha: the delta `x @ A @ B` is scaled by alpha / rank.
+      targets: GGUF tensor kinds to adapt ('attn_q', 'attn_k', 'attn_v', 'attn_output',
+        'ffn_gate', 'ffn_up', 'ffn_down'; 'attn_qkv' where the file fuses q | k | v); default
+        all seven the file has.
+      dropout: dropout rate on x before A while training (`q8rules.llm.finetune`).
+      seed: seed of A's He-uniform init (B starts at zero: the model's outputs do not change).
+
+    Returns:
+      A GGUFModel whose params hold `<kernel>_lora_a` (L, K, r) and `_lora_b` (L, r, N) float32
+      beside each targeted Q8_0 kernel (stacked like it), served by `Q8LoraProvider`.
+
+    Raises:
+      ValueError naming the file or tensor: an unknown target, one the file lacks, a target
+      that is not Q8_0, a rank above min(K, N), alpha <= 0, adapters already there.
+    """
+    from q8rules.llm.lora import with_lora
+
+    return with_lora(self, rank=rank, alpha=alpha, targets=targets, dropout=dropout, seed=seed)
+
+  def adapters(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The adapters per GGUF tensor: 'blk.3.attn_q.weight' -> (A (K, r), B (r, N)) float32."""
+    from q8rules.llm.lora import adapters_of
+
+    return adapters_of(self)
+
+  def merged(self) -> GGUFModel:
+    """This model with its adapters merged into their Q8_0 weights (requantized; see
+    `q8rules.llm.lora.merged`), served as a plain Q8_0 model."""
+    from q8rules.llm.lora import merged
+
+    return merged(self)
+
+  def save_lora_gguf(self, path: Any, *, dtype: str = "f32") -> Any:
+    """Write the adapters as a llama.cpp LoRA adapter file (`general.type = adapter`, one
+    `<tensor>.lora_a` / `.lora_b` pair per adapted tensor in ggml's orientation, F32 or F16;
+    `q8rules.checkpoint.gguf.adapter`), for llama.cpp's `--lora` and `load_gguf(lora=...)`.
+    Written to a temporary file, then renamed. Returns the path."""
+    from q8rules.checkpoint.gguf.adapter import save_lora_gguf
+
+    arch = self.metadata.get("general.architecture", self.config.arch)
+    return save_lora_gguf(path, self.adapters(), arch=arch, alpha=self.lora.alpha, dtype=dtype)
+
+  def loss(
+    self, token_ids: Sequence[int] | np.ndarray, mask: Sequence[Any] | np.ndarray | None = None
+  ) -> float:
+    """Mean next-token cross-entropy of token_ids ((T,) or (B, T)), counted where `mask`
+    ((T,) or (B, T), True for a target) is set at the predicted position; all when None
+    (`q8rules.llm.finetune.next_token_loss`)."""
+    from q8rules.llm.finetune import check_batch, model_loss
+
+    tokens, m = check_batch(token_ids, mask, self.config.vocab)
+    if not hasattr(self, "_loss_fn"):
+      self._loss_fn = jax.jit(lambda p, t, mk: model_loss(self.model, self.config, p, t, mk))
+    if self.mesh is None:
+      return float(self._loss_fn(self.params, tokens, m))
+    with shard_products(self.mesh, self._specs):
+      return float(self._loss_fn(self.params, tokens, m))
 
   def _run(
     self, tokens: jax.Array, cache: Any, pos: int, last_only: bool = False
