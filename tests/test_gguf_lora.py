@@ -10,6 +10,7 @@ tests/test_real_gguf_lora.py (slow).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -319,3 +320,77 @@ def test_adapter_file_errors(tmp_path):
     "truncated.gguf",
     "wrong.gguf",
   ]
+
+
+# ---- the command line and the chat data -----------------------------------------------------
+
+
+def test_finetune_command_writes_an_adapter_run_reads(tmp_path, capsys):
+  from q8rules.cli import main
+
+  text = tmp_path / "notes.txt"
+  text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+  out = tmp_path / "adapter.gguf"
+  qwen2 = str(tiny("qwen2"))
+  args = ["finetune", qwen2, "--text", str(text), "--out", str(out), "--rank", "4"]
+  args += ["--steps", "6", "--batch", "2", "--length", "32", "--lr", "1e-2", "--log-every", "3"]
+  assert main([*args, "--no-progress"]) == 0
+  err = capsys.readouterr().err
+  assert "step 3: loss" in err and "step 6: loss" in err and f"wrote {out}" in err
+  f = read_lora_gguf(out)
+  assert f.arch == "qwen2" and f.alpha == 32.0 and len(f.adapters) == 7 * 2
+  assert any(np.abs(b).max() > 0 for _, b in f.adapters.values())  # trained: B moved off zero
+  assert (
+    main(["run", qwen2, "-p", "The quick", "-n", "4", "--lora", str(out), "--no-progress"]) == 0
+  )
+  printed = capsys.readouterr()
+  assert "LoRA: " in printed.err
+  m = load_gguf(tiny("qwen2"), dtype=jnp.float32, lora=out)
+  ids = m.tokenizer.encode("The quick")
+  new = m.generate(ids, 4, stop_ids=sorted(m.tokenizer.eog_ids))
+  assert printed.out == m.tokenizer.decode(new) + "\n"
+
+
+@pytest.mark.parametrize(
+  "extra, status, message",
+  [
+    (["--lora-scale", "inf"], 2, "'inf' is not a finite number"),
+    (["--lora", "/no/such/adapter.gguf"], 1, "/no/such/adapter.gguf: not a readable GGUF"),
+  ],
+)
+def test_run_lora_errors(extra, status, message, capsys):
+  from q8rules.cli import main
+
+  with pytest.raises(SystemExit) as e:
+    main(["run", str(tiny("qwen2")), "-n", "2", "--no-progress", *extra])
+  assert e.value.code == status
+  assert message in capsys.readouterr().err
+
+
+def test_chat_data_counts_the_replies_only(tmp_path):
+  from q8rules.llm.datasets import chat_batches, conversation_ids, read_conversations
+  from tests.test_chat import chat_model
+
+  m = chat_model(tmp_path)
+  conv = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a fox."},
+    {"role": "assistant", "content": "Brown."},
+    {"role": "user", "content": "And a dog?"},
+    {"role": "assistant", "content": "Lazy."},
+  ]
+  ids, mask = conversation_ids(m, conv)
+  assert ids == m.apply_chat_template(conv, add_generation_prompt=False)
+  text = m.tokenizer.decode([i for i, t in zip(ids, mask, strict=True) if t])
+  assert "Brown." in text and "Lazy." in text and "fox" not in text and "Be brief" not in text
+  path = tmp_path / "chats.jsonl"
+  path.write_text(json.dumps({"messages": conv}) + "\n")
+  (conversations,) = [read_conversations(path)]
+  length = len(ids) + 8
+  tokens, masks = chat_batches(m, conversations, length, 2)()
+  assert tokens.shape == (2, length) and masks.sum() == 2 * sum(mask) and not masks[:, -8:].any()
+  np.testing.assert_array_equal(tokens[:, : len(ids)], [ids, ids])
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: no assistant message"):
+    read_conversations(bad)

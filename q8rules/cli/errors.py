@@ -80,6 +80,10 @@ def positive_float(text: str) -> float:
   return _ranged(float, text, lambda v: v > 0, "a number > 0")
 
 
+def finite_float(text: str) -> float:
+  return _ranged(float, text, lambda v: abs(v) != float("inf"), "a finite number")
+
+
 def unit_open_closed(text: str) -> float:
   """argparse type: a number in (0, 1]."""
   return _ranged(float, text, lambda v: 0 < v <= 1, "a number in (0, 1]")

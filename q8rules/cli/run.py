@@ -51,6 +51,10 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
   p.add_argument("--act-qtype", choices=["q8_0"], default=None,
                  help="Q8_0 activations too, as llama.cpp (int8 block dots)")  # fmt: skip
   p.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+  p.add_argument("--lora", action="append", default=None, metavar="FILE",
+                 help="a llama.cpp LoRA adapter file, applied unmerged (repeatable)")  # fmt: skip
+  p.add_argument("--lora-scale", type=E.finite_float, default=1.0,
+                 help="the adapters' lora_scale (llama.cpp's --lora-scaled)")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,6 +96,8 @@ def load(args: argparse.Namespace) -> tuple[Any, float]:
     quantize=args.quantize,
     progress=not args.no_progress,
     act_qtype=args.act_qtype,
+    lora=args.lora,
+    lora_scale=args.lora_scale,
   )
   load_s = time.perf_counter() - t0
   c = m.config
@@ -102,6 +108,12 @@ def load(args: argparse.Namespace) -> tuple[Any, float]:
   )
   if m.requantized:
     print(describe_requantized(m.requantized), file=sys.stderr)
+  if m.lora is not None:
+    print(
+      f"LoRA: {', '.join(map(str, args.lora))} (rank {m.lora.rank}, on"
+      f" {', '.join(m.lora.targets)})",
+      file=sys.stderr,
+    )
   return m, load_s
 
 

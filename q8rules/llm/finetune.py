@@ -19,7 +19,6 @@ The loss is the mean next-token cross-entropy: position t predicts token t + 1, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -208,26 +207,9 @@ class LoraTrainer:
     return dataclasses.replace(self.m, params=join_adapters(self.base, adapters))
 
 
-def batches(
-  ids: Any, length: int, batch: int, *, seed: int = 0
-) -> Callable[[], tuple[np.ndarray, None]]:
-  """A sampler of (batch, length) windows of a token stream `ids` (1-D), at random offsets."""
-  ids = np.asarray(ids, np.int32)
-  if ids.ndim != 1 or ids.size < length:
-    raise ValueError(f"the token stream has {ids.size} ids, fewer than one window of {length}")
-  rng = np.random.default_rng(seed)
-
-  def draw() -> tuple[np.ndarray, None]:
-    starts = rng.integers(0, ids.size - length + 1, size=batch)
-    return np.stack([ids[s : s + length] for s in starts]), None
-
-  return draw
-
-
 __all__ = [
   "LoraTrainer",
   "TrainState",
-  "batches",
   "check_batch",
   "join_adapters",
   "model_loss",

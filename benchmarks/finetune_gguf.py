@@ -1,0 +1,245 @@
+"""Fine-tune a real GGUF model with LoRA in JAX and hand the adapter to a natively built llama.cpp.
+
+    python benchmarks/finetune_gguf.py --llama-cpp-python /work/venv-llamacpp/bin/python [--write]
+
+The model: the package index's SmolLM2-135M-Instruct Q4_1 (scripts/fetch_real_models.py,
+Apache-2.0), loaded by `load_gguf` (requantized to Q8_0). The text: the Python Language
+Reference as CPython ships it (`pydoc_data.topics`, PSF License): the topics TRAIN for training,
+the topics HELD_OUT for the held-out perplexity.
+
+  1. held-out perplexity of the loaded model;
+  2. `with_lora(rank, alpha)` on all seven block matrices, `LoraTrainer` (optax AdamW) for
+     --steps steps of batch x length windows of the training text: tokens/s (after the first,
+     compiling, step) and the process's peak RSS; the base's bytes compared before and after;
+  3. held-out perplexity after;
+  4. `save_lora_gguf`; llama.cpp (`Llama(..., lora_path=)`) on the base file with and without
+     the adapter: logits on a held-out window and 32 greedy tokens after a prompt; ours the same.
+     Reported: rel. L2 of the logits, ours against llama.cpp, base and adapted; their ratio
+     (the target: <= 1.5); whether the greedy tokens are equal.
+
+Each side runs in its own process (llama.cpp in its own venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.bench_decode import run  # noqa: E402
+from benchmarks.llamacpp_native import describe, query  # noqa: E402
+from benchmarks.results_md import machine, section, write_section  # noqa: E402
+from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
+
+TRAIN = ("for", "while", "if", "try", "with", "function", "class", "lambda", "import", "return")
+HELD_OUT = ("assert", "break", "continue", "del", "global", "pass", "raise", "yield")
+"""Topics of `pydoc_data.topics` (the Python Language Reference, PSF License)."""
+
+PROMPT = "The for statement is used to iterate over"
+GREEDY = 32
+
+OURS = r"""
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+import q8rules
+from q8rules.llm.datasets import text_windows
+from q8rules.llm.finetune import LoraTrainer, split_adapters
+from benchmarks.finetune_gguf import text_ids, perplexity
+
+path, out = sys.argv[1], json.loads(sys.argv[2])
+m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
+train, held = text_ids(m)
+eval_ids = held[: out["eval_len"]]
+res = dict(train_tokens=int(train.size), held_tokens=int(held.size))
+res["ppl_before"] = perplexity(m, held, out["length"])
+m = m.with_lora(rank=out["rank"], alpha=out["alpha"])
+before = [np.asarray(x).tobytes() for x in jax.tree.leaves(split_adapters(m.params)[0])]
+trainer = LoraTrainer(m, optax.adamw(out["lr"]))
+state = trainer.init()
+draw = text_windows(train, out["length"], out["batch"], seed=0)
+losses, times = [], []
+for i in range(out["steps"]):
+  tokens, mask = draw()
+  t = time.perf_counter()
+  state, loss = trainer.step(state, tokens, mask)
+  losses.append(float(loss))
+  times.append(time.perf_counter() - t)
+trained = trainer.model(state)
+after = [np.asarray(x).tobytes() for x in jax.tree.leaves(split_adapters(trained.params)[0])]
+res["base_unchanged"] = before == after
+res["losses"] = losses
+res["tokens_per_s"] = out["batch"] * out["length"] * (len(times) - 1) / sum(times[1:])
+res["first_step_s"] = times[0]
+res["ppl_after"] = perplexity(trained, held, out["length"])
+trained.save_lora_gguf(out["adapter"])
+np.save(out["logits_base"], q8rules.load_gguf(path, dtype=jnp.float32, progress=False).logits(eval_ids))
+np.save(out["logits_lora"], trained.logits(eval_ids))
+prompt = trained.tokenizer.encode(out["prompt"])
+res["greedy"] = trained.generate(prompt, out["greedy"])
+res["eval_ids"] = [int(i) for i in eval_ids]
+res["prompt_ids"] = [int(i) for i in prompt]
+res["rss_mb"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+print(json.dumps(res))
+"""
+
+LLAMA = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+path, args = sys.argv[1], json.loads(sys.argv[2])
+kw = dict(lora_path=args["lora"]) if args.get("lora") else {}
+llm = Llama(path, n_ctx=512, logits_all=True, verbose=False, n_threads=2, **kw)
+llm.eval(args["eval_ids"])
+np.save(args["out"], np.array(llm.scores[: len(args["eval_ids"])], np.float32))
+llm.reset()
+ids = list(args["prompt_ids"])
+llm.eval(ids)
+new = []
+for _ in range(args["greedy"]):
+  tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+  new.append(tok)
+  llm.eval([tok])
+print(json.dumps(dict(greedy=new)))
+"""
+
+
+def text_ids(m) -> tuple[np.ndarray, np.ndarray]:
+  """(training ids, held-out ids): the TRAIN and HELD_OUT topics, tokenized with the file's
+  tokenizer."""
+  import pydoc_data.topics as topics
+
+  def ids(names: tuple[str, ...]) -> np.ndarray:
+    text = "\n\n".join(topics.topics[n] for n in names)
+    return np.asarray(m.tokenizer.encode(text), np.int32)
+
+  return ids(TRAIN), ids(HELD_OUT)
+
+
+def perplexity(m, ids: np.ndarray, length: int) -> float:
+  """exp of the mean next-token loss over the non-overlapping windows of `length` in ids."""
+  windows = ids[: ids.size // length * length].reshape(-1, length)
+  return float(np.exp(np.mean([m.loss(w) for w in windows])))
+
+
+def rel(a: np.ndarray, ref: np.ndarray) -> float:
+  return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--llama-cpp-python", required=True, help="python of a native llama-cpp-python")
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--length", type=int, default=128)
+  p.add_argument("--rank", type=int, default=16)
+  p.add_argument("--alpha", type=float, default=32.0)
+  p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--write", action="store_true", help="write RESULTS.md's finetune section")
+  args = p.parse_args()
+  path = fetch(MODELS["smollm2-q4_1"], cache_dir())
+  with tempfile.TemporaryDirectory() as tmp:
+    work = Path(tmp)
+    cfg = dict(
+      steps=args.steps,
+      batch=args.batch,
+      length=args.length,
+      rank=args.rank,
+      alpha=args.alpha,
+      lr=args.lr,
+      eval_len=128,
+      prompt=PROMPT,
+      greedy=GREEDY,
+      adapter=str(work / "adapter.gguf"),
+      logits_base=str(work / "ours_base.npy"),
+      logits_lora=str(work / "ours_lora.npy"),
+    )
+    cmd = [sys.executable, "-c", textwrap.dedent(OURS), str(path), json.dumps(cfg)]
+    ours = run(cmd, {"PYTHONPATH": str(ROOT)})
+    llama = {}
+    for name, lora in (("base", None), ("lora", cfg["adapter"])):
+      q = dict(
+        eval_ids=ours["eval_ids"],
+        prompt_ids=ours["prompt_ids"],
+        greedy=GREEDY,
+        lora=lora,
+        out=str(work / f"llama_{name}.npy"),
+      )
+      llama[name] = run(
+        [args.llama_cpp_python, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(q)]
+      )
+    ob, ol = np.load(cfg["logits_base"]), np.load(cfg["logits_lora"])
+    lb, ll = np.load(work / "llama_base.npy"), np.load(work / "llama_lora.npy")
+  r = dict(
+    base=rel(ob, lb),
+    lora=rel(ol, ll),
+    moved=rel(ll, lb),
+    argmax_base=float(np.mean(ob.argmax(-1) == lb.argmax(-1))),
+    argmax_lora=float(np.mean(ol.argmax(-1) == ll.argmax(-1))),
+    greedy_equal=ours["greedy"] == llama["lora"]["greedy"],
+    greedy_prefix=next(
+      (
+        i
+        for i, (a, b) in enumerate(zip(ours["greedy"], llama["lora"]["greedy"], strict=True))
+        if a != b
+      ),
+      GREEDY,
+    ),
+  )
+  rows = [
+    "| | value |",
+    "|---|---|",
+    f"| training text / held-out text (tokens) | {ours['train_tokens']} / {ours['held_tokens']} |",
+    f"| steps x batch x length | {args.steps} x {args.batch} x {args.length} |",
+    f"| loss, first step -> last step | {ours['losses'][0]:.3f} -> {ours['losses'][-1]:.3f} |",
+    f"| held-out perplexity before -> after | {ours['ppl_before']:.3f} -> {ours['ppl_after']:.3f}"
+    f" ({100 * (1 - ours['ppl_after'] / ours['ppl_before']):.1f} % lower) |",
+    f"| training tokens/s (after the first step; first step {ours['first_step_s']:.1f} s)"
+    f" | {ours['tokens_per_s']:.0f} |",
+    f"| peak RSS of the whole run (load, train, evaluate, save) | {ours['rss_mb']:.0f} MB |",
+    f"| base Q8_0 bytes unchanged by training | {ours['base_unchanged']} |",
+    f"| logits rel. L2, ours vs llama.cpp: base file | {r['base']:.4g} |",
+    f"| logits rel. L2, ours vs llama.cpp: base + our adapter (lora_path) | {r['lora']:.4g} |",
+    f"| ratio adapted / base (target <= 1.5) | {r['lora'] / r['base']:.3f} |",
+    f"| how far the adapter moved llama.cpp's logits (rel. L2) | {r['moved']:.4g} |",
+    f"| argmax agreement with llama.cpp: base / adapted | {r['argmax_base']:.3f} /"
+    f" {r['argmax_lora']:.3f} |",
+    f"| {GREEDY} greedy tokens after the prompt equal to llama.cpp's with the adapter"
+    f" | {r['greedy_equal']} (first {r['greedy_prefix']} equal) |",
+  ]
+  text = "\n".join(rows)
+  print(text)
+  print(json.dumps(dict(ours=ours["greedy"], llama=llama["lora"]["greedy"])))
+  if args.write:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    build, _ = describe(**query(args.llama_cpp_python))
+    header = f"{stamp}. Machine: {machine()}. {build}"
+    note = (
+      f"SmolLM2-135M-Instruct Q4_1 (package index, Apache-2.0) requantized to Q8_0 at load;"
+      f" LoRA rank {args.rank}, alpha {args.alpha} on attn_q/k/v/output and ffn_gate/up/down of"
+      f" all 30 layers, AdamW lr {args.lr}; text: the Python Language Reference"
+      f" (pydoc_data.topics, PSF License), topics {', '.join(TRAIN)} for training and"
+      f" {', '.join(HELD_OUT)} held out. The adapter goes to llama.cpp as the file"
+      " `save_lora_gguf` wrote, through llama-cpp-python's `lora_path`."
+    )
+    write_section(
+      "finetune",
+      section(
+        "finetune",
+        "## Fine-tuning a real GGUF model with LoRA, and the adapter in llama.cpp",
+        header,
+        "python benchmarks/finetune_gguf.py --llama-cpp-python PY --write",
+        [text, note],
+      ),
+    )
+
+
+if __name__ == "__main__":
+  main()
