@@ -102,12 +102,15 @@ np.save(args["out"], np.array(llm.scores[: len(args["eval_ids"])], np.float32))
 llm.reset()
 ids = list(args["prompt_ids"])
 llm.eval(ids)
-new = []
+new, margins = [], []
 for _ in range(args["greedy"]):
-  tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+  row = np.asarray(llm.scores[llm.n_tokens - 1])
+  first, second = np.sort(row)[-2:][::-1]
+  tok = int(np.argmax(row))
   new.append(tok)
+  margins.append(float(first - second))
   llm.eval([tok])
-print(json.dumps(dict(greedy=new)))
+print(json.dumps(dict(greedy=new, margins=margins)))
 """
 
 

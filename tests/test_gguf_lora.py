@@ -394,3 +394,29 @@ def test_chat_data_counts_the_replies_only(tmp_path):
   bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:1: no assistant message"):
     read_conversations(bad)
+
+
+def test_adapters_on_a_mesh_follow_their_base(tmp_path):
+  """On a 2-device 'tp' mesh: A split along K under the row-parallel o / down, B along N under
+  the column-parallel q / k / v / gate / up; the logits and a training step equal one
+  device's."""
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip(f"needs 2 devices; the {jax.default_backend()} backend has {len(devices)}")
+  mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:2])
+  single = random_b(base("llama").with_lora(rank=4, alpha=8.0), seed=12)
+  single.save_lora_gguf(tmp_path / "a.gguf")
+  sharded = load_gguf(tiny("llama"), dtype=jnp.float32, mesh=mesh, lora=tmp_path / "a.gguf")
+  attn, mlp = sharded.params["layers"]["attn"], sharded.params["layers"]["mlp"]
+  for node, split in ((attn["q"], "b"), (attn["v"], "b"), (mlp["up"], "b"), (attn["o"], "a")):
+    part = node[f"kernel_lora_{split}"]
+    axis = -2 if split == "a" else -1
+    assert part.sharding.shard_shape(part.shape)[axis] == part.shape[axis] // 2
+  np.testing.assert_allclose(sharded.logits(IDS), single.logits(IDS), rtol=2e-5, atol=2e-5)
+  tokens = np.asarray([IDS, IDS[::-1]])
+  losses = []
+  for m in (single, sharded):
+    trainer = LoraTrainer(m, optax.adam(1e-2))
+    state, _ = trainer.step(trainer.init(), tokens)
+    losses.append(float(trainer.loss(state, tokens)))
+  assert losses[1] == pytest.approx(losses[0], rel=1e-5)
