@@ -38,6 +38,7 @@ _LAZY = {
   "load_gguf": ("q8rules.llm", "load_gguf"),
   "save_lora": ("q8rules.checkpoint.lora", "save_lora"),
   "load_lora": ("q8rules.checkpoint.lora", "load_lora"),
+  "set_cpu_threads": ("q8rules.kernels.cpu_native", "set_threads"),
 }
 """Application names resolved on first use (module, attribute)."""
 

@@ -10,6 +10,11 @@ build). It loads whatever JAX's default backend is: on a GPU or TPU host the GGU
 on it, and the CPU kernels serve programs lowered for the CPU. The SIMD path (AVX-512, else
 AVX2/FMA/F16C, else scalar) is chosen at run time; `$Q8RULES_CPU_ISA` (avx512, avx2, scalar,
 auto) caps it, read on every call.
+
+Threads: a native call (a product, a transposed product, a repack, a requantization) runs on
+the calling thread and up to `max_threads() - 1` helpers: by default every CPU this process may
+run on (its affinity mask: `taskset`, `q8rules run -t N`), at most `set_threads(n)` /
+`$Q8RULES_THREADS` when set (docs/kernels.md, "Threads", says how the work is split).
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ def _load() -> ctypes.CDLL | None:
         (TARGET_DECODE_ATTENTION, lib.Q8DecodeAttention),
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+      lib.Q8SetThreadLimit(ctypes.c_int(thread_limit() or 0))
       _state["lib"] = lib
       _state["path"] = path
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -267,11 +273,61 @@ stack's layers), else the rows of the one tensor."""
 
 
 def cpus() -> int:
-  """The CPUs this process may run on (a `taskset` is honoured)."""
+  """The threads a native call may use: the CPUs this process may run on (a `taskset` is
+  honoured), at most the limit of `set_threads` / `$Q8RULES_THREADS`."""
   try:
-    return max(1, len(os.sched_getaffinity(0)))
+    n = max(1, len(os.sched_getaffinity(0)))
   except AttributeError:  # not Linux
-    return max(1, os.cpu_count() or 1)
+    n = max(1, os.cpu_count() or 1)
+  limit = thread_limit()
+  return min(n, limit) if limit else n
+
+
+THREADS_ENV = "Q8RULES_THREADS"
+"""The environment variable of the native calls' thread limit (a positive integer)."""
+
+
+def _positive(n: object, what: str) -> int:
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f"{what} must be a positive integer (threads per native call), got {n!r}")
+  return n
+
+
+def thread_limit() -> int | None:
+  """The limit on a native call's threads: `set_threads`'s, else `$Q8RULES_THREADS`, else None
+  (every CPU this process may run on). ValueError naming the variable when it is not a
+  positive integer."""
+  if "threads" in _state:
+    return _state["threads"]  # type: ignore[return-value]
+  text = os.environ.get(THREADS_ENV, "").strip()
+  if not text:
+    return None
+  try:
+    return _positive(int(text), f"${THREADS_ENV}={text!r}")
+  except ValueError:
+    raise ValueError(
+      f"${THREADS_ENV}={text!r} must be a positive integer (threads per native call)"
+    ) from None
+
+
+def set_threads(n: int | None) -> None:
+  """Run each native call on at most `n` threads, the caller included (None: as many as the
+  process's CPUs; this replaces `$Q8RULES_THREADS`). Process-wide, from the next call on; the
+  outputs are the same bit for bit whatever the threads (the work is cut by the problem alone).
+  """
+  if n is not None:
+    _positive(n, "threads")
+  _state["threads"] = n
+  lib = _load()
+  if lib is not None:
+    lib.Q8SetThreadLimit(ctypes.c_int(n or 0))
+
+
+def max_threads() -> int:
+  """The threads a native call may use now (the caller included): `cpus()`; 0 when the
+  library is unavailable."""
+  lib = _load()
+  return 0 if lib is None else int(lib.Q8MaxThreads())
 
 
 def repack_q8_transposed(

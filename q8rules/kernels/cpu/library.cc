@@ -155,6 +155,12 @@ extern "C" int Q8GemvLastIsa() { return q8mm::g_last_isa.load(); }
 // The threads the last call used (the caller and pool helpers), 0 before the first call.
 extern "C" int Q8GemvLastThreads() { return q8mm::g_last_threads.load(); }
 
+// At most n threads per native call from now on, the caller included (n <= 0: no limit).
+extern "C" void Q8SetThreadLimit(int n) { q8mm::g_thread_limit.store(n > 0 ? n : 0); }
+
+// The threads a native call may use now: the process's CPUs, at most the limit.
+extern "C" int Q8MaxThreads() { return static_cast<int>(q8mm::UsableCpus()); }
+
 // 1: the last Q8_0-activation product ran on AVX-512 VNNI; 0: scalar; -1: none has run.
 extern "C" int Q8GemvLastActVnni() { return q8mm::g_last_act_vnni.load(); }
 

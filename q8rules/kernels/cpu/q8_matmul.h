@@ -271,14 +271,20 @@ struct Shared {
   }
 };
 
-// The CPUs this process may run on (its affinity mask, e.g. under taskset),
-// else the hardware's threads.
+// The most threads one native call may run on, the caller included; 0: no limit but the CPUs
+// (Q8SetThreadLimit: q8rules.set_cpu_threads, $Q8RULES_THREADS).
+inline std::atomic<int> g_thread_limit{0};
+
+// The CPUs this process may run on (its affinity mask, e.g. under taskset), else the
+// hardware's threads; at most g_thread_limit when it is set.
 inline int64_t UsableCpus() {
+  int64_t cpus = std::max<unsigned>(1, std::thread::hardware_concurrency());
 #if defined(__linux__)
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = std::max(1, CPU_COUNT(&set));
 #endif
-  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+  const int limit = g_thread_limit.load(std::memory_order_relaxed);
+  return limit > 0 ? std::min<int64_t>(cpus, limit) : cpus;
 }
 
 // Values of q x M per thread worth waking (and per unit of work: below two of them a
