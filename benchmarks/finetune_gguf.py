@@ -11,6 +11,8 @@ the topics HELD_OUT for the held-out perplexity.
   2. `with_lora(rank, alpha)` on all seven block matrices, `LoraTrainer` (optax AdamW) for
      --steps steps of batch x length windows of the training text: tokens/s (after the first,
      compiling, step) and the process's peak RSS; the base's bytes compared before and after;
+     beside it, in its own process, a float32 LoRA of the same weights (dequantized at load,
+     Qwix's `LoraProvider`, the same adapters, data and steps): its tokens/s and peak RSS;
   3. held-out perplexity after;
   4. `save_lora_gguf`; llama.cpp (`Llama(..., lora_path=)`) on the base file with and without
      the adapter: logits on a held-out window and 32 greedy tokens after a prompt; ours the same.
@@ -86,6 +88,61 @@ prompt = trained.tokenizer.encode(out["prompt"])
 res["greedy"] = trained.generate(prompt, out["greedy"])
 res["eval_ids"] = [int(i) for i in eval_ids]
 res["prompt_ids"] = [int(i) for i in prompt]
+res["rss_mb"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+print(json.dumps(res))
+"""
+
+FLOAT32 = r"""
+import dataclasses, json, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax, qwix
+import q8rules
+from q8rules.llm.datasets import text_windows
+from q8rules.llm.finetune import LoraTrainer
+from q8rules.llm.lora import LoraSpec, adapter_sites, with_adapters, DEFAULT_TARGETS
+from q8rules.models.transformer import Transformer
+from benchmarks.finetune_gguf import text_ids
+
+path, out = sys.argv[1], json.loads(sys.argv[2])
+m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False, dequantize_other=True, fuse=False)
+train, _ = text_ids(m)
+from q8rules.providers.q8_weight import Q8Weight
+def as_float(leaf):  # a Q8_0 tensor of the file (the table) as float32: q * d
+  if not isinstance(leaf, Q8Weight):
+    return leaf
+  q, d = leaf.array.q, leaf.array.scale
+  return q.astype(jnp.float32) * jnp.repeat(d.astype(jnp.float32), 32, axis=-2)
+m = dataclasses.replace(
+  m, params=jax.tree.map(as_float, m.params, is_leaf=lambda x: isinstance(x, Q8Weight))
+)
+spec = LoraSpec(out["rank"], out["alpha"], DEFAULT_TARGETS)
+init = jax.nn.initializers.he_uniform()
+adapters = {}
+for i, (kind, p) in enumerate(adapter_sites(m.config, m.params, spec.targets)):
+  w = m.params
+  for k in p:
+    w = w[k]
+  lead, (k, n) = w.shape[:-2], w.shape[-2:]
+  keys = jax.random.split(jax.random.key(i), int(np.prod(lead)))
+  a = jax.vmap(lambda key: init(key, (k, spec.rank), jnp.float32))(keys).reshape(*lead, k, spec.rank)
+  adapters[p] = (a, jnp.zeros((*lead, spec.rank, n), jnp.float32))
+params = with_adapters(m.params, adapters)
+provider = qwix.LoraProvider(
+  module_path="layers/(attn/(q|k|v|o)|mlp/(gate|up|down))", rank=spec.rank, alpha=spec.alpha
+)
+model = qwix.quantize_model(Transformer(m.config), provider)
+m = dataclasses.replace(m, model=model, params=params, lora=spec)
+trainer = LoraTrainer(m, optax.adamw(out["lr"]))
+state = trainer.init()
+draw = text_windows(train, out["length"], out["batch"], seed=0)
+losses, times = [], []
+for i in range(out["steps"]):
+  tokens, mask = draw()
+  t = time.perf_counter()
+  state, loss = trainer.step(state, tokens, mask)
+  losses.append(float(loss))
+  times.append(time.perf_counter() - t)
+res = dict(losses=losses)
+res["tokens_per_s"] = out["batch"] * out["length"] * (len(times) - 1) / sum(times[1:])
 res["rss_mb"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
 print(json.dumps(res))
 """
@@ -166,6 +223,8 @@ def main() -> None:
     )
     cmd = [sys.executable, "-c", textwrap.dedent(OURS), str(path), json.dumps(cfg)]
     ours = run(cmd, {"PYTHONPATH": str(ROOT)})
+    cmd = [sys.executable, "-c", textwrap.dedent(FLOAT32), str(path), json.dumps(cfg)]
+    f32 = run(cmd, {"PYTHONPATH": str(ROOT)})
     llama = {}
     for name, lora in (("base", None), ("lora", cfg["adapter"])):
       q = dict(
@@ -206,7 +265,12 @@ def main() -> None:
     f" ({100 * (1 - ours['ppl_after'] / ours['ppl_before']):.1f} % lower) |",
     f"| training tokens/s (after the first step; first step {ours['first_step_s']:.1f} s)"
     f" | {ours['tokens_per_s']:.0f} |",
+    f"| float32 LoRA of the same weights (Qwix's LoraProvider, dequantized): tokens/s"
+    f" | {f32['tokens_per_s']:.0f} (ours {ours['tokens_per_s'] / f32['tokens_per_s']:.2f}x) |",
+    f"| loss, first -> last step: float32 LoRA (same data) | {f32['losses'][0]:.3f} ->"
+    f" {f32['losses'][-1]:.3f} |",
     f"| peak RSS of the whole run (load, train, evaluate, save) | {ours['rss_mb']:.0f} MB |",
+    f"| peak RSS of the float32 LoRA (load, train) | {f32['rss_mb']:.0f} MB |",
     f"| base Q8_0 bytes unchanged by training | {ours['base_unchanged']} |",
     f"| logits rel. L2, ours vs llama.cpp: base file | {r['base']:.4g} |",
     f"| logits rel. L2, ours vs llama.cpp: base + our adapter (lora_path) | {r['lora']:.4g} |",
