@@ -98,7 +98,7 @@ def test_zero_b_is_the_served_model_bit_for_bit(arch):
   assert not b.any() and np.abs(a).max() > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama31"])
 def test_random_adapters_against_float64(arch):
   m = random_b(base(arch).with_lora(rank=4, alpha=8.0, seed=1), seed=2)
   got = m.logits(IDS)
@@ -420,3 +420,23 @@ def test_adapters_on_a_mesh_follow_their_base(tmp_path):
     state, _ = trainer.step(trainer.init(), tokens)
     losses.append(float(trainer.loss(state, tokens)))
   assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_unrolled_layers(tmp_path):
+  """Layers unrolled (`layers_0`, ...): one adapter per layer's param, the same numbers, and the
+  adapter file the scanned model writes."""
+  scanned = random_b(base("qwen2").with_lora(rank=4, alpha=8.0), seed=13)
+  scanned.save_lora_gguf(tmp_path / "a.gguf")
+  m = load_gguf(tiny("qwen2"), dtype=jnp.float32).unrolled()
+  from q8rules.checkpoint.gguf.adapter import read_lora_gguf as read
+  from q8rules.llm.lora import attach_lora_files
+
+  adapted = attach_lora_files(m, [read(tmp_path / "a.gguf")], [1.0])
+  assert "kernel_lora_a" in adapted.params["layers_1"]["attn"]["q"]
+  want = reference_logits(tiny("qwen2"), scanned.adapters(), 2.0, IDS)
+  assert rel_l2(adapted.logits(IDS), want) < 1e-5
+  for name, (a, b) in scanned.adapters().items():
+    np.testing.assert_array_equal(adapted.adapters()[name][0], a)
+    np.testing.assert_array_equal(adapted.adapters()[name][1], b)
+  fresh = m.with_lora(rank=2, alpha=2.0, targets=["ffn_down"])
+  assert set(fresh.adapters()) == {f"blk.{i}.ffn_down.weight" for i in range(m.config.layers)}
