@@ -4,7 +4,8 @@ float32 base and Qwix's QLoRA (int8 base, tile 32), one run, side by side.
     python benchmarks/bench_lora.py [--steps 5] [--rounds 1] [--write]
 
 The model is q8rules' decoder (`q8rules.models.Transformer`, linen) at SmolLM2-135M's shape
-(30 layers, dim 576, ffn 1536, 9 / 3 heads, vocab 49152, tied embeddings), unrolled, float32
+(30 layers, dim 576, ffn 1536, 9 / 3 heads, vocab 49152, tied embeddings), unrolled (or with
+`--scan` under the scan over layers, as `load_gguf` runs a model: one layer's program), float32
 activations, run over the whole sequence from an empty KV cache (the cache a constant). Rank 16, alpha 32 adapters on every layer's q, k, v, o, gate, up and down; a step
 is the next-token cross-entropy on a (4, 128) batch, its gradient in the adapters and an
 optax.adam update, jitted with the adapters and Adam's state donated. Variants:
@@ -55,7 +56,7 @@ def _status(field: str) -> int:
   return int(line.split()[1]) * 1024
 
 
-def child(variant: str, steps: int) -> dict:
+def child(variant: str, steps: int, scan: bool = False) -> dict:
   """Build `variant`'s model, run `steps` + 1 training steps, return its measurements."""
   import ctypes
   import gc
@@ -76,7 +77,7 @@ def child(variant: str, steps: int) -> dict:
   runtime = _status("VmRSS")
   config = TransformerConfig(
     arch="llama", vocab=49152, dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536,
-    rope_base=100000.0, rope_style="halves", tied_embeddings=True, scan_layers=False,
+    rope_base=100000.0, rope_style="halves", tied_embeddings=True, scan_layers=scan,
     dtype=jnp.float32,
   )  # fmt: skip
   lora = dict(module_path=TARGETS, rank=RANK, alpha=ALPHA)
@@ -155,7 +156,7 @@ def child(variant: str, steps: int) -> dict:
 
   adapter = nbytes(adapters)
   return dict(
-    variant=variant, runtime=runtime, base=nbytes(frozen), adapter=adapter,
+    variant=variant, scan=scan, runtime=runtime, base=nbytes(frozen), adapter=adapter,
     adapter_train=4 * adapter, activations=temp, data=data, program=program, settled=settled, peak=peak,
     bound=runtime + nbytes(frozen) + 2.5 * 4 * adapter + temp,
     step_s=statistics.median(times), tokens_s=BATCH * SEQ / statistics.median(times),
@@ -163,9 +164,10 @@ def child(variant: str, steps: int) -> dict:
   )  # fmt: skip
 
 
-def run(variant: str, steps: int) -> dict:
+def run(variant: str, steps: int, scan: bool = False) -> dict:
   out = subprocess.run(
-    [sys.executable, __file__, "--child", variant, "--steps", str(steps)],
+    [sys.executable, __file__, "--child", variant, "--steps", str(steps)]
+    + (["--scan"] if scan else []),
     capture_output=True, text=True, cwd=ROOT,
   )  # fmt: skip
   if out.returncode:
@@ -203,13 +205,16 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
   parser.add_argument("--rounds", type=int, default=1, help="runs of all three, interleaved")
   parser.add_argument("--write", action="store_true", help="write RESULTS.md's section")
+  parser.add_argument(
+    "--scan", action="store_true", help="layers under the scan (one layer traced)"
+  )
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args.child, args.steps)))
+    print(json.dumps(child(args.child, args.steps, args.scan)))
     return
   rounds = []
   for i in range(args.rounds):
-    rows = [run(v, args.steps) for v in VARIANTS]
+    rows = [run(v, args.steps, args.scan) for v in VARIANTS]
     rounds.append(rows)
     print(f"round {i + 1}, load {load_average()}\n{table(rows)}\n", flush=True)
   if args.write:
@@ -227,12 +232,15 @@ def main() -> None:
       " q8_0 speed ratio: q8_0 lora's tokens/s over the row's. Losses fall over the steps in"
       " every variant (printed by the child, in the JSON)."
     )
-    cmd = f"python benchmarks/bench_lora.py --steps {args.steps} --rounds {args.rounds} --write"
-    text = section(
-      "lora", "## LoRA training steps: Q8_0 base vs Qwix's float32 LoRA and int8 QLoRA", header,
-      cmd, blocks,
-    )  # fmt: skip
-    write_section("lora", text)
+    scan = " --scan" if args.scan else ""
+    cmd = (
+      f"python benchmarks/bench_lora.py --steps {args.steps} --rounds {args.rounds}{scan} --write"
+    )
+    name = "lora-scan" if args.scan else "lora"
+    heading = "## LoRA training steps: Q8_0 base vs Qwix's float32 LoRA and int8 QLoRA" + (
+      ", layers under the scan" if args.scan else ""
+    )
+    write_section(name, section(name, heading, header, cmd, blocks))
 
 
 if __name__ == "__main__":
