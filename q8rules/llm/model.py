@@ -72,6 +72,8 @@ class GGUFModel:
       over several processes, its own shards' and the replicated tensors').
     requantized: how many tensors of each file type were requantized to Q8_0 at load
       (e.g. `Counter({'Q5_0': 81, 'Q4_K': 27, 'Q6_K': 9})`; empty for a Q8_0 file).
+    source: the file(s) loaded and where each of their tensors is in `params`
+      (`q8rules.llm.sources.GGUFSource`; None for a model not made by `load_gguf`).
   """
 
   path: Any
@@ -83,6 +85,7 @@ class GGUFModel:
   mesh: Any = None
   bytes_read: int = 0
   requantized: Counter[str] = dataclasses.field(default_factory=Counter)
+  source: Any = None
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))
@@ -97,6 +100,15 @@ class GGUFModel:
     from q8rules.llm.unstack import unrolled
 
     return unrolled(self)
+
+  def save_gguf(self, path: Any, *, progress: bool | None = None) -> None:
+    """Write this model as a complete GGUF file llama.cpp loads (`q8rules.llm.save`): the
+    source file's metadata and tensors in its order; a tensor whose param still holds what
+    the load gave as the file's own bytes, a changed matrix as Q8_0, a changed float tensor
+    in the file's float type. Written to a temporary file, then renamed."""
+    from q8rules.llm.save import save_gguf
+
+    save_gguf(self, path, progress=progress)
 
   def _run(
     self, tokens: jax.Array, cache: Any, pos: int, last_only: bool = False
