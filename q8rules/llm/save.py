@@ -24,6 +24,7 @@ temporary file renamed onto `path` at the end: a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -145,10 +146,16 @@ def _save(ckpt: Any, params: Any, source: GGUFSource, path: Path, progress: bool
     _write(ckpt, outs, tmp, data_tmp, arch, alignment, kvs)
     os.replace(tmp, path)
   except BaseException:
-    tmp.unlink(missing_ok=True)
+    _remove(tmp)
     raise
   finally:
-    data_tmp.unlink(missing_ok=True)
+    _remove(data_tmp)
+
+
+def _remove(path: Path) -> None:
+  """Delete a temporary file if it is there."""
+  with contextlib.suppress(OSError):
+    path.unlink()
 
 
 def _write(
