@@ -403,3 +403,15 @@ def test_llama_cpp_runs_a_changed_file(tmp_path, rng):
   ours = changed.logits(ids)
   assert rel_l2(ours, m.logits(ids)) > 10 * base  # the change shows in the logits
   assert rel_l2(ours, theirs) <= 1.5 * base, (rel_l2(ours, theirs), base)
+
+
+def test_on_a_mesh(tmp_path):
+  """Params split over a 'tp' mesh (served and QAT) are written back as the source."""
+  from jax.sharding import Mesh
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+  src = DATA / "tiny-llama-q8_0.gguf"
+  for trainable in (None, "qat"):
+    m = load_gguf(src, dtype=jnp.float32, mesh=mesh, trainable=trainable)
+    m.save_gguf(tmp_path / "out.gguf")
+    assert read(tmp_path / "out.gguf") == read(src), trainable
