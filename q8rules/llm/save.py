@@ -201,31 +201,31 @@ def _raw_bytes(ckpt: Any, name: str) -> np.ndarray:
 
 
 class _Places:
-  """Each file tensor's param (as `params` hold it now) and its expected shape."""
+  """Each file tensor's param path and layer in `params` as they are now (a model unrolled
+  since the load: `layers_3/...` for layer 3 of `layers/...`), and each param's expected
+  float shape (kernel layout: the stacked layer axis first, a fused param's whole width)."""
 
   def __init__(self, params: Any, source: GGUFSource, ckpt: Any):
     self.params = params
-    self.path = source.path
     self.where: dict[str, tuple[tuple[str, ...], int | None, TensorSource]] = {}
-    shapes: dict[tuple[str, ...], list[Any]] = {}
+    depth: dict[tuple[str, ...], int] = {}
+    width: dict[tuple[str, ...], int] = {}
+    rows: dict[tuple[str, ...], tuple[int, ...]] = {}
     for name, src in source.tensors.items():
       path, layer = src.path, src.layer
       if layer is not None and path[0] not in params and f"{path[0]}_{layer}" in params:
-        path, layer = (f"{path[0]}_{layer}", *path[1:]), None  # unrolled since the load
+        path, layer = (f"{path[0]}_{layer}", *path[1:]), None
       self.where[name] = (path, layer, src)
       value_shape = _kernel_shape(ckpt.gguf_shape(name))
-      depth, width = shapes.setdefault(path, [0, 0])[:2]
-      shapes[path] = [
-        max(depth, 0 if layer is None else layer + 1),
-        max(width, src.columns[1] if src.columns else value_shape[-1]),
-        value_shape[:-1],
-      ]
+      depth[path] = max(depth.get(path, 0), 0 if layer is None else layer + 1)
+      width[path] = max(width.get(path, 0), src.columns[1] if src.columns else value_shape[-1])
+      rows[path] = value_shape[:-1]
     self.shapes = {
-      path: ((depth,) if depth else ()) + (*rest, width)
-      for path, (depth, width, rest) in shapes.items()
+      path: ((depth[path],) if depth[path] else ()) + (*rows[path], width[path]) for path in rows
     }
 
   def leaf(self, name: str, what: str) -> tuple[Any, tuple[str, ...], int | None, TensorSource]:
+    """(the param of tensor `name`, unboxed; its path; its layer or None; its source)."""
     path, layer, src = self.where[name]
     node = self.params
     for key in path:
