@@ -34,10 +34,12 @@ from q8rules.llm.distributed import check_mesh
 from q8rules.llm.fuse import Fusion, fused_paths
 from q8rules.llm.fuse import plan as fuse_plan
 from q8rules.llm.model import GGUFModel, tp_specs
+from q8rules.llm.qat import TRAINABLE, qat_params
+from q8rules.llm.sources import GGUFSource, source_of
 from q8rules.llm.stacked import StackedTensors
 from q8rules.llm.tensors import TensorSlot, check_tensors, q8_rule, tensor_slots
 from q8rules.models.transformer import Transformer, TransformerConfig
-from q8rules.providers import Q8Provider
+from q8rules.providers import Q8Provider, Q8QatProvider
 from q8rules.q8_0 import Q8Array
 from q8rules.sharding import param_shardings
 
@@ -99,6 +101,7 @@ def load_gguf(
   act_qtype: str | None = None,
   lora: Any = None,
   lora_scale: float | Sequence[float] = 1.0,
+  trainable: str | None = None,
 ) -> GGUFModel:
   """Load a llama.cpp GGUF model (an arch of `q8rules.llm.SUPPORTED_ARCHS`) to run in JAX.
 
@@ -135,6 +138,11 @@ def load_gguf(
       `--lora` applies them (`q8rules.llm.lora.attach_lora_files`); `GGUFModel.lora` says so.
     lora_scale: each file's `lora_scale` (one for all, or one per file): its delta is scaled
       by lora_scale * alpha / rank, as llama.cpp's `--lora-scaled`.
+    trainable: None (served: Q8_0 params), or 'qat': for full fine-tuning with fake quant
+      (`q8rules.llm.qat`): each matrix served as Q8_0 is a float32 param equal to its Q8_0
+      values exactly (q * d), and the model runs under `Q8QatProvider` with the same rule, so
+      its outputs are the served model's and `jax.grad` of them is the straight-through one.
+      `GGUFModel.save_gguf` writes the matrices back as Q8_0.
 
   Returns:
     A `GGUFModel`. Its `tokenizer` is None, with a warning saying why, when the
@@ -147,6 +155,8 @@ def load_gguf(
       tensor, a shape that disagrees with the metadata, a truncated file, a
       split set with a part missing.
   """
+  if trainable not in TRAINABLE:
+    raise ValueError(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
   files, scales = _lora_files(lora, lora_scale)
   ckpt = open_gguf(
     path,
@@ -156,7 +166,15 @@ def load_gguf(
     progress=progress,
   )
   try:
-    m = _load(ckpt, dtype=dtype, mesh=mesh, progress=progress, fuse=fuse, act_qtype=act_qtype)
+    m = _load(
+      ckpt,
+      dtype=dtype,
+      mesh=mesh,
+      progress=progress,
+      fuse=fuse,
+      act_qtype=act_qtype,
+      trainable=trainable,
+    )
   finally:
     ckpt.close()
   if files:
@@ -196,12 +214,14 @@ class LoadPlan:
     config: the model's config (fusion applied; `scan_layers` False for a file whose block
       tensors change type across layers).
     model: the `Transformer`, quantized by `provider` when a tensor is Q8_0.
-    provider: the `Q8Provider` of `rule`, or None (no Q8_0 matrix in the file).
+    provider: the `Q8Provider` of `rule` (`Q8QatProvider` for trainable='qat'), or None (no
+      Q8_0 matrix in the file).
     rule: the one Q8 rule, matching exactly the modules of `q8_paths` (float16 scales).
     q8_paths: the param paths served as Q8_0 (the fused ones in place of their members).
     tensors: the file's tensors as the model reads them (stacked, fused).
     names: tensor name (as `tensors` names it) -> param path.
     shapes: every tensor of the file, GGUF name -> shape in numpy order.
+    source: the file(s) and where each of their tensors goes in the params (for `save_gguf`).
   """
 
   config: TransformerConfig
@@ -212,10 +232,17 @@ class LoadPlan:
   tensors: StackedTensors
   names: dict[str, tuple[str, ...]]
   shapes: dict[str, tuple[int, ...]]
+  source: GGUFSource | None = None
 
 
 def plan_load(
-  ckpt: Any, *, dtype: Any, mesh: Any, fuse: bool, act_qtype: str | None = None
+  ckpt: Any,
+  *,
+  dtype: Any,
+  mesh: Any,
+  fuse: bool,
+  act_qtype: str | None = None,
+  trainable: str | None = None,
 ) -> LoadPlan:
   """The config, model and tensor map of `ckpt` (`load_gguf`'s arguments; nothing read but
   the header). Raises CheckpointError as `load_gguf` does."""
@@ -252,12 +279,14 @@ def plan_load(
   config = fusion.config  # the model's (the file's slots stay `slots`)
   model: nn.Module = Transformer(config)
   rule = q8_rule(q8_paths, act_qtype)
-  provider = Q8Provider([rule]) if q8_paths else None
+  provider_type = Q8QatProvider if trainable == "qat" else Q8Provider
+  provider = provider_type([rule]) if q8_paths else None
   if provider is not None:
     model = qwix.quantize_model(model, provider)
   tensors = StackedTensors(ckpt, slots, fusion.slots)
   names = tensors.name_map(slots)
-  return LoadPlan(config, model, provider, rule, q8_paths, tensors, names, shapes)
+  source = source_of(ckpt, slots, fusion.slots)
+  return LoadPlan(config, model, provider, rule, q8_paths, tensors, names, shapes, source)
 
 
 def _load(
@@ -268,8 +297,11 @@ def _load(
   progress: bool | None,
   fuse: bool,
   act_qtype: str | None,
+  trainable: str | None = None,
 ) -> GGUFModel:
-  plan = plan_load(ckpt, dtype=dtype, mesh=mesh, fuse=fuse, act_qtype=act_qtype)
+  plan = plan_load(
+    ckpt, dtype=dtype, mesh=mesh, fuse=fuse, act_qtype=act_qtype, trainable=trainable
+  )
   config, tensors, names = plan.config, plan.tensors, plan.names
   # the tree jax.eval_shape of the model's init gives (param_specs.traced_params), untraced
   abstract = param_specs.file_params(tensors, names, plan.q8_paths, plan.rule.scale_dtype)
@@ -277,8 +309,11 @@ def _load(
     check_mesh(mesh, config, ckpt.path, plan.shapes)  # llm/distributed.py: names the tensor
     abstract = _place_on_mesh(abstract, mesh, config)
   params = ckpt_assign.assign(abstract, tensors, names, progress=progress)  # shard by shard
+  if trainable == "qat":
+    params = qat_params(params)
   tokenizer = _tokenizer(ckpt.metadata, str(ckpt.path))
   out = GGUFModel(ckpt.path, config, plan.model, params, ckpt.metadata, tokenizer, mesh)
+  out.source = plan.source
   out.bytes_read = tensors.bytes_read
   out.requantized = ckpt.requantized
   return out

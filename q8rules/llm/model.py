@@ -74,6 +74,8 @@ class GGUFModel:
       (e.g. `Counter({'Q5_0': 81, 'Q4_K': 27, 'Q6_K': 9})`; empty for a Q8_0 file).
     lora: the LoRA adapters' `q8rules.llm.lora.LoraSpec` (rank, alpha, targets) when
       `with_lora` or `load_gguf(lora=...)` added them, else None.
+    source: the file(s) loaded and where each of their tensors is in `params`
+      (`q8rules.llm.sources.GGUFSource`; None for a model not made by `load_gguf`).
   """
 
   path: Any
@@ -86,6 +88,7 @@ class GGUFModel:
   bytes_read: int = 0
   requantized: Counter[str] = dataclasses.field(default_factory=Counter)
   lora: Any = None
+  source: Any = None
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))
@@ -171,6 +174,19 @@ class GGUFModel:
       return float(self._loss_fn(self.params, tokens, m))
     with shard_products(self.mesh, self._specs):
       return float(self._loss_fn(self.params, tokens, m))
+
+  def save_gguf(self, path: Any, *, progress: bool | None = None) -> Any:
+    """Write this model as a complete GGUF file llama.cpp loads (`q8rules.llm.save`): the
+    source file's metadata and tensors in its order; a tensor whose param still holds what
+    the load gave as the file's own bytes, a changed matrix as Q8_0, a changed float tensor
+    in the file's float type; with LoRA adapters, the `merged()` model. Written to a temporary
+    file, then renamed. Returns the path."""
+    from pathlib import Path
+
+    from q8rules.llm.save import save_gguf
+
+    save_gguf(self, path, progress=progress)
+    return Path(path)
 
   def _run(
     self, tokens: jax.Array, cache: Any, pos: int, last_only: bool = False

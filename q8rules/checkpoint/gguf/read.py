@@ -122,6 +122,11 @@ class GGUFCheckpoint(MappedReader):
     """`general.architecture`, e.g. 'llama' (None if the file has none)."""
     return self._fields[0].get("general.architecture")
 
+  @property
+  def byteorder(self) -> str:
+    """The file's byte order: '<' (little-endian, llama.cpp's own) or '>'."""
+    return self._byteorder
+
   # ---- tensors ----
 
   def _live(self) -> GGUFFile:
