@@ -440,3 +440,29 @@ def test_unrolled_layers(tmp_path):
     np.testing.assert_array_equal(adapted.adapters()[name][1], b)
   fresh = m.with_lora(rank=2, alpha=2.0, targets=["ffn_down"])
   assert set(fresh.adapters()) == {f"blk.{i}.ffn_down.weight" for i in range(m.config.layers)}
+
+
+def test_merged_file_for_llama_cpp(tmp_path):
+  """`save_gguf` of an adapted model writes `merged()`: read back, its params are the merged
+  model's bit for bit (the untouched tensors the source's bytes); llama.cpp runs the file and
+  stays as close to us as on the source file (issue 33's bound: 1.5x)."""
+  from tests._llamacpp import llama_logits
+
+  m = random_b(base("llama").with_lora(rank=4, alpha=8.0, targets=["attn_v", "ffn_down"]), 14)
+  out = m.save_gguf(tmp_path / "merged.gguf")
+  merged = m.merged()
+  back = load_gguf(out, dtype=jnp.float32)
+  for x, y in zip(jax.tree.leaves(back.params), jax.tree.leaves(merged.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  src, dst = gguf.GGUFReader(tiny("llama")), gguf.GGUFReader(out)
+  changed = {t.name for t in src.tensors} - {
+    t.name
+    for t, u in zip(src.tensors, dst.tensors, strict=True)
+    if np.asarray(t.data).tobytes() == np.asarray(u.data).tobytes()
+  }
+  assert changed == {f"blk.{i}.{k}.weight" for i in range(2) for k in ("attn_v", "ffn_down")}
+  ours_src, ours_out = base("llama").logits(IDS), back.logits(IDS)
+  gap_src = rel_l2(ours_src, llama_logits(tiny("llama"), IDS))
+  gap_out = rel_l2(ours_out, llama_logits(out, IDS))
+  assert rel_l2(ours_out, ours_src) > 10 * gap_out  # the merge moved the model
+  assert gap_out <= 1.5 * max(gap_src, 1e-6), (gap_out, gap_src)

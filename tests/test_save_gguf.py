@@ -291,15 +291,7 @@ def test_source_overwritten_or_changed(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["src.gguf"]
 
 
-def test_lora_adapters_need_merging(tmp_path, tiny):
-  k = tiny.params["layers"]["attn"]["qkv"]["kernel"]
-  lora = dict(tiny.params["layers"]["attn"]["qkv"])
-  lora["kernel_lora_a"] = jnp.zeros((2, k.array.q.shape[1], 4))
-  with_lora = with_params(tiny, **{"layers/attn/qkv": lora})
-  if hasattr(with_lora, "merged"):
-    pytest.skip("GGUFModel.merged exists: adapters are merged (tests of the LoRA parts)")
-  with pytest.raises(ValueError, match="LoRA adapters .* no merged()"):
-    with_lora.save_gguf(tmp_path / "out.gguf")
+def test_a_model_not_from_load_gguf(tmp_path, tiny):
   no_source = dataclasses.replace(tiny, source=None)
   with pytest.raises(ValueError, match="not loaded by load_gguf"):
     no_source.save_gguf(tmp_path / "out.gguf")

@@ -86,17 +86,17 @@ def save_gguf(model: Any, path: str | os.PathLike[str], *, progress: bool | None
     CheckpointError naming the file, the tensor and its param: a param missing, of the wrong
       shape or dtype, or holding a non-finite value; an unwritable path; a source file
       changed since the load. Nothing is left at `path` (nor beside it) on any error.
-    ValueError: a model not loaded from a GGUF file, or one with adapters and no `merged`.
+    ValueError: a model not loaded from a GGUF file, or adapters in its params that its `lora`
+      does not describe.
   """
   path = Path(path)
-  if has_lora(model.params):
-    merged = getattr(model, "merged", None)
-    if merged is None:
-      raise ValueError(
-        f"{path}: the model's params hold LoRA adapters (*{LORA_A} / *{LORA_B}) and it has no"
-        " merged() to merge them: merge them into the Q8_0 weights first (q8rules.merge_lora)"
-      )
-    model = merged()
+  if getattr(model, "lora", None) is not None:
+    model = model.merged()
+  elif has_lora(model.params):
+    raise ValueError(
+      f"{path}: the model's params hold LoRA adapters (*{LORA_A} / *{LORA_B}) that it does not"
+      " know (GGUFModel.lora is None): add them with with_lora or load_gguf(lora=...)"
+    )
   source: GGUFSource | None = getattr(model, "source", None)
   if source is None:
     raise ValueError(f"{path}: the model was not loaded by load_gguf: no source file to rewrite")
