@@ -82,6 +82,13 @@ res["tokens_per_s"] = out["batch"] * out["length"] * (len(times) - 1) / sum(time
 res["first_step_s"] = times[0]
 res["ppl_after"] = perplexity(trained, held, out["length"])
 trained.save_lora_gguf(out["adapter"])
+trained.save_gguf(out["merged"])
+merged = q8rules.load_gguf(out["merged"], dtype=jnp.float32, progress=False)
+same = jax.tree.leaves(merged.params), jax.tree.leaves(trained.merged().params)
+res["merged_reads_back"] = all(
+  np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(*same, strict=True)
+)
+np.save(out["logits_merged"], merged.logits(eval_ids))
 np.save(out["logits_base"], q8rules.load_gguf(path, dtype=jnp.float32, progress=False).logits(eval_ids))
 np.save(out["logits_lora"], trained.logits(eval_ids))
 prompt = trained.tokenizer.encode(out["prompt"])
@@ -220,13 +227,19 @@ def main() -> None:
       adapter=str(work / "adapter.gguf"),
       logits_base=str(work / "ours_base.npy"),
       logits_lora=str(work / "ours_lora.npy"),
+      merged=str(work / "merged.gguf"),
+      logits_merged=str(work / "ours_merged.npy"),
     )
     cmd = [sys.executable, "-c", textwrap.dedent(OURS), str(path), json.dumps(cfg)]
     ours = run(cmd, {"PYTHONPATH": str(ROOT)})
     cmd = [sys.executable, "-c", textwrap.dedent(FLOAT32), str(path), json.dumps(cfg)]
     f32 = run(cmd, {"PYTHONPATH": str(ROOT)})
     llama = {}
-    for name, lora in (("base", None), ("lora", cfg["adapter"])):
+    for name, lora, file in (
+      ("base", None, path),
+      ("lora", cfg["adapter"], path),
+      ("merged", None, Path(cfg["merged"])),
+    ):
       q = dict(
         eval_ids=ours["eval_ids"],
         prompt_ids=ours["prompt_ids"],
@@ -235,14 +248,16 @@ def main() -> None:
         out=str(work / f"llama_{name}.npy"),
       )
       llama[name] = run(
-        [args.llama_cpp_python, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(q)]
+        [args.llama_cpp_python, "-c", textwrap.dedent(LLAMA), str(file), json.dumps(q)]
       )
     ob, ol = np.load(cfg["logits_base"]), np.load(cfg["logits_lora"])
     lb, ll = np.load(work / "llama_base.npy"), np.load(work / "llama_lora.npy")
+    om, lm = np.load(cfg["logits_merged"]), np.load(work / "llama_merged.npy")
   r = dict(
     base=rel(ob, lb),
     lora=rel(ol, ll),
     moved=rel(ll, lb),
+    merged=rel(om, lm),
     argmax_base=float(np.mean(ob.argmax(-1) == lb.argmax(-1))),
     argmax_lora=float(np.mean(ol.argmax(-1) == ll.argmax(-1))),
     greedy_equal=ours["greedy"] == llama["lora"]["greedy"],
@@ -276,6 +291,10 @@ def main() -> None:
     f"| logits rel. L2, ours vs llama.cpp: base + our adapter (lora_path) | {r['lora']:.4g} |",
     f"| ratio adapted / base (target <= 1.5) | {r['lora'] / r['base']:.3f} |",
     f"| how far the adapter moved llama.cpp's logits (rel. L2) | {r['moved']:.4g} |",
+    f"| merged file (`save_gguf`): ours vs llama.cpp on it, rel. L2 | {r['merged']:.4g}"
+    f" (ratio to the base file's {r['merged'] / r['base']:.3f}) |",
+    f"| merged file read back by `load_gguf` = `merged()` params, bit for bit"
+    f" | {ours['merged_reads_back']} |",
     f"| argmax agreement with llama.cpp: base / adapted | {r['argmax_base']:.3f} /"
     f" {r['argmax_lora']:.3f} |",
     f"| {GREEDY} greedy tokens after the prompt equal to llama.cpp's with the adapter"
