@@ -62,6 +62,7 @@ def test_bad_limits_are_refused(bad):
     q8rules.set_cpu_threads(bad)
 
 
+@pytest.mark.slow
 def test_environment_variable():
   needs_kernel()
   code = (

@@ -98,7 +98,12 @@ def test_zero_b_is_the_served_model_bit_for_bit(arch):
   assert not b.any() and np.abs(a).max() > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama31"])
+SLOW_ARCHS = [
+  pytest.param(a, marks=pytest.mark.slow) for a in ("qwen3", "gemma2", "gemma3", "llama31")
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", *SLOW_ARCHS])
 def test_random_adapters_against_float64(arch):
   m = random_b(base(arch).with_lora(rank=4, alpha=8.0, seed=1), seed=2)
   got = m.logits(IDS)
@@ -196,6 +201,7 @@ def test_f16_adapter_file(tmp_path):
     np.testing.assert_array_equal(f.adapters[name][1], b.astype(np.float16).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_several_adapter_files_add_up(tmp_path):
   """As llama.cpp sums several adapters' deltas, each with its own scale; a layer or tensor an
   adapter does not cover gets none of its delta."""
@@ -217,6 +223,7 @@ def test_several_adapter_files_add_up(tmp_path):
   assert rel_l2(m.logits(IDS), forward(hp, w, IDS)) < 1e-5
 
 
+@pytest.mark.slow
 def test_merged_is_the_requantized_sum():
   """Each adapted tensor of `merged()` is Q8_0 of float32(q * d + alpha / rank * A @ B) (gguf's
   quantizer: `q8rules.quantize` matches it bit for bit); the fused groups are fused again."""
@@ -396,6 +403,7 @@ def test_chat_data_counts_the_replies_only(tmp_path):
     read_conversations(bad)
 
 
+@pytest.mark.slow
 def test_adapters_on_a_mesh_follow_their_base(tmp_path):
   """On a 2-device 'tp' mesh: A split along K under the row-parallel o / down, B along N under
   the column-parallel q / k / v / gate / up; the logits and a training step equal one
@@ -422,6 +430,7 @@ def test_adapters_on_a_mesh_follow_their_base(tmp_path):
   assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_unrolled_layers(tmp_path):
   """Layers unrolled (`layers_0`, ...): one adapter per layer's param, the same numbers, and the
   adapter file the scanned model writes."""
@@ -429,7 +438,7 @@ def test_unrolled_layers(tmp_path):
   scanned.save_lora_gguf(tmp_path / "a.gguf")
   m = load_gguf(tiny("qwen2"), dtype=jnp.float32).unrolled()
   from q8rules.checkpoint.gguf.adapter import read_lora_gguf as read
-  from q8rules.llm.lora import attach_lora_files
+  from q8rules.llm.lora_convert import attach_lora_files
 
   adapted = attach_lora_files(m, [read(tmp_path / "a.gguf")], [1.0])
   assert "kernel_lora_a" in adapted.params["layers_1"]["attn"]["q"]

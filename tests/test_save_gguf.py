@@ -331,6 +331,7 @@ def test_qat_model_is_the_served_model_in_float(tmp_path, name):
   assert read(tmp_path / "out.gguf") == read(src)
 
 
+@pytest.mark.slow
 def test_qat_training_step_is_saved_as_q8_0(tmp_path):
   """An SGD step of jax.grad on the QAT model lowers the loss and changes its weights;
   save_gguf writes each trained matrix as gguf.quants' Q8_0 blocks of it (bit for bit) and

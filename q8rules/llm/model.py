@@ -144,8 +144,8 @@ class GGUFModel:
 
   def merged(self) -> GGUFModel:
     """This model with its adapters merged into their Q8_0 weights (requantized; see
-    `q8rules.llm.lora.merged`), served as a plain Q8_0 model."""
-    from q8rules.llm.lora import merged
+    `q8rules.llm.lora_convert.merged`), served as a plain Q8_0 model."""
+    from q8rules.llm.lora_convert import merged
 
     return merged(self)
 

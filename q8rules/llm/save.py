@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf as gguf_lib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +44,7 @@ from q8rules.checkpoint.gguf.header import Tensor
 from q8rules.checkpoint.gguf.layouts import block_dtype, swap_last
 from q8rules.checkpoint.gguf.metadata import header_values
 from q8rules.checkpoint.gguf.requant import q8_0_blocks
+from q8rules.checkpoint.gguf.write import header_written
 from q8rules.llm.sources import GGUFSource, TensorSource
 from q8rules.q8_0 import BLOCK, Q8Array, quantize
 from q8rules.sharding.adapters import LORA_A, LORA_B
@@ -169,17 +169,9 @@ def _write(
 ) -> None:
   """The header (metadata, tensor infos) then each tensor's bytes (the source's, or the data
   file's), to `tmp`."""
-  writer = gguf_lib.GGUFWriter(tmp, arch)
+  infos = [(o.name, o.byte_shape, np.dtype(np.uint8), o.nbytes, o.qtype) for o in outs]
+  writer = header_written(tmp, arch, alignment, kvs, infos)
   try:
-    if alignment is not None:
-      writer.add_custom_alignment(alignment)
-    for key, v in kvs.items():
-      writer.add_key_value(key, v.value, v.type, v.sub_type)
-    for o in outs:
-      writer.add_tensor_info(o.name, o.byte_shape, np.dtype(np.uint8), o.nbytes, raw_dtype=o.qtype)
-    writer.write_header_to_file(tmp)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     changed = os.path.getsize(data_tmp) > 0
     data = np.memmap(data_tmp, np.uint8, mode="r") if changed else None
     for o in outs:

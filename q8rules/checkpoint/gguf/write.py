@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +166,33 @@ def _encode(plan: _Plan, value: Any, what: str, layout: Layout, round_scales: bo
   return arr
 
 
+def header_written(
+  tmp: Path,
+  arch: str,
+  alignment: int | None,
+  kvs: Mapping[str, Any],
+  infos: Sequence[tuple[str, tuple[int, ...], Any, int, GGMLQuantizationType | None]],
+) -> gguf_lib.GGUFWriter:
+  """A `GGUFWriter` on `tmp` with the header, the metadata `kvs` (`header_values`' GGUFValues)
+  and the tensor infos (name, shape, dtype, bytes, raw GGML type) written: the caller writes
+  each tensor's data in the infos' order, then closes it (closed here on an error)."""
+  writer = gguf_lib.GGUFWriter(tmp, arch)
+  try:
+    if alignment is not None:
+      writer.add_custom_alignment(alignment)
+    for key, v in kvs.items():
+      writer.add_key_value(key, v.value, v.type, v.sub_type)
+    for name, shape, dtype, nbytes, raw_dtype in infos:
+      writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw_dtype)
+    writer.write_header_to_file(tmp)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+  except BaseException:
+    writer.close()
+    raise
+  return writer
+
+
 def save(
   path: str | os.PathLike[str],
   tensors: Mapping[str, Any],
@@ -227,17 +254,9 @@ def save(
   arch, alignment, kvs = header_values(path, metadata, arch)
 
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  writer = gguf_lib.GGUFWriter(tmp, arch)
+  infos = [(p.name, p.info_shape, p.info_dtype, p.nbytes, p.raw_dtype) for p in plans]
+  writer = header_written(tmp, arch, alignment, kvs, infos)
   try:
-    if alignment is not None:
-      writer.add_custom_alignment(alignment)
-    for key, v in kvs.items():
-      writer.add_key_value(key, v.value, v.type, v.sub_type)
-    for p in plans:
-      writer.add_tensor_info(p.name, p.info_shape, p.info_dtype, p.nbytes, raw_dtype=p.raw_dtype)
-    writer.write_header_to_file(tmp)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     for p in progress_iter(plans, total=len(plans), desc=f"writing {path.name}", progress=progress):
       what = f"{path}: tensor {p.name!r}"
       writer.write_tensor_data(_encode(p, tensors[p.name], what, layout, round_scales))
