@@ -52,34 +52,22 @@ OURS = r"""
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
 import q8rules
-from q8rules.llm.datasets import text_windows
-from q8rules.llm.finetune import LoraTrainer, split_adapters
-from benchmarks.finetune_gguf import text_ids, perplexity
+from q8rules.llm.finetune import split_adapters
+from benchmarks.finetune_gguf import text_ids, perplexity, train
 
 path, out = sys.argv[1], json.loads(sys.argv[2])
 m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
-train, held = text_ids(m)
+train_ids, held = text_ids(m)
 eval_ids = held[: out["eval_len"]]
-res = dict(train_tokens=int(train.size), held_tokens=int(held.size))
+res = dict(train_tokens=int(train_ids.size), held_tokens=int(held.size))
 res["ppl_before"] = perplexity(m, held, out["length"])
 m = m.with_lora(rank=out["rank"], alpha=out["alpha"])
 before = [np.asarray(x).tobytes() for x in jax.tree.leaves(split_adapters(m.params)[0])]
-trainer = LoraTrainer(m, optax.adamw(out["lr"]))
-state = trainer.init()
-draw = text_windows(train, out["length"], out["batch"], seed=0)
-losses, times = [], []
-for i in range(out["steps"]):
-  tokens, mask = draw()
-  t = time.perf_counter()
-  state, loss = trainer.step(state, tokens, mask)
-  losses.append(float(loss))
-  times.append(time.perf_counter() - t)
-trained = trainer.model(state)
+trained, losses, tokens_per_s, first_s = train(m, train_ids, out)
 after = [np.asarray(x).tobytes() for x in jax.tree.leaves(split_adapters(trained.params)[0])]
 res["base_unchanged"] = before == after
 res["losses"] = losses
-res["tokens_per_s"] = out["batch"] * out["length"] * (len(times) - 1) / sum(times[1:])
-res["first_step_s"] = times[0]
+res["tokens_per_s"], res["first_step_s"] = tokens_per_s, first_s
 res["ppl_after"] = perplexity(trained, held, out["length"])
 trained.save_lora_gguf(out["adapter"])
 trained.save_gguf(out["merged"])
@@ -103,15 +91,13 @@ FLOAT32 = r"""
 import dataclasses, json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax, qwix
 import q8rules
-from q8rules.llm.datasets import text_windows
-from q8rules.llm.finetune import LoraTrainer
 from q8rules.llm.lora import LoraSpec, adapter_sites, with_adapters, DEFAULT_TARGETS
 from q8rules.models.transformer import Transformer
-from benchmarks.finetune_gguf import text_ids
+from benchmarks.finetune_gguf import text_ids, train
 
 path, out = sys.argv[1], json.loads(sys.argv[2])
 m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False, dequantize_other=True, fuse=False)
-train, _ = text_ids(m)
+train_ids, _ = text_ids(m)
 from q8rules.providers.q8_weight import Q8Weight
 def as_float(leaf):  # a Q8_0 tensor of the file (the table) as float32: q * d
   if not isinstance(leaf, Q8Weight):
@@ -138,18 +124,8 @@ provider = qwix.LoraProvider(
 )
 model = qwix.quantize_model(Transformer(m.config), provider)
 m = dataclasses.replace(m, model=model, params=params, lora=spec)
-trainer = LoraTrainer(m, optax.adamw(out["lr"]))
-state = trainer.init()
-draw = text_windows(train, out["length"], out["batch"], seed=0)
-losses, times = [], []
-for i in range(out["steps"]):
-  tokens, mask = draw()
-  t = time.perf_counter()
-  state, loss = trainer.step(state, tokens, mask)
-  losses.append(float(loss))
-  times.append(time.perf_counter() - t)
-res = dict(losses=losses)
-res["tokens_per_s"] = out["batch"] * out["length"] * (len(times) - 1) / sum(times[1:])
+_, losses, tokens_per_s, _ = train(m, train_ids, out)
+res = dict(losses=losses, tokens_per_s=tokens_per_s)
 res["rss_mb"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
 print(json.dumps(res))
 """
@@ -188,6 +164,30 @@ def text_ids(m) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(m.tokenizer.encode(text), np.int32)
 
   return ids(TRAIN), ids(HELD_OUT)
+
+
+def train(m, ids: np.ndarray, out: dict) -> tuple:
+  """`out["steps"]` AdamW steps (`LoraTrainer`) of `m`'s adapters on random windows of `ids`:
+  (the trained model, the losses, tokens/s after the first (compiling) step, that step's s)."""
+  import time
+
+  import optax
+
+  from q8rules.llm.datasets import text_windows
+  from q8rules.llm.finetune import LoraTrainer
+
+  trainer = LoraTrainer(m, optax.adamw(out["lr"]))
+  state = trainer.init()
+  draw = text_windows(ids, out["length"], out["batch"], seed=0)
+  losses, times = [], []
+  for _ in range(out["steps"]):
+    tokens, mask = draw()
+    t = time.perf_counter()
+    state, loss = trainer.step(state, tokens, mask)
+    losses.append(float(loss))
+    times.append(time.perf_counter() - t)
+  rate = out["batch"] * out["length"] * (len(times) - 1) / sum(times[1:])
+  return trainer.model(state), losses, rate, times[0]
 
 
 def perplexity(m, ids: np.ndarray, length: int) -> float:
