@@ -237,6 +237,7 @@ def test_compile_cache_is_reused():
   assert done.stdout.split()[0] == "True", done.stdout
 
 
+@pytest.mark.slow
 def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
   code = textwrap.dedent(
     """

@@ -222,6 +222,7 @@ def test_other_platforms_lower_the_xla_attention(rng, platform):
   assert cpu_native.TARGET_DECODE_ATTENTION not in exported.mlir_module()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decoder_logits_the_same_either_way(rng, dtype):
   """A decode step of the decoder (GQA, softcap): plain Flax runs its own XLA attention (no

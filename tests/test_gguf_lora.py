@@ -122,6 +122,7 @@ def test_targets_subset_keeps_other_groups_fused():
   assert rel_l2(m.logits(IDS), want) < 1e-5
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_keeps_the_base():
   m = base("qwen2").with_lora(rank=4, alpha=8.0)
   before = base_leaves(m.params)
@@ -332,6 +333,7 @@ def test_adapter_file_errors(tmp_path):
 # ---- the command line and the chat data -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_finetune_command_writes_an_adapter_run_reads(tmp_path, capsys):
   from q8rules.cli import main
 

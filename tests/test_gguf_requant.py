@@ -56,7 +56,11 @@ def expected(data: np.ndarray, qtype: T) -> np.ndarray:
   return gguf_quantize(x, T.Q8_0)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+  "qtype",
+  [pytest.param(t, marks=pytest.mark.slow) if t == T.MXFP4 else t for t in QUANTIZED],
+  ids=lambda t: t.name,
+)
 def test_requantized_blocks_are_gguf_quants(rng, qtype):
   cols = 512  # whole blocks of every type (32 and 256)
   data = random_blocks(rng, qtype, 6, cols)

@@ -127,6 +127,7 @@ def test_f32_logits_match_llama_cpp(name):
   assert err.max() < F32_VS_LLAMA_CPP.get(name, GEMMA_F32_VS_LLAMA_CPP), err.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_gemma_gap_to_llama_cpp_is_its_float16_gelu(name):
   """The gemma archs' gap to llama.cpp is llama.cpp's CPU GELU (ggml reads it from a float16

@@ -295,6 +295,7 @@ def test_nnx_eager_sharding_annotates_and_places_the_adapters(rng):
     check_spec(grads[name]["ab".index(which)], want, f"d{which.upper()} of {name}")
 
 
+@pytest.mark.slow
 def test_nnx_adapters_made_outside_the_mesh_follow_the_placed_base(rng):
   """The float model made under `jax.set_mesh` (eager sharding), LoRA applied after, outside
   it: each adapter is put where its base's Q8 values are, split as above, and annotated so (its

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import qwix
 from flax import nnx
 
@@ -115,6 +116,7 @@ def test_linen_scan_remat(rng):
   assert _base_bytes(new) != _base_bytes(lora)
 
 
+@pytest.mark.slow
 def test_nnx_scan_remat(rng):
   """nnx.scan over nnx.vmap-made layers (nnx.remat per step, nnx.split_rngs around the scan):
   stacked LoRAParams; random A, B: output, nnx.grad of A, B and x against float64; an

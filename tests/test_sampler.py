@@ -80,6 +80,7 @@ def test_bad_settings(kw):
     Sampler(**kw)
 
 
+@pytest.mark.slow
 def test_decode_loop_samples_as_the_chain_does():
   """A greedy decode with a strong penalty and top-k on the tiny qwen2 (whose greedy text
   repeats itself): each new token is the
