@@ -36,8 +36,9 @@ def llama_cpp_python() -> str | None:
     return env
   if importlib.util.find_spec("llama_cpp") is not None:
     return sys.executable
-  native = Path("/work/venv-llamacpp/bin/python")
-  return str(native) if native.exists() else None
+  native = Path("/work/venv-llamacpp")  # the native build docs/benchmarks.md describes
+  installed = any(native.glob("lib/python*/site-packages/llama_cpp/__init__.py"))
+  return str(native / "bin" / "python") if installed else None
 
 
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:

@@ -76,6 +76,10 @@ class GGUFModel:
       `with_lora` or `load_gguf(lora=...)` added them, else None.
     source: the file(s) loaded and where each of their tensors is in `params`
       (`q8rules.llm.sources.GGUFSource`; None for a model not made by `load_gguf`).
+    rule: the `Q8Rule` `model` was quantized with (its module paths, scale dtype and
+      `act_qtype`), or None when no product is Q8_0.
+    provider_type: `Q8Provider` (served) or `Q8QatProvider` (`trainable='qat'`): what a
+      rebuilt model (`unrolled()`, `merged()`) is quantized with again.
   """
 
   path: Any
@@ -89,6 +93,8 @@ class GGUFModel:
   requantized: Counter[str] = dataclasses.field(default_factory=Counter)
   lora: Any = None
   source: Any = None
+  rule: Any = None
+  provider_type: Any = None
 
   def __post_init__(self) -> None:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))

@@ -20,6 +20,7 @@ section `unrolled`): this stays for comparison and for programs that need per-la
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -28,7 +29,7 @@ import qwix
 from q8rules._qwix import is_with_aux
 from q8rules.llm.tensors import q8_rule
 from q8rules.models.transformer import Transformer
-from q8rules.providers import Q8Provider
+from q8rules.providers import Q8Provider, Q8QatProvider
 from q8rules.q8_0 import Q8Array
 
 
@@ -47,22 +48,41 @@ def _layer(stacked: Any, i: int) -> Any:
   return jax.tree.map(take, stacked, is_leaf=_is_q8)
 
 
+def _scanned_path(path: tuple[str, ...]) -> str:
+  """The module path `path` (a param's, minus its leaf) has in the scanned model: `layers_i`
+  -> `layers`."""
+  head = "layers" if re.fullmatch(r"layers_\d+", path[0]) else path[0]
+  return "/".join((head, *path[1:-1]))
+
+
 def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
-  """`m` (a GGUFModel) with `config` and `params` (default: m's), its model quantized by a rule
-  matching the modules whose params are Q8Arrays."""
+  """`m` (a GGUFModel) with `config` and `params` (default: m's), its model quantized again as
+  `m`'s was: the same provider type (`m.provider_type`: served Q8_0, or fake quant for a
+  `trainable='qat'` model) and rule fields (`m.rule`: scale dtype, `act_qtype`), matching the
+  modules whose params are Q8Arrays, or, for a QAT model's float params, the modules `m.rule`
+  matched (a layer `layers_i` matching as the scanned `layers`)."""
   params = m.params if params is None else params
+  provider_type = m.provider_type or Q8Provider
+  qat = provider_type is Q8QatProvider
   paths: list[tuple[str, ...]] = []
 
   def visit(path: Any, leaf: Any) -> None:  # the param's path (a WithAux's, not its array's)
+    keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
     if isinstance(leaf, Q8Array) or is_with_aux(leaf):
-      paths.append(tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path))
+      paths.append(keys)
+    elif qat and m.rule is not None and re.fullmatch(m.rule.module_path, _scanned_path(keys)):
+      paths.append(keys)
 
   is_param = lambda x: _is_q8(x) or is_with_aux(x)  # noqa: E731
   jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_param)
   model: Any = Transformer(config)
+  rule = None
   if paths:
-    model = qwix.quantize_model(model, Q8Provider([q8_rule(paths)]))
-  return dataclasses.replace(m, config=config, model=model, params=params)  # a GGUFModel
+    rule = q8_rule(paths, m.rule.act_qtype if m.rule is not None else None)
+    model = qwix.quantize_model(model, provider_type([rule]))
+  return dataclasses.replace(  # a GGUFModel
+    m, config=config, model=model, params=params, rule=rule, provider_type=provider_type
+  )
 
 
 def unrolled(m: Any) -> Any:
