@@ -5,8 +5,9 @@ multi-device tests (tests/test_sharding_mesh.py, tests/test_llm_gguf_mesh.py) ru
 process; everything else runs on the first (the default device), as with one.
 
 The longest cases carry `@pytest.mark.slow` at the test: the README's test command leaves them
-out (pyproject's addopts) and `.ci/run` runs them next (`pytest -m slow`); CI's first step
-prints the slowest durations, which is where the default run's budget is watched.
+out (pyproject's addopts) and `.ci/run` runs them next (`pytest -m slow`, printing the slowest
+durations); CI's first step prints its own time against its 600 s budget. The README's command
+runs in two pytest-xdist workers (`-n 2`): each is a process of its own, set up as above.
 """
 
 from __future__ import annotations
