@@ -1,5 +1,6 @@
 """q8rules.llm.unstack.unrolled: the scanned GGUF model with its layers unrolled gives the
-same logits (to float32 rounding) and the same greedy tokens."""
+same logits (to float32 rounding) and the same greedy tokens, quantized as the scanned model
+was (fake quant for a QAT model, Q8_0 activations where asked)."""
 
 from __future__ import annotations
 

@@ -314,8 +314,8 @@ def _load(
   tokenizer = _tokenizer(ckpt.metadata, str(ckpt.path))
   out = GGUFModel(ckpt.path, config, plan.model, params, ckpt.metadata, tokenizer, mesh)
   out.source = plan.source
-  out.rule = plan.rule if plan.provider is not None else None
-  out.provider_type = type(plan.provider) if plan.provider is not None else None
+  if plan.provider is not None:
+    out.rule, out.provider_type = plan.rule, type(plan.provider)
   out.bytes_read = tensors.bytes_read
   out.requantized = ckpt.requantized
   return out

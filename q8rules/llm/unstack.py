@@ -48,11 +48,10 @@ def _layer(stacked: Any, i: int) -> Any:
   return jax.tree.map(take, stacked, is_leaf=_is_q8)
 
 
-def _scanned_path(path: tuple[str, ...]) -> str:
-  """The module path `path` (a param's, minus its leaf) has in the scanned model: `layers_i`
-  -> `layers`."""
-  head = "layers" if re.fullmatch(r"layers_\d+", path[0]) else path[0]
-  return "/".join((head, *path[1:-1]))
+def _scanned_module_path(param_path: tuple[str, ...]) -> str:
+  """The path, in the scanned model, of the module owning the param at `param_path` (its
+  leaf dropped, `layers_i` read as `layers`)."""
+  return "/".join(re.sub(r"^layers_\d+$", "layers", k) for k in param_path[:-1])
 
 
 def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
@@ -70,7 +69,9 @@ def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
     keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
     if isinstance(leaf, Q8Array) or is_with_aux(leaf):
       paths.append(keys)
-    elif qat and m.rule is not None and re.fullmatch(m.rule.module_path, _scanned_path(keys)):
+    elif (
+      qat and m.rule is not None and re.fullmatch(m.rule.module_path, _scanned_module_path(keys))
+    ):
       paths.append(keys)
 
   is_param = lambda x: _is_q8(x) or is_with_aux(x)  # noqa: E731
