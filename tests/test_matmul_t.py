@@ -101,7 +101,8 @@ def test_native_paths(rng, monkeypatch, isa):
   monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   for m, k, n in [(11, 2048, 200), (1, 64, 7), (17, 4096, 512)]:
     dy, q, scale = operands(rng, m, k, n, scale_dtype=np.float16 if m == 1 else np.float32)
-    y = q8_matmul_t(jnp.asarray(dy), weight(q, scale), implementation="cpu")
+    # Dispatch is asynchronous: the call must have run before "last" can name its path.
+    y = jax.block_until_ready(q8_matmul_t(jnp.asarray(dy), weight(q, scale), implementation="cpu"))
     assert cpu_native.isa("last") == isa
     assert rel_err(y, reference_float64(dy, q, scale)) <= TOL, (isa, m, k, n)
 
