@@ -147,7 +147,7 @@ def test_get_fused_equals_concatenating_the_stacks(tmp_path, rng, monkeypatch, n
   groups = [[f"blk.{i}.{m}.weight" for i in range(3)] for m in members]
   stacks = [ckpt.get_stacked(g) for g in groups]
   if not native:
-    monkeypatch.setattr(cpu_native, "repack_q8_transposed", lambda *a: False)
+    monkeypatch.setattr(cpu_native, "repack_q8_transposed", lambda *a, **k: False)
   got = ckpt.get_fused(groups)
   assert got.q.shape == (3, 96, 128) and got.scale.shape == (3, 3, 128)
   assert got.axis == stacks[0].axis and got.dtype == stacks[0].dtype

@@ -276,3 +276,24 @@ def test_gguf_writer_roundtrip_names_in_errors(tmp_path, rng):
   ):
     ckpt["blk.0.attn_q.weight"]
   assert isinstance(gguf.GGUFReader(path), gguf.GGUFReader)
+
+
+def test_corrupt_block_in_a_stack_or_fused_group_names_its_tensor(tmp_path, rng):
+  """Stacks and fused groups requantize in the repack's pass: a corrupt block in layer 1's
+  attn_k is still refused naming the file, that tensor and its row."""
+  tensors = {
+    f"blk.{i}.attn_{p}.weight": (random_blocks(rng, T.Q4_K, 64, 256), T.Q4_K)
+    for i in range(2)
+    for p in "qk"
+  }
+  bad = tensors["blk.1.attn_k.weight"][0]
+  bad[9, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # row 9's super-block d
+  path = tmp_path / "corrupt.gguf"
+  write_gguf(path, tensors)
+  ckpt = ckpt_gguf.load(path)
+  stack = ["blk.0.attn_k.weight", "blk.1.attn_k.weight"]
+  match = r"corrupt\.gguf: tensor 'blk\.1\.attn_k\.weight'.*row 9.*corrupt block"
+  with pytest.raises(CheckpointError, match=match):
+    ckpt.get_stacked(stack)
+  with pytest.raises(CheckpointError, match=match):
+    ckpt.get_fused([["blk.0.attn_q.weight", "blk.1.attn_q.weight"], stack])

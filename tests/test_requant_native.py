@@ -129,6 +129,45 @@ def test_chunks_and_threads(rng, qtype, threads):
   check(data, qtype, 23, 4608, threads)
 
 
+def kernel_layout_of(blocks: np.ndarray, n_rows: int, n_cols: int) -> tuple[np.ndarray, ...]:
+  """Q8_0 GGUF blocks ((n_rows, n_cols / 32 * 34) uint8) in the kernel layout, by numpy:
+  (n_cols, n_rows) int8 values and (n_cols / 32, n_rows) float16 scales."""
+  b = blocks.reshape(n_rows, n_cols // 32, 34)
+  q = b[..., 2:].copy().view(np.int8).reshape(n_rows, n_cols).T
+  return q, b[..., :2].copy().view(np.float16)[..., 0].T
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, threads):
+  """`repack_q8_transposed(..., source_types=...)`: tensors of every native type (and Q8_0
+  among them, as a Q4_K_M stack mixes them), requantized in the same pass as they are
+  transposed, into a column range of wider arrays: the bytes of gguf-py's requantize,
+  transposed; nothing outside the range written. Rows past the last run of 64 and of 16."""
+  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+  monkeypatch.setattr(cpu_native, "cpus", lambda: threads)
+  monkeypatch.setattr(cpu_native, "REPACK_THREAD_BYTES", 0)
+  types = [*NATIVE, T.Q8_0]
+  n_rows, n_cols, n0, wide = 83, 512, 7, 100
+  datas = [random_blocks(rng, t, n_rows, n_cols) for t in types]
+  q = np.zeros((len(types), n_cols, wide), np.int8)
+  scale = np.zeros((len(types), n_cols // 32, wide), np.float16)
+  cols = slice(n0, n0 + n_rows)
+  parts = [np.ascontiguousarray(d).reshape(-1) for d in datas]
+  assert cpu_native.repack_q8_transposed(
+    parts, q[:, :, cols], scale[:, :, cols], source_types=[int(t) for t in types]
+  )
+  for i, (qtype, data) in enumerate(zip(types, datas, strict=True)):
+    blocks = data if qtype == T.Q8_0 else gguf_requant(data, qtype)
+    want_q, want_scale = kernel_layout_of(blocks, n_rows, n_cols)
+    assert_same_bits(q[i, :, cols], np.ascontiguousarray(want_q))
+    assert_same_bits(scale[i, :, cols], np.ascontiguousarray(want_scale))
+  assert not q[:, :, :n0].any() and not q[:, :, n0 + n_rows :].any()
+  assert not scale[:, :, :n0].view(np.uint16).any()
+  with pytest.raises(ValueError, match="scale_out and one array a tensor"):
+    cpu_native.repack_q8_transposed(parts[0], q[:1, :, cols], source_types=int(types[0]))
+
+
 @pytest.mark.parametrize("qtype", (T.F32, T.F16), ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", ISAS)
 def test_ties_and_zero_blocks(monkeypatch, qtype, isa):

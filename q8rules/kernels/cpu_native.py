@@ -330,12 +330,20 @@ def max_threads() -> int:
   return 0 if lib is None else int(lib.Q8MaxThreads())
 
 
+Q8_0_TYPE = 8
+"""GGML's type id of Q8_0: `repack_q8_transposed`'s default source type."""
+
+
 def repack_q8_transposed(
-  blocks: np.ndarray | Sequence[np.ndarray], out: np.ndarray, scale_out: np.ndarray | None = None
+  blocks: np.ndarray | Sequence[np.ndarray],
+  out: np.ndarray,
+  scale_out: np.ndarray | None = None,
+  *,
+  source_types: int | Sequence[int] = Q8_0_TYPE,
 ) -> bool:
   """Write the int8 values (and, with `scale_out`, the float16 scales) of GGUF Q8_0 rows into
   the kernel layout, read straight from the file's blocks; False (nothing written) when the
-  native library is unavailable here.
+  native library is unavailable here or does not read a source type.
 
   Args:
     blocks: uint8, C-contiguous: batch x rows rows of nb 34-byte blocks (a little-endian
@@ -347,35 +355,58 @@ def repack_q8_transposed(
       `wide`'s row stride).
     scale_out: None, or (batch, nb, rows) float16 laid out as `out` (C-contiguous or a column
       range of a wider array): the blocks' scales, transposed, in the same pass.
+    source_types: the GGML type id of the tensors' rows, one for all or one a tensor
+      (little-endian blocks of that type, K values a row). A tensor of another type than Q8_0
+      is requantized to Q8_0 on the way, in the same pass, bit for bit as
+      `gguf.quants.quantize(gguf.quants.dequantize(rows), Q8_0)` (its Q8_0 blocks are never
+      made whole); that needs `scale_out` and `blocks` as a sequence. A block that decodes to
+      a non-finite value gets gguf.quants' NaN or infinite scale: check the scales.
 
   One native call: its threads (this process's CPUs, for at least `REPACK_THREAD_BYTES` in
-  all) start once, and take whole tensors when there are several.
+  all) start once, and take whole tensors when there are several (runs of 64 rows of any
+  tensor when one is requantized).
   """
   lib = _load()
   if lib is None:
     return False
   batch, k, rows = out.shape
   nb = k // 32
-  tensor_bytes = rows * nb * 34
+  types = [int(source_types)] * batch if isinstance(source_types, int) else list(source_types)
+  requantize = any(t != Q8_0_TYPE for t in types)
+  sizes_wanted = []
+  for t in types:
+    values, nbytes = ctypes.c_int64(), ctypes.c_int64()
+    if not lib.Q8RequantBlock(ctypes.c_int(t), ctypes.byref(values), ctypes.byref(nbytes)):
+      return False
+    if k % values.value:
+      raise ValueError(
+        f"repack_q8_transposed: K = {k} is not whole blocks of GGML type {t}"
+        f" ({values.value} values)"
+      )
+    sizes_wanted.append(rows * k // values.value * nbytes.value)
   parts = [blocks] if isinstance(blocks, np.ndarray) else list(blocks)
   sizes = [p.size for p in parts]
   ldd = out.strides[1] if k > 1 else rows
   batch_stride = out.strides[0] if batch > 1 else ldd * k
   if (
-    any(p.dtype != np.uint8 or not p.flags.c_contiguous for p in parts)
+    len(types) != batch
+    or (requantize and (scale_out is None or len(parts) != batch))
+    or any(p.dtype != np.uint8 or not p.flags.c_contiguous for p in parts)
     or out.dtype != np.int8
     or out.strides[2] != 1
     or ldd < rows
     or batch_stride < ldd * k
     or k % 32
-    or (len(parts) == 1 and sizes[0] != batch * tensor_bytes)
-    or (len(parts) > 1 and (len(parts) != batch or any(n != tensor_bytes for n in sizes)))
+    or (len(parts) == 1 and sizes[0] != sum(sizes_wanted))
+    or (len(parts) > 1 and sizes != sizes_wanted)
   ):
     raise ValueError(
-      f"repack_q8_transposed: expected {batch} tensor(s) of {tensor_bytes} C-contiguous uint8"
-      f" bytes for an int8 out {out.shape} with contiguous rows, got {len(parts)} array(s) of"
-      f" {sizes[:4]} bytes ({', '.join(sorted({str(p.dtype) for p in parts}))}) and"
-      f" {out.dtype} (strides {out.strides})"
+      f"repack_q8_transposed: expected {batch} tensor(s) of {sizes_wanted[:4]} C-contiguous"
+      f" uint8 bytes (GGML types {sorted(set(types))}; scale_out and one array a tensor"
+      f" where one is requantized) for an int8 out {out.shape} with contiguous rows, got"
+      f" {len(parts)} array(s) of {sizes[:4]} bytes"
+      f" ({', '.join(sorted({str(p.dtype) for p in parts}))}) and {out.dtype} (strides"
+      f" {out.strides})"
     )
   lds, scale_stride = ldd, batch_stride
   if scale_out is not None:
@@ -393,22 +424,20 @@ def repack_q8_transposed(
         f" rows, got {scale_out.dtype} {scale_out.shape} (strides {scale_out.strides})"
       )
   if len(parts) == 1:
-    starts = [parts[0].ctypes.data + i * tensor_bytes for i in range(batch)]
+    starts = [parts[0].ctypes.data + i * sizes_wanted[0] for i in range(batch)]
   else:
     starts = [p.ctypes.data for p in parts]
-  threads = cpus() if batch * tensor_bytes >= REPACK_THREAD_BYTES else 1
+  threads = cpus() if sum(sizes_wanted) >= REPACK_THREAD_BYTES else 1
   ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-  lib.Q8RepackKernelBatch(
-    (ptr * batch)(*starts),
-    ptr(out.ctypes.data),
-    ptr(None if scale_out is None else scale_out.ctypes.data),
-    i64(batch),
-    i64(rows),
-    i64(nb),
-    i64(ldd),
-    i64(lds),
-    i64(batch_stride),
-    i64(scale_stride),
-    i64(threads),
+  strides = (i64(ldd), i64(lds), i64(batch_stride), i64(scale_stride), i64(threads))
+  sources, dq = (ptr * batch)(*starts), ptr(out.ctypes.data)
+  ds = ptr(None if scale_out is None else scale_out.ctypes.data)
+  if not requantize:
+    lib.Q8RepackKernelBatch(sources, dq, ds, i64(batch), i64(rows), i64(nb), *strides)
+    return True
+  code = lib.Q8RequantizeKernelBatch(
+    (ctypes.c_int * batch)(*types), sources, dq, ds, i64(batch), i64(rows), i64(k), *strides
   )
+  if code != 0:
+    raise ValueError(f"repack_q8_transposed: the library refused GGML types {types} ({code})")
   return True

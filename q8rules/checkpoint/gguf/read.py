@@ -163,6 +163,34 @@ class GGUFCheckpoint(MappedReader):
       return t.data, self._byteorder
     return q8_0_blocks(t, path=self.path), "<"
 
+  def _source_types(self, infos: Sequence[Tensor]) -> list[int] | None:
+    """The GGML types of Q8_0-served tensors `infos` where the repack reads their own blocks
+    and requantizes those not Q8_0 on the way (`repack.requantizes_on_the_way`; only where
+    one is not Q8_0), else None: the repack then reads Q8_0 blocks (`_q8_data`)."""
+    types = [int(t.tensor_type) for t in infos]
+    if all(t == Q8_0 for t in types) or self._byteorder != "<":
+      return None
+    return types if repack.requantizes_on_the_way(self.layout, self.scale_dtype, types) else None
+
+  def _q8_sources(self, infos: Sequence[Tensor]) -> tuple[list[np.ndarray]]:
+    """(the bytes the repack of `infos` reads,): each tensor's own bytes where
+    `_source_types` names their types, else their Q8_0 blocks (requantized first where not
+    Q8_0 in the file)."""
+    if self._source_types(infos) is None:
+      return ([self._q8_data(t)[0] for t in infos],)
+    return ([np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in infos],)
+
+  def _checked(self, infos: Sequence[Tensor], value: Q8Array) -> Q8Array:
+    """`value`, repacked from `infos`, once its scales are finite; where one is not, the
+    error `q8_0_blocks` raises for the first tensor that holds a non-finite value (a
+    corrupt block), naming the file, the tensor and the row."""
+    if not any(t.tensor_type != Q8_0 for t in infos) or np.isfinite(value.scale).all():
+      return value
+    for t in infos:
+      if t.tensor_type != Q8_0:
+        q8_0_blocks(t, path=self.path)  # raises for the tensor that holds it
+    return value  # the non-finite scales are the file's own Q8_0 blocks'
+
   def gguf_shape(self, name: str) -> tuple[int, ...]:
     """The tensor's shape in numpy order (ggml's `ne` reversed), as gguf-py's reader gives it."""
     return self._info(name).shape
@@ -282,8 +310,15 @@ class GGUFCheckpoint(MappedReader):
   def _repack(self, t: Tensor, shape: tuple[int, ...], layout: Layout) -> Q8Array | np.ndarray:
     qtype = t.tensor_type
     if self.policy.served_type(t) == Q8_0:
-      data, byteorder = self._q8_data(t)
-      return repack.repack_q8(data, shape, byteorder, self.scale_dtype, layout, self.dtype)
+      types = self._source_types([t]) if layout == self.layout else None
+      if types is None:
+        data, byteorder = self._q8_data(t)
+      else:
+        data, byteorder = self._q8_sources([t])[0][0], self._byteorder
+      value = repack.repack_q8(
+        data, shape, byteorder, self.scale_dtype, layout, self.dtype, source_types=types
+      )
+      return self._checked([t], value)
     if qtype == GGMLQuantizationType.BF16:
       bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
       arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
@@ -313,14 +348,18 @@ class GGUFCheckpoint(MappedReader):
       names,
       infos,
       f"Q8_0, shape {shape}",
-      lambda: repack.repack_q8_layers(
-        [self._q8_data(t)[0] for t in infos],
-        shape,
-        self._byteorder,
-        self.scale_dtype,
-        self.layout,
-        self.dtype,
-        out,
+      lambda: self._checked(
+        infos,
+        repack.repack_q8_layers(
+          *self._q8_sources(infos),
+          shape,
+          self._byteorder,
+          self.scale_dtype,
+          self.layout,
+          self.dtype,
+          out,
+          source_types=self._source_types(infos),
+        ),
       ),
     )
 
@@ -371,14 +410,18 @@ class GGUFCheckpoint(MappedReader):
       [name for g in groups for name in g],
       [t for g in infos for t in g],
       f"Q8_0, n_in {n}, fused along N",
-      lambda: repack.repack_q8_fused(
-        [[self._q8_data(t)[0] for t in g] for g in infos],
-        rows,
-        n,
-        self._byteorder,
-        self.scale_dtype,
-        self.dtype,
-        out,
+      lambda: self._checked(
+        [t for g in infos for t in g],
+        repack.repack_q8_fused(
+          [self._q8_sources(g)[0] for g in infos],
+          rows,
+          n,
+          self._byteorder,
+          self.scale_dtype,
+          self.dtype,
+          out,
+          source_types=[self._source_types(g) for g in infos],
+        ),
       ),
     )
 

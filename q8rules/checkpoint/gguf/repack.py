@@ -1,6 +1,8 @@
 """Q8_0 tensors' 34-byte blocks repacked into `Q8Array`s without dequantising: one tensor, a
 stack of one shape, or the members of a fused slot straight into their columns (in the kernel
-layout on a host where the native library runs: read and transposed in one pass)."""
+layout on a host where the native library runs: read and transposed in one pass). There,
+tensors of another type are requantized to Q8_0 in the same pass (`requantizes_on_the_way`):
+their Q8_0 blocks are never made whole."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.checkpoint.gguf.layouts import BLOCK_BYTES, Layout, block_dtype, q8_shapes
+from q8rules.checkpoint.gguf.layouts import Q8_0, Layout, block_dtype, q8_shapes
+from q8rules.checkpoint.gguf.requant_native import block_of, requant_native_types
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.kernels import cpu_native
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -31,12 +34,16 @@ def repack_q8(
   scale_dtype: np.dtype,
   layout: Layout,
   dtype: np.dtype,
+  source_types: Sequence[int] | None = None,
 ) -> Q8Array:
   """34-byte blocks (the file's bytes) into a Q8Array, one copy each of q and d.
 
-  data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`.
+  data: uint8, the tensor's bytes; shape: numpy order `[*lead, n_out, n_in]`;
+  `source_types`: as `repack_q8_layers` takes them (its one tensor's type).
   """
-  out = repack_q8_layers([data], shape, byteorder, scale_dtype, layout, dtype)
+  out = repack_q8_layers(
+    [data], shape, byteorder, scale_dtype, layout, dtype, source_types=source_types
+  )
   return dataclasses.replace(out, q=out.q[0], scale=out.scale[0])
 
 
@@ -48,6 +55,7 @@ def repack_q8_layers(
   layout: Layout,
   dtype: np.dtype,
   out: Q8Array | None = None,
+  source_types: Sequence[int] | None = None,
 ) -> Q8Array:
   """Tensors of one shape (each `data`'s 34-byte blocks) repacked and stacked along a new
   leading axis: one copy each of q and d into the stacked arrays (in the kernel layout on a
@@ -56,7 +64,8 @@ def repack_q8_layers(
   shape: each tensor's numpy order `[*lead, n_out, n_in]`; the result's q and scale have a
   leading axis of len(datas), and its `axis` is one tensor's blocked axis. `out`: where to
   write them (q and scale C-contiguous, of those shapes; e.g. layers [a, b) of a larger
-  stack), else new arrays.
+  stack), else new arrays. `source_types`: each data's GGML type, where some are not Q8_0 and
+  `requantizes_on_the_way` holds for them: requantized to Q8_0 in the same pass.
   """
   rows, n_in = shape[:-1], shape[-1]
   nb = n_in // BLOCK
@@ -81,19 +90,34 @@ def repack_q8_layers(
   # else the values are gathered row by row (32-byte runs) and transposed in XLA's tiled
   # kernel (numpy's element-wise transposing copy of int8 runs at a fraction of memory speed)
   scale_out = scale.reshape(n * lead, nb, rows[-1]) if transposed and native_scales else None
-  size = rows[-1] * nb * BLOCK_BYTES  # one (rows[-1], n_in) matrix of blocks
-  parts = [d.reshape(-1)[j * size : (j + 1) * size] for d in datas for j in range(lead)]
+  types = [Q8_0] * n if source_types is None else [int(t) for t in source_types]
+  sizes = [rows[-1] * n_in // block_of(t)[0] * block_of(t)[1] for t in types]  # one matrix
+  parts = [
+    d.reshape(-1)[j * size : (j + 1) * size]
+    for d, size in zip(datas, sizes, strict=True)
+    for j in range(lead)
+  ]
+  if any(t != Q8_0 for t in types) and not (
+    transposed and scale_out is not None and requantizes_on_the_way(layout, scale.dtype, types)
+  ):
+    raise ValueError(f"repack_q8_layers: cannot requantize GGML types {sorted(set(types))} here")
   native = (
     transposed
     and n * lead > 0
-    and cpu_native.repack_q8_transposed(parts, q.reshape(n * lead, nb * BLOCK, rows[-1]), scale_out)
+    and cpu_native.repack_q8_transposed(
+      parts,
+      q.reshape(n * lead, nb * BLOCK, rows[-1]),
+      scale_out,
+      source_types=[t for t in types for _ in range(lead)],
+    )
   )
   for i, data in enumerate(datas):
+    if native and scale_out is not None:
+      continue
     blocks = data.reshape(-1).view(block_dtype(byteorder))
     d = blocks["d"].reshape(*rows, nb)
     if native:
-      if scale_out is None:
-        np.copyto(scale[i], np.swapaxes(d, -1, -2))
+      np.copyto(scale[i], np.swapaxes(d, -1, -2))
       continue
     np.copyto(scale[i], np.swapaxes(d, -1, -2) if transposed else d)
     if gathered is None:
@@ -114,11 +138,14 @@ def repack_q8_fused(
   scale_dtype: np.dtype,
   dtype: np.dtype,
   out: Q8Array | None = None,
+  source_types: Sequence[Sequence[int] | None] | None = None,
 ) -> Q8Array:
   """Member j's per-layer tensors (`datas[j]`, each (rows[j], n_in) as 34-byte blocks) repacked
   into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
   layout: each value copied once, straight into its place (in `out`'s q and scale where given,
-  e.g. layers [a, b) of a larger stack)."""
+  e.g. layers [a, b) of a larger stack). `source_types[j]`: member j's tensors' GGML types
+  (None: all Q8_0), where some are not Q8_0 and `requantizes_on_the_way` holds for them: requantized to Q8_0 in
+  the same pass."""
   nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
   if out is None:
     q = aligned_empty((layers, n_in, n), np.int8)
@@ -135,10 +162,18 @@ def repack_q8_fused(
   for j, member in enumerate(datas):
     n0, n1 = int(offsets[j]), int(offsets[j + 1])
     scale_out = scale[:, :, n0:n1] if native_scales else None  # every layer in one call
+    member_types = None if source_types is None else source_types[j]
+    types = [Q8_0] * layers if member_types is None else [int(t) for t in member_types]
+    if any(t != Q8_0 for t in types) and not (
+      scale_out is not None and requantizes_on_the_way("kernel", scale.dtype, types)
+    ):
+      raise ValueError(f"repack_q8_fused: cannot requantize GGML types {sorted(set(types))} here")
     ran = cpu_native.repack_q8_transposed(
-      [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out
+      [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out, source_types=types
     )
     for i, data in enumerate(member):
+      if ran and scale_out is not None:
+        continue
       blocks = data.reshape(-1).view(block_dtype(byteorder))
       if not ran or scale_out is None:
         np.copyto(scale[i, :, n0:n1], blocks["d"].reshape(rows[j], nb).T)
@@ -149,6 +184,19 @@ def repack_q8_fused(
   return Q8Array(q=q, scale=scale, axis=axis, dtype=dtype)
 
 
+def requantizes_on_the_way(layout: Layout, scale_dtype: np.dtype, types: Sequence[int]) -> bool:
+  """Whether tensors of GGML `types` (little-endian blocks) repack into `layout` with
+  `scale_dtype` scales straight from their own blocks, those not Q8_0 requantized in the same
+  pass: the kernel layout, float16 scales, on a little-endian host where the native library
+  reads every type (`requant_native_types`)."""
+  return (
+    layout == "kernel"
+    and np.dtype(scale_dtype) == np.float16
+    and sys.byteorder == "little"
+    and {int(t) for t in types} <= requant_native_types()
+  )
+
+
 def _native_scales(byteorder: str, scale_dtype: np.dtype) -> bool:
   """Whether the native repack can copy the file's scale bytes as they are: float16 params
   from a file in this host's byte order (else numpy converts them)."""
@@ -156,4 +204,4 @@ def _native_scales(byteorder: str, scale_dtype: np.dtype) -> bool:
   return np.dtype(scale_dtype) == np.float16 and byteorder == host
 
 
-__all__ = ["repack_q8", "repack_q8_fused", "repack_q8_layers"]
+__all__ = ["repack_q8", "repack_q8_fused", "repack_q8_layers", "requantizes_on_the_way"]

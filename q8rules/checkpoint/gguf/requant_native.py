@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from q8rules.kernels import cpu_native
 
@@ -67,6 +67,11 @@ def _library(qtype: int) -> tuple[ctypes.CDLL, tuple[int, int]] | None:
     return None
   block = _blocks(lib).get(int(qtype))
   return None if block is None else (lib, block)
+
+
+def block_of(qtype: int) -> tuple[int, int]:
+  """GGML type `qtype`'s block: (values, bytes), as gguf-py's GGML_QUANT_SIZES has it."""
+  return GGML_QUANT_SIZES[GGMLQuantizationType(int(qtype))]
 
 
 def requant_native_types() -> frozenset[int]:

@@ -24,6 +24,7 @@
 #include "q8_matmul_t.h"
 #include "repack.h"
 #include "requant.h"
+#include "requant_repack.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -129,6 +130,17 @@ extern "C" int Q8Dequantize(int type, const uint8_t* src, int64_t n_rows, int64_
 extern "C" int Q8Requantize(int type, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                             uint8_t* out, int64_t threads) {
   return q8requant::Requantize(type, src, n_rows, n_cols, out, threads);
+}
+
+// `batch` tensors (rows x n_cols each), tensor i of GGML type types[i], as Q8_0 straight in
+// the kernel layout: Q8_0 ones transposed as they are, others requantized on the way; the
+// other arguments as Q8RepackKernelBatch's (requant_repack.h). Returns as Q8Requantize.
+extern "C" int Q8RequantizeKernelBatch(const int* types, const uint8_t* const* srcs, int8_t* dq,
+                                       uint16_t* ds, int64_t batch, int64_t rows,
+                                       int64_t n_cols, int64_t ldq, int64_t lds,
+                                       int64_t q_stride, int64_t s_stride, int64_t threads) {
+  return q8requant::RequantizeKernelBatch(types, srcs, dq, ds, batch, rows, n_cols, ldq, lds,
+                                          q_stride, s_stride, threads);
 }
 
 // Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
