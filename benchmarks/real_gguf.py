@@ -17,7 +17,10 @@ mark (`VmHWM`: `ru_maxrss` would carry the parent's across exec):
               weights: the yardstick of each side's error (relative L2 of the logits)
 
 Reported: argmax agreement and perplexity (next-token NLL over the text) of ours against
-llama.cpp's on the original file; each side's error against float64; load time and peak RSS;
+llama.cpp's on the original file, also with `act_qtype='q8_0'` (activations quantized to 8 bits
+per 32 values, as llama.cpp quantizes them for its Q8_0 / Q4_0 / Q4_1 / Q5 dot products); each side's error against float64; load time (the median of
+`--load-rounds` loads a side, interleaved, each in a fresh process with the library imported
+before the timer: `load_gguf` / `Llama(...)` alone) and peak RSS;
 decode tokens/s of the requantized model against that of llama.cpp's Q8_0 file loaded by us
 (the same shapes: bench_ab's measure). And F16: the file dequantized to an F16 GGUF,
 `load_gguf(f16, quantize='q8_0')` against llama-quantize's Q8_0 of that F16 file: params bit
@@ -87,6 +90,26 @@ rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 print(json.dumps(dict(load_s=load_s, rss_mb=rss)))
 """
 
+LOAD_OURS = r"""
+import json, sys, time
+import jax, jax.numpy as jnp
+import q8rules
+load_gguf = q8rules.load_gguf  # the lazy import of q8rules.llm, outside the timer
+t = time.perf_counter()
+m = load_gguf(sys.argv[1], dtype=jnp.float32, progress=False)
+jax.block_until_ready(m.params)
+print(json.dumps(dict(load_s=time.perf_counter() - t)))
+"""
+
+LOAD_LLAMA = r"""
+import json, sys, time
+from llama_cpp import Llama
+t = time.perf_counter()
+llm = Llama(sys.argv[1], n_ctx=512, verbose=False, n_threads=2)
+print(json.dumps(dict(load_s=time.perf_counter() - t)))
+"""
+"""Loads alone, each in a fresh process: the library imported before the timer on both sides."""
+
 QUANTIZE = r"""
 import ctypes, json, sys
 import llama_cpp
@@ -106,6 +129,15 @@ def ours(path: Path, ids: list[int], out: Path, params: Path | None = None, **kw
 
 def llama(py: str, path: Path, ids: list[int], out: Path) -> dict:
   return run([py, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(ids), str(out)])
+
+
+def load_times(py: str, path: Path, rounds: int) -> tuple[list[float], list[float]]:
+  """`rounds` loads of `path` by each side, interleaved, each in a fresh process (seconds)."""
+  ours_s, llama_s = [], []
+  for _ in range(rounds):
+    ours_s.append(run([sys.executable, "-c", LOAD_OURS, str(path)], {"PYTHONPATH": str(ROOT)}))
+    llama_s.append(run([py, "-c", LOAD_LLAMA, str(path)]))
+  return [r["load_s"] for r in ours_s], [r["load_s"] for r in llama_s]
 
 
 def llama_quantize(py: str, src: Path, dst: Path) -> None:
@@ -160,7 +192,7 @@ def float64_logits(path: Path, ids: list[int]) -> np.ndarray:
   return ref.forward(hp, w, ids, n_ctx=len(ids))
 
 
-def evaluate(key: str, py: str, work: Path) -> dict:
+def evaluate(key: str, py: str, work: Path, load_rounds: int) -> dict:
   model = MODELS[key]
   path = fetch(model, cache_dir())
   from q8rules.checkpoint.gguf import open_gguf
@@ -172,7 +204,7 @@ def evaluate(key: str, py: str, work: Path) -> dict:
   ids = GGUFTokenizer.from_metadata(meta, path=str(path)).encode(TEXT)
   q8_file = work / f"{path.stem}.llama-q8_0.gguf"
   llama_quantize(py, path, q8_file)
-  f = {n: work / f"{key}-{n}.npy" for n in ("ours", "llama", "llama_q8", "ours_q8")}
+  f = {n: work / f"{key}-{n}.npy" for n in ("ours", "llama", "llama_q8", "ours_q8", "ours_act")}
   p = {n: work / f"{key}-{n}-params.npz" for n in ("ours", "ours_q8", "f16")}
   ours(path, ids, f["ours"])  # warms the page cache and the compilation cache
   r_ours = ours(path, ids, f["ours"], p["ours"])
@@ -180,6 +212,7 @@ def evaluate(key: str, py: str, work: Path) -> dict:
   r_llama = llama(py, path, ids, f["llama"])
   r_llama_q8 = llama(py, q8_file, ids, f["llama_q8"])
   r_ours_q8 = ours(q8_file, ids, f["ours_q8"], p["ours_q8"])
+  ours(path, ids, f["ours_act"], act_qtype="q8_0")  # activations 8-bit, as llama.cpp's dots
   ref = float64_logits(path, ids)
   lo = {n: np.load(v) for n, v in f.items()}
   f16 = work / f"{path.stem}.f16.gguf"
@@ -188,6 +221,7 @@ def evaluate(key: str, py: str, work: Path) -> dict:
   llama_quantize(py, f16, f16_q8)
   ours(f16, ids, work / "f16.npy", p["f16"], quantize="q8_0")
   ours(f16_q8, ids, work / "f16_q8.npy", work / "f16_q8-params.npz")
+  loads_ours, loads_llama = load_times(py, path, load_rounds)
   cache = tempfile.mkdtemp(prefix="q8rules-real-")
   speed = {n: ours_speed(ROOT, fp, 2, cache) for n, fp in (("requant", path), ("q8", q8_file))}
   return dict(
@@ -196,6 +230,8 @@ def evaluate(key: str, py: str, work: Path) -> dict:
     tokens=len(ids),
     requantized=r_ours["requantized"],
     argmax=float(np.mean(lo["ours"].argmax(-1) == lo["llama"].argmax(-1))),
+    argmax_act=float(np.mean(lo["ours_act"].argmax(-1) == lo["llama"].argmax(-1))),
+    ppl_act=float(np.exp(nll(lo["ours_act"], ids))),
     argmax_f64_ours=float(np.mean(lo["ours"].argmax(-1) == ref.argmax(-1))),
     argmax_f64_llama=float(np.mean(lo["llama"].argmax(-1) == ref.argmax(-1))),
     ppl_f64=float(np.exp(nll(ref, ids))),
@@ -207,8 +243,10 @@ def evaluate(key: str, py: str, work: Path) -> dict:
     err_ours_q8=rel(lo["ours_q8"], ref),
     params_vs_llama_q8=same_params(p["ours"], p["ours_q8"]),
     f16_params_vs_llama_quantize=same_params(p["f16"], work / "f16_q8-params.npz"),
-    load_ours=r_ours["load_s"],
-    load_llama=r_llama["load_s"],
+    load_ours=float(np.median(loads_ours)),
+    load_llama=float(np.median(loads_llama)),
+    loads_ours=loads_ours,
+    loads_llama=loads_llama,
     rss_ours=r_ours["rss_mb"],
     rss_llama=r_llama["rss_mb"],
     rss_llama_q8=r_llama_q8["rss_mb"],
@@ -223,6 +261,10 @@ def table(rows: list[dict]) -> str:
     ("file", "file"),
     ("tokens", "tokens"),
     ("argmax agreement vs llama.cpp", "argmax"),
+    (
+      "with act_qtype='q8_0': argmax agreement / ppl",
+      lambda r: f"{r['argmax_act']:.4f} / {r['ppl_act']:.3f}",
+    ),
     (
       "argmax = float64's: ours / llama.cpp",
       lambda r: f"{r['argmax_f64_ours']:.3f} / {r['argmax_f64_llama']:.3f}",
@@ -239,7 +281,12 @@ def table(rows: list[dict]) -> str:
       "F16 quantize='q8_0' = llama-quantize",
       lambda r: "{}/{}".format(*r["f16_params_vs_llama_quantize"]),
     ),
-    ("load s ours / llama.cpp", lambda r: f"{r['load_ours']:.2f} / {r['load_llama']:.2f}"),
+    (
+      "load s ours / llama.cpp (median of fresh processes)",
+      lambda r: (
+        f"{r['load_ours']:.3f} / {r['load_llama']:.3f} = {r['load_ours'] / r['load_llama']:.1f}x"
+      ),
+    ),
     (
       "peak RSS MB ours: this file / llama.cpp's Q8_0 file",
       lambda r: f"{r['rss_ours']:.0f} / {r['rss_ours_q8']:.0f}",
@@ -269,6 +316,7 @@ def main() -> None:
   ap.add_argument("--llama-cpp-python", required=True)
   ap.add_argument("--models", default=",".join(MODELS))
   ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "q8rules-real"))
+  ap.add_argument("--load-rounds", type=int, default=7, help="fresh-process loads a side")
   ap.add_argument("--write", action="store_true", help="write the table into RESULTS.md")
   args = ap.parse_args()
   build, missing = describe(**query(args.llama_cpp_python))
@@ -279,7 +327,7 @@ def main() -> None:
   work.mkdir(parents=True, exist_ok=True)
   rows = []
   for key in args.models.split(","):
-    rows.append(evaluate(key, args.llama_cpp_python, work))
+    rows.append(evaluate(key, args.llama_cpp_python, work, args.load_rounds))
     print(json.dumps(rows[-1]), flush=True)
   text = table(rows)
   print(text)
@@ -288,7 +336,9 @@ def main() -> None:
     header = f"{when}. Machine: {machine()}. {build}"
     notes = "\n".join(
       f"- {r['file']} ({r['licence']}): {r['tokens']} tokens; requantized {r['requantized']};"
-      f" ours on llama.cpp's Q8_0 file vs float64 {r['err_ours_q8']:.3g}"
+      f" ours on llama.cpp's Q8_0 file vs float64 {r['err_ours_q8']:.3g}; loads (s), ours"
+      f" {' '.join(f'{v:.3f}' for v in r['loads_ours'])}, llama.cpp"
+      f" {' '.join(f'{v:.3f}' for v in r['loads_llama'])}"
       for r in rows
     )
     cmd = "python benchmarks/real_gguf.py --llama-cpp-python PY --write"
