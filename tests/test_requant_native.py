@@ -164,6 +164,12 @@ def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, thre
     assert_same_bits(scale[i, :, cols], np.ascontiguousarray(want_scale))
   assert not q[:, :, :n0].any() and not q[:, :, n0 + n_rows :].any()
   assert not scale[:, :, :n0].view(np.uint16).any()
+  one_q, one_scale = np.zeros_like(q[:1]), np.zeros_like(scale[:1])  # one tensor: runs of rows
+  assert cpu_native.repack_q8_transposed(
+    parts[4:5], one_q[:, :, cols], one_scale[:, :, cols], source_types=[int(types[4])]
+  )
+  assert_same_bits(one_q, q[4:5])
+  assert_same_bits(one_scale, scale[4:5])
   with pytest.raises(ValueError, match="scale_out and one array a tensor"):
     cpu_native.repack_q8_transposed(parts[0], q[:1, :, cols], source_types=int(types[0]))
 
