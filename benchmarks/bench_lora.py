@@ -164,6 +164,39 @@ def child(variant: str, steps: int, scan: bool = False) -> dict:
   )  # fmt: skip
 
 
+DIM, FFN, LAYERS, VOCAB, KV_DIM = 576, 1536, 30, 49152, 192
+PRODUCT_FLOPS = (
+  4 * BATCH * SEQ * (LAYERS * (2 * DIM * DIM + 2 * DIM * KV_DIM + 3 * DIM * FFN) + DIM * VOCAB)
+)
+"""A step's dense products (every matrix and the tied head, forward and input gradient: 2 x 2
+FLOPs a weight and token), the floor of any variant's step on float32 FMAs; the adapters, the
+attention and the rest come on top."""
+
+
+def gemm_rate() -> float:
+  """XLA's float32 GEMM rate (FLOP/s, HIGHEST precision) at the step's shapes: the median
+  over the shapes of each one's best of 10 calls."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  rates = []
+  for k, n in ((DIM, FFN), (FFN, DIM), (DIM, VOCAB)):
+    a = jnp.asarray(np.random.default_rng(0).random((BATCH * SEQ, k)), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(1).random((k, n)), jnp.float32)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+      t = time.perf_counter()
+      f(a, b).block_until_ready()
+      best = min(best, time.perf_counter() - t)
+    rates.append(2 * BATCH * SEQ * k * n / best)
+  return float(np.median(rates))
+
+
 def run(variant: str, steps: int, scan: bool = False) -> dict:
   out = subprocess.run(
     [sys.executable, __file__, "--child", variant, "--steps", str(steps)]
@@ -179,14 +212,15 @@ def mb(n: float) -> str:
   return f"{n / 2**20:,.0f}"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], gemm: float) -> str:
+  """The round's rows; `gemm`: XLA's float32 GEMM rate measured in the same round (FLOP/s)."""
   by = {r["variant"]: r for r in rows}
   q8 = by["q8_0 lora"]
   lines = [
     "| variant | adapters | base MB | adapter MB (x4: +Adam, grads) | activations MB | runtime MB"
     " | program MB | peak RSS MB | bound MB | peak - bound MB | step s | tokens/s |"
-    " q8_0 speed ratio | base bytes kept |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    " q8_0 speed ratio | products GFLOP/s (of the GEMM rate) | base bytes kept |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
   ]
   for r in rows:
     lines.append(
@@ -194,6 +228,7 @@ def table(rows: list[dict]) -> str:
       f" ({mb(r['adapter_train'])}) | {mb(r['activations'])} | {mb(r['runtime'])}"
       f" | {mb(r['program'])} | {mb(r['peak'])} | {mb(r['bound'])} | {mb(r['peak'] - r['bound'])}"
       f" | {r['step_s']:.2f} | {r['tokens_s']:.0f} | {q8['tokens_s'] / r['tokens_s']:.2f}x"
+      f" | {PRODUCT_FLOPS / r['step_s'] / 1e9:.0f} ({PRODUCT_FLOPS / r['step_s'] / gemm:.0%})"
       f" | {'yes' if r['base_unchanged'] else 'NO'} |"
     )
   return "\n".join(lines)
@@ -201,7 +236,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+  parser.add_argument("--child", choices=(*VARIANTS, "gemm"), help=argparse.SUPPRESS)
   parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
   parser.add_argument("--rounds", type=int, default=1, help="runs of all three, interleaved")
   parser.add_argument("--write", action="store_true", help="write RESULTS.md's section")
@@ -209,28 +244,40 @@ def main() -> None:
     "--scan", action="store_true", help="layers under the scan (one layer traced)"
   )
   args = parser.parse_args()
+  if args.child == "gemm":
+    print(json.dumps(dict(flops=gemm_rate())))
+    return
   if args.child:
     print(json.dumps(child(args.child, args.steps, args.scan)))
     return
   rounds = []
   for i in range(args.rounds):
     rows = [run(v, args.steps, args.scan) for v in VARIANTS]
-    rounds.append(rows)
-    print(f"round {i + 1}, load {load_average()}\n{table(rows)}\n", flush=True)
+    gemm = run("gemm", 0)["flops"]
+    rounds.append((rows, gemm))
+    print(f"round {i + 1}, load {load_average()}\n{table(rows, gemm)}\n", flush=True)
   if args.write:
     header = (
       f"{datetime.date.today().isoformat()}, {machine()}; jax {__import__('jax').__version__},"
       f" qwix {__import__('importlib.metadata').metadata.version('qwix')}; load average"
       f" after the run {load_average()}"
     )
-    blocks = [f"Round {i + 1}:\n\n{table(rows)}" for i, rows in enumerate(rounds)]
+    blocks = [
+      f"Round {i + 1} (XLA's float32 GEMM at the step's shapes: {gemm / 1e9:.0f} GFLOP/s):"
+      f"\n\n{table(rows, gemm)}"
+      for i, (rows, gemm) in enumerate(rounds)
+    ]
     blocks.append(
       "Per variant a fresh process. bound = runtime + base + 2.5 x (adapters x 4) + activations"
       " (issue 32's memory bound; `runtime` is the process before any model, activations are"
       " XLA's temporary buffers of the step); `program` is what compiling the step added to the"
       " RSS (its code and XLA's own state, after `malloc_trim`), which the bound does not count."
       " q8_0 speed ratio: q8_0 lora's tokens/s over the row's. Losses fall over the steps in"
-      " every variant (printed by the child, in the JSON)."
+      " every variant (printed by the child, in the JSON). Products GFLOP/s: the step's dense"
+      f" products ({PRODUCT_FLOPS / 1e9:.0f} GFLOP: every matrix and the tied head, forward"
+      " and input gradient, float32 in every variant) over the step time, and that as a"
+      " fraction of XLA's float32 GEMM rate at the step's shapes measured in the same round:"
+      " the step's floor on this CPU's FMAs is those FLOPs at that rate."
     )
     scan = " --scan" if args.scan else ""
     cmd = (
