@@ -49,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.bandwidth import read_bandwidth  # noqa: E402
 from benchmarks.bench_gguf import make_file  # noqa: E402
 from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
@@ -191,6 +192,16 @@ print(json.dumps(dict(load_s=load_s, decode_tps=decode_tps, prefill_tps=128 / mi
 """
 
 
+def bytes_per_token(path: Path) -> int:
+  """The tensor bytes a decode step reads: every tensor but an untied `token_embd` (a step
+  reads one row of it; a tied table is read whole by the head)."""
+  from q8rules.checkpoint.gguf.header import open_file
+
+  tensors = open_file(path).tensors
+  skip = "token_embd.weight" if "output.weight" in tensors else None
+  return sum(t.data.nbytes for name, t in tensors.items() if name != skip)
+
+
 def run(cmd: list[str], env: dict[str, str] | None = None) -> dict:
   out = subprocess.run(
     cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800
@@ -255,6 +266,7 @@ def main() -> None:
     env["XLA_FLAGS"] = args.xla_flags
   results: dict[tuple[str, int, str], list[dict]] = {}
   cold: dict[str, dict] = {}
+  probe(threads, results)
   for key in args.files:
     name, shapes, vocab, tied = FILES[key]
     path = Path(args.dir) / name
@@ -274,7 +286,10 @@ def main() -> None:
     ]
     read = {"read_s": med(reads, "read_s")}
     cold[key] = dict(
-      ours(path, "full", max(threads), env), read_s=read["read_s"], size=path.stat().st_size
+      ours(path, "full", max(threads), env),
+      read_s=read["read_s"],
+      size=path.stat().st_size,
+      step_bytes=bytes_per_token(path),
     )  # fills the compilation cache
     print(key, "cold", json.dumps(cold[key]), flush=True)
     for r in range(args.rounds):
@@ -293,7 +308,17 @@ def main() -> None:
           )
           results.setdefault((key, t, side), []).append(res)
           print(key, t, side, r, json.dumps(res), f"load {load_average()}", flush=True)
+  probe(threads, results)
   finish(args, threads, results, cold, missing, build)
+
+
+def probe(threads: list[int], results: dict) -> None:
+  """The memory read bandwidth at each thread count (`bandwidth.read_bandwidth`), into
+  results[("probe", t, "read")]; run before and after the rounds (the best is reported)."""
+  for t in threads:
+    res = {"gbs": read_bandwidth(t, gib=2.0)}
+    results.setdefault(("probe", t, "read"), []).append(res)
+    print("probe", t, "read", 0, json.dumps(res), f"load {load_average()}", flush=True)
 
 
 def parse_log(path: Path) -> tuple[dict, dict]:
@@ -305,7 +330,13 @@ def parse_log(path: Path) -> tuple[dict, dict]:
     parts = line.split(" ", 4)
     if len(parts) >= 3 and parts[1] == "cold":
       cold[parts[0]] = json.loads(line.split(" ", 2)[2])
-    elif len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop"):
+    elif (
+      len(parts) == 5
+      and (parts[0], parts[2]) == ("probe", "read")
+      or (
+        len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop")
+      )
+    ):
       res = json.loads(parts[4].rsplit(" load ", 1)[0])
       results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)
   return results, cold
@@ -339,13 +370,35 @@ def report(args, threads, results, cold, missing) -> str:
   def ratio(x: float) -> str:
     return "refused" if missing else f"**{x:.2f}x**"
 
+  def read_fraction(key: str, t: int, tps: float) -> str:
+    """A decode rate as GB/s of weights read, and that over the probe's read bandwidth."""
+    gbs = cold[key].get("step_bytes", 0) * tps / 1e9
+    probes = results.get(("probe", t, "read"), [])
+    if not gbs or not probes:
+      return "-"
+    return f"{gbs:.1f} ({gbs / max(p['gbs'] for p in probes):.0%})"
+
   lines = []
-  head = (
-    "| file | threads | q8rules decode tok/s (device loop) | host loop (before) |"
-    " llama.cpp decode tok/s | decode ratio | q8rules prefill-128 tok/s (all 128 rows' logits) |"
-    " llama.cpp prefill tok/s | prefill ratio |"
+  probe_line = ", ".join(
+    f"{t} thread{'s' if t > 1 else ''} {max(p['gbs'] for p in results[('probe', t, 'read')]):.1f}"
+    " GB/s"
+    for t in threads
+    if results.get(("probe", t, "read"))
   )
-  lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  if probe_line:
+    lines += [
+      f"Memory read bandwidth (`benchmarks/bandwidth.py`, 2 GiB, best before and after the"
+      f" rounds): {probe_line}. Decode GB/s: the tensor bytes a step reads (every tensor but an"
+      " untied token_embd) times tokens/s.",
+      "",
+    ]
+  head = (
+    "| file | threads | q8rules decode tok/s (device loop) | GB/s (of the read bandwidth) |"
+    " host loop (before) | llama.cpp decode tok/s | llama.cpp GB/s (of it) | decode ratio |"
+    " q8rules prefill-128 tok/s (all 128 rows' logits) | llama.cpp prefill tok/s |"
+    " prefill ratio |"
+  )
+  lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for key in args.files:
     for t in threads:
       o = results.get((key, t, "ours"), [])
@@ -356,6 +409,7 @@ def report(args, threads, results, cold, missing) -> str:
         f"{key} ({FILES[key][1].name}, {cold[key]['size'] / 1e9:.3f} GB)",
         str(t),
         f"{med(o, 'decode_tps'):.1f}",
+        read_fraction(key, t, med(o, "decode_tps")),
         f"{med(o, 'host_decode_tps'):.1f}",
       ]
       prefill = f"{med(o, 'prefill_tps'):.0f} ({med(o, 'prefill_all_tps'):.0f})"
@@ -364,13 +418,14 @@ def report(args, threads, results, cold, missing) -> str:
         pr = med(o, "prefill_tps") / med(th, "prefill_tps")
         row += [
           f"{med(th, 'decode_tps'):.1f}",
+          read_fraction(key, t, med(th, "decode_tps")),
           ratio(dr),
           prefill,
           f"{med(th, 'prefill_tps'):.0f}",
           ratio(pr),
         ]
       else:
-        row += ["-", "-", prefill, "-", "-"]
+        row += ["-", "-", "-", prefill, "-", "-"]
       lines.append("| " + " | ".join(row) + " |")
   act_rows = []
   for key in args.files:
