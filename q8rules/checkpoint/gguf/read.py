@@ -172,13 +172,12 @@ class GGUFCheckpoint(MappedReader):
       return None
     return types if repack.requantizes_on_the_way(self.layout, self.scale_dtype, types) else None
 
-  def _q8_sources(self, infos: Sequence[Tensor]) -> tuple[list[np.ndarray]]:
-    """(the bytes the repack of `infos` reads,): each tensor's own bytes where
-    `_source_types` names their types, else their Q8_0 blocks (requantized first where not
-    Q8_0 in the file)."""
+  def _q8_sources(self, infos: Sequence[Tensor]) -> list[np.ndarray]:
+    """The bytes the repack of `infos` reads: each tensor's own bytes where `_source_types`
+    names their types, else their Q8_0 blocks (requantized first where not Q8_0 in the file)."""
     if self._source_types(infos) is None:
-      return ([self._q8_data(t)[0] for t in infos],)
-    return ([np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in infos],)
+      return [self._q8_data(t)[0] for t in infos]
+    return [np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in infos]
 
   def _checked(self, infos: Sequence[Tensor], value: Q8Array) -> Q8Array:
     """`value`, repacked from `infos`, once its scales are finite; where one is not, the
@@ -314,7 +313,7 @@ class GGUFCheckpoint(MappedReader):
       if types is None:
         data, byteorder = self._q8_data(t)
       else:
-        data, byteorder = self._q8_sources([t])[0][0], self._byteorder
+        data, byteorder = self._q8_sources([t])[0], self._byteorder
       value = repack.repack_q8(
         data, shape, byteorder, self.scale_dtype, layout, self.dtype, source_types=types
       )
@@ -351,7 +350,7 @@ class GGUFCheckpoint(MappedReader):
       lambda: self._checked(
         infos,
         repack.repack_q8_layers(
-          *self._q8_sources(infos),
+          self._q8_sources(infos),
           shape,
           self._byteorder,
           self.scale_dtype,
@@ -413,7 +412,7 @@ class GGUFCheckpoint(MappedReader):
       lambda: self._checked(
         [t for g in infos for t in g],
         repack.repack_q8_fused(
-          [self._q8_sources(g)[0] for g in infos],
+          [self._q8_sources(g) for g in infos],
           rows,
           n,
           self._byteorder,
