@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter, region_of
-from q8rules.checkpoint.gguf import regions, repack
+from q8rules.checkpoint.gguf import regions, repack, repack_sources
 from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
   PLAIN_TYPES,
@@ -34,7 +34,8 @@ from q8rules.checkpoint.gguf.layouts import (
   swap_last,
 )
 from q8rules.checkpoint.gguf.metadata import read_fields
-from q8rules.checkpoint.gguf.requant import TypePolicy, describe_requantized, q8_0_blocks
+from q8rules.checkpoint.gguf.repack_sources import Sources
+from q8rules.checkpoint.gguf.requant import TypePolicy, describe_requantized
 from q8rules.checkpoint.host_buffers import aligned_empty
 from q8rules.checkpoint.reader import MappedReader
 from q8rules.q8_0 import Q8Array
@@ -157,38 +158,14 @@ class GGUFCheckpoint(MappedReader):
     return self.policy.served_type(self._info(name))
 
   def _q8_data(self, t: Tensor) -> tuple[np.ndarray, str]:
-    """(Q8_0 blocks, their byte order) of a tensor served as Q8_0: the file's own blocks,
-    or the tensor requantized (`requant.q8_0_blocks`)."""
-    if t.tensor_type == Q8_0:
-      return t.data, self._byteorder
-    return q8_0_blocks(t, path=self.path), "<"
+    """(Q8_0 blocks, their byte order) of a tensor served as Q8_0 (`repack_sources.q8_data`)."""
+    return repack_sources.q8_data(t, self._byteorder, self.path)
 
-  def _source_types(self, infos: Sequence[Tensor]) -> list[int] | None:
-    """The GGML types of Q8_0-served tensors `infos` where the repack reads their own blocks
-    and requantizes those not Q8_0 on the way (`repack.requantizes_on_the_way`; only where
-    one is not Q8_0), else None: the repack then reads Q8_0 blocks (`_q8_data`)."""
-    types = [int(t.tensor_type) for t in infos]
-    if all(t == Q8_0 for t in types) or self._byteorder != "<":
-      return None
-    return types if repack.requantizes_on_the_way(self.layout, self.scale_dtype, types) else None
-
-  def _q8_sources(self, infos: Sequence[Tensor]) -> list[np.ndarray]:
-    """The bytes the repack of `infos` reads: each tensor's own bytes where `_source_types`
-    names their types, else their Q8_0 blocks (requantized first where not Q8_0 in the file)."""
-    if self._source_types(infos) is None:
-      return [self._q8_data(t)[0] for t in infos]
-    return [np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in infos]
-
-  def _checked(self, infos: Sequence[Tensor], value: Q8Array) -> Q8Array:
-    """`value`, repacked from `infos`, once its scales are finite; where one is not, the
-    error `q8_0_blocks` raises for the first tensor that holds a non-finite value (a
-    corrupt block), naming the file, the tensor and the row."""
-    if not any(t.tensor_type != Q8_0 for t in infos) or np.isfinite(value.scale).all():
-      return value
-    for t in infos:
-      if t.tensor_type != Q8_0:
-        q8_0_blocks(t, path=self.path)  # raises for the tensor that holds it
-    return value  # the non-finite scales are the file's own Q8_0 blocks'
+  def _sources(self, infos: Sequence[Tensor], layout: Layout | None = None) -> Sources:
+    """What the repack of `infos` into `layout` (default: the checkpoint's) reads."""
+    layout = layout or self.layout
+    kw = dict(layout=layout, scale_dtype=self.scale_dtype, byteorder=self._byteorder)
+    return repack_sources.sources(infos, **kw, path=self.path)
 
   def gguf_shape(self, name: str) -> tuple[int, ...]:
     """The tensor's shape in numpy order (ggml's `ne` reversed), as gguf-py's reader gives it."""
@@ -309,15 +286,12 @@ class GGUFCheckpoint(MappedReader):
   def _repack(self, t: Tensor, shape: tuple[int, ...], layout: Layout) -> Q8Array | np.ndarray:
     qtype = t.tensor_type
     if self.policy.served_type(t) == Q8_0:
-      types = self._source_types([t]) if layout == self.layout else None
-      if types is None:
-        data, byteorder = self._q8_data(t)
-      else:
-        data, byteorder = self._q8_sources([t])[0], self._byteorder
+      src = self._sources([t], layout)
+      byteorder = self._byteorder if src.types or qtype == Q8_0 else "<"
       value = repack.repack_q8(
-        data, shape, byteorder, self.scale_dtype, layout, self.dtype, source_types=types
+        src.datas[0], shape, byteorder, self.scale_dtype, layout, self.dtype, src.types
       )
-      return self._checked([t], value)
+      return repack_sources.checked([t], value, self.path)
     if qtype == GGMLQuantizationType.BF16:
       bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
       arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
@@ -347,20 +321,15 @@ class GGUFCheckpoint(MappedReader):
       names,
       infos,
       f"Q8_0, shape {shape}",
-      lambda: self._checked(
-        infos,
-        repack.repack_q8_layers(
-          self._q8_sources(infos),
-          shape,
-          self._byteorder,
-          self.scale_dtype,
-          self.layout,
-          self.dtype,
-          out,
-          source_types=self._source_types(infos),
-        ),
-      ),
+      lambda: self._stack(infos, shape, out),
     )
+
+  def _stack(self, infos: Sequence[Tensor], shape: tuple[int, ...], out: Any) -> Q8Array:
+    src = self._sources(infos)
+    value = repack.repack_q8_layers(
+      src.datas, shape, self._byteorder, self.scale_dtype, self.layout, self.dtype, out, src.types
+    )
+    return repack_sources.checked(infos, value, self.path)
 
   def _read_q8(
     self,
@@ -409,20 +378,16 @@ class GGUFCheckpoint(MappedReader):
       [name for g in groups for name in g],
       [t for g in infos for t in g],
       f"Q8_0, n_in {n}, fused along N",
-      lambda: self._checked(
-        [t for g in infos for t in g],
-        repack.repack_q8_fused(
-          [self._q8_sources(g) for g in infos],
-          rows,
-          n,
-          self._byteorder,
-          self.scale_dtype,
-          self.dtype,
-          out,
-          source_types=[self._source_types(g) for g in infos],
-        ),
-      ),
+      lambda: self._fuse(infos, rows, n, out),
     )
+
+  def _fuse(self, infos: Sequence[Sequence[Tensor]], rows: Any, n: int, out: Any) -> Q8Array:
+    srcs = [self._sources(g) for g in infos]
+    value = repack.repack_q8_fused(
+      [s.datas for s in srcs], rows, n, self._byteorder, self.scale_dtype, self.dtype, out,
+      [s.types for s in srcs],
+    )  # fmt: skip
+    return repack_sources.checked([t for g in infos for t in g], value, self.path)
 
   def _fused_fallback(self, groups: Sequence[Sequence[str]], out: Q8Array | None) -> Any:
     if out is not None:
