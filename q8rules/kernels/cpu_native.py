@@ -373,8 +373,8 @@ def repack_q8_transposed(
   nb = k // 32
   types = [int(source_types)] * batch if isinstance(source_types, int) else list(source_types)
   requantize = any(t != Q8_0_TYPE for t in types)
-  sizes_wanted = []
-  for t in types:
+  tensor_bytes = {}  # a tensor's bytes, by its type
+  for t in set(types):
     values, nbytes = ctypes.c_int64(), ctypes.c_int64()
     if not lib.Q8RequantBlock(ctypes.c_int(t), ctypes.byref(values), ctypes.byref(nbytes)):
       return False
@@ -383,7 +383,8 @@ def repack_q8_transposed(
         f"repack_q8_transposed: K = {k} is not whole blocks of GGML type {t}"
         f" ({values.value} values)"
       )
-    sizes_wanted.append(rows * k // values.value * nbytes.value)
+    tensor_bytes[t] = rows * k // values.value * nbytes.value
+  sizes_wanted = [tensor_bytes[t] for t in types]
   parts = [blocks] if isinstance(blocks, np.ndarray) else list(blocks)
   sizes = [p.size for p in parts]
   ldd = out.strides[1] if k > 1 else rows

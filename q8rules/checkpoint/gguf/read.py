@@ -287,11 +287,10 @@ class GGUFCheckpoint(MappedReader):
     qtype = t.tensor_type
     if self.policy.served_type(t) == Q8_0:
       src = self._sources([t], layout)
-      byteorder = self._byteorder if src.types or qtype == Q8_0 else "<"
       value = repack.repack_q8(
-        src.datas[0], shape, byteorder, self.scale_dtype, layout, self.dtype, src.types
+        src.datas[0], shape, src.byteorder, self.scale_dtype, layout, self.dtype, src.types
       )
-      return repack_sources.checked([t], value, self.path)
+      return src.checked([t], value, self.path)
     if qtype == GGMLQuantizationType.BF16:
       bits = t.data.reshape(-1).view(self._byteorder + "u2").astype(np.uint16)
       arr = bits.view(ml_dtypes.bfloat16).reshape(shape)
@@ -327,9 +326,9 @@ class GGUFCheckpoint(MappedReader):
   def _stack(self, infos: Sequence[Tensor], shape: tuple[int, ...], out: Any) -> Q8Array:
     src = self._sources(infos)
     value = repack.repack_q8_layers(
-      src.datas, shape, self._byteorder, self.scale_dtype, self.layout, self.dtype, out, src.types
+      src.datas, shape, src.byteorder, self.scale_dtype, self.layout, self.dtype, out, src.types
     )
-    return repack_sources.checked(infos, value, self.path)
+    return src.checked(infos, value, self.path)
 
   def _read_q8(
     self,
@@ -387,7 +386,9 @@ class GGUFCheckpoint(MappedReader):
       [s.datas for s in srcs], rows, n, self._byteorder, self.scale_dtype, self.dtype, out,
       [s.types for s in srcs],
     )  # fmt: skip
-    return repack_sources.checked([t for g in infos for t in g], value, self.path)
+    if any(s.types is not None for s in srcs):
+      repack_sources.check_requantized([t for g in infos for t in g], value, self.path)
+    return value
 
   def _fused_fallback(self, groups: Sequence[Sequence[str]], out: Q8Array | None) -> Any:
     if out is not None:

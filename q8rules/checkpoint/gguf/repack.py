@@ -144,8 +144,8 @@ def repack_q8_fused(
   into columns [sum(rows[:j]), sum(rows[:j + 1])) of one (layers, K, N) Q8Array in the kernel
   layout: each value copied once, straight into its place (in `out`'s q and scale where given,
   e.g. layers [a, b) of a larger stack). `source_types[j]`: member j's tensors' GGML types
-  (None: all Q8_0), where some are not Q8_0 and `requantizes_on_the_way` holds for them: requantized to Q8_0 in
-  the same pass."""
+  (None: all Q8_0), where some are not Q8_0 and `requantizes_on_the_way` holds for them:
+  requantized to Q8_0 in the same pass."""
   nb, n, layers = n_in // BLOCK, sum(rows), len(datas[0])
   if out is None:
     q = aligned_empty((layers, n_in, n), np.int8)

@@ -394,19 +394,19 @@ class IeeeFloat {
   unsigned csr_ = 0;
 };
 
-// fn(c0, c1) over chunks [0, chunks), in runs of kRun chunks that the caller and up to
+// fn(c0, c1) over chunks [0, chunks), in runs of `run` chunks that the caller and up to
 // threads - 1 started threads take in turn from one counter, so a thread whose core is busy
 // with other work takes fewer (a fixed split waits for its slowest share).
 constexpr int64_t kRun = 8;  // chunks a take: 32768 values, some 20-40 us of work
 
 template <class Fn>
-void OnThreads(int64_t chunks, int64_t threads, const Fn& fn) {
-  const int64_t runs = (chunks + kRun - 1) / kRun;
+void OnThreads(int64_t chunks, int64_t threads, const Fn& fn, int64_t run = kRun) {
+  const int64_t runs = (chunks + run - 1) / run;
   std::atomic<int64_t> next{0};
-  auto work = [&fn, &next, chunks, runs] {
+  auto work = [&fn, &next, chunks, runs, run] {
     const IeeeFloat ieee;
     for (int64_t r = next.fetch_add(1); r < runs; r = next.fetch_add(1)) {
-      fn(r * kRun, std::min(chunks, (r + 1) * kRun));
+      fn(r * run, std::min(chunks, (r + 1) * run));
     }
   };
   std::vector<std::thread> helpers;

@@ -9,9 +9,7 @@
 #define Q8RULES_REQUANT_REPACK_H_
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 #include "q8_matmul.h"  // q8mm::SelectIsa
@@ -45,8 +43,8 @@ inline void RequantizeValues(const Format& f, const uint8_t* src, int64_t v0, in
 // with row stride lds >= rows). A Q8_0 tensor's blocks are transposed as they are
 // (`RepackKernelBatch`'s bytes); another type's are requantized on the way (`Requantize` then
 // `RepackKernelBatch`'s bytes). Units (whole tensors when there are several, else runs of
-// kRepackRun rows) are taken in turn from one counter by the caller and up to threads - 1
-// started threads (fresh-process loads of SmolLM2-135M Q4_1, medians of 10 interleaved:
+// kRepackRun rows) are taken one at a time by the caller and up to threads - 1 started threads
+// (`OnThreads`; fresh-process loads of SmolLM2-135M Q4_1, medians of 10 interleaved:
 // 0.296 s by whole tensors, 0.311 s by runs of every tensor). A block that decodes to a
 // non-finite value gets gguf.quants' scale (NaN or infinity): the caller checks the scales.
 inline Status RequantizeKernelBatch(const int* types, const uint8_t* const* srcs, int8_t* dq,
@@ -66,29 +64,25 @@ inline Status RequantizeKernelBatch(const int* types, const uint8_t* const* srcs
   // the pages of its own tensors only; else one run of the one tensor.
   const bool whole = batch > 1;
   const int64_t per_unit = whole ? runs : 1, units = whole ? batch : batch * runs;
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    const IeeeFloat ieee;
-    std::vector<uint8_t> blocks(static_cast<size_t>(kRepackRun * row_bytes));
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-      for (int64_t v = u * per_unit; v < (u + 1) * per_unit; ++v) {
-        const int64_t i = v / runs, r0 = v % runs * kRepackRun;
-        const int64_t r1 = std::min(rows, r0 + kRepackRun);
-        int8_t* q = dq + i * q_stride;
-        uint16_t* d = ds + i * s_stride;
-        if (types[i] == kQ8_0) {
-          q8repack::RepackRows(srcs[i], q, d, r0, r1, nb, ldq, lds);
-          continue;
+  OnThreads(
+      units, threads,
+      [&](int64_t u0, int64_t u1) {
+        thread_local std::vector<uint8_t> blocks;  // a run's Q8_0 blocks, reused by the thread
+        blocks.resize(std::max(blocks.size(), static_cast<size_t>(kRepackRun * row_bytes)));
+        for (int64_t v = u0 * per_unit; v < u1 * per_unit; ++v) {
+          const int64_t i = v / runs, r0 = v % runs * kRepackRun;
+          const int64_t r1 = std::min(rows, r0 + kRepackRun);
+          int8_t* q = dq + i * q_stride;
+          uint16_t* d = ds + i * s_stride;
+          if (types[i] == kQ8_0) {
+            q8repack::RepackRows(srcs[i], q, d, r0, r1, nb, ldq, lds);
+            continue;
+          }
+          RequantizeValues(formats[i], srcs[i], r0 * n_cols, r1 * n_cols, blocks.data(), avx512);
+          q8repack::RepackRows(blocks.data(), q + r0, d + r0, 0, r1 - r0, nb, ldq, lds);
         }
-        RequantizeValues(formats[i], srcs[i], r0 * n_cols, r1 * n_cols, blocks.data(), avx512);
-        q8repack::RepackRows(blocks.data(), q + r0, d + r0, 0, r1 - r0, nb, ldq, lds);
-      }
-    }
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < std::min(threads, units); ++t) helpers.emplace_back(work);
-  work();
-  for (auto& h : helpers) h.join();
+      },
+      1);
   return kOk;
 }
 
