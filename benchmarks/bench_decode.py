@@ -322,20 +322,17 @@ def probe(threads: list[int], results: dict) -> None:
 
 
 def parse_log(path: Path) -> tuple[dict, dict]:
-  """(results, cold) from the lines `main` printed: `key cold {...}` and
-  `key threads side round {...} load ...`."""
+  """(results, cold) from the lines `main` printed: `key cold {...}`,
+  `key threads side round {...} load ...` and `probe threads read 0 {...} load ...`."""
   results: dict[tuple[str, int, str], list[dict]] = {}
   cold: dict[str, dict] = {}
   for line in path.read_text().splitlines():
     parts = line.split(" ", 4)
     if len(parts) >= 3 and parts[1] == "cold":
       cold[parts[0]] = json.loads(line.split(" ", 2)[2])
-    elif (
-      len(parts) == 5
-      and (parts[0], parts[2]) == ("probe", "read")
-      or (
-        len(parts) == 5 and parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop")
-      )
+    elif len(parts) == 5 and (
+      (parts[0], parts[2]) == ("probe", "read")
+      or (parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop"))
     ):
       res = json.loads(parts[4].rsplit(" load ", 1)[0])
       results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def one(path: str, cache: str) -> dict:
     [sys.executable, "-c", CHILD, path, json.dumps(PROMPT)],
     capture_output=True,
     text=True,
-    env={**__import__("os").environ, **env},
+    env={**os.environ, **env},
     timeout=600,
   )
   if out.returncode:
