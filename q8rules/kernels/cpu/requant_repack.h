@@ -44,9 +44,8 @@ inline void RequantizeValues(const Format& f, const uint8_t* src, int64_t v0, in
 // (`RepackKernelBatch`'s bytes); another type's are requantized on the way (`Requantize` then
 // `RepackKernelBatch`'s bytes). Units (whole tensors when there are several, else runs of
 // kRepackRun rows) are taken one at a time by the caller and up to threads - 1 started threads
-// (`OnThreads`; fresh-process loads of SmolLM2-135M Q4_1, medians of 10 interleaved:
-// 0.296 s by whole tensors, 0.311 s by runs of every tensor). A block that decodes to a
-// non-finite value gets gguf.quants' scale (NaN or infinity): the caller checks the scales.
+// (`OnThreads`). A block that decodes to a non-finite value gets gguf.quants' scale (NaN or
+// infinity): the caller checks the scales.
 inline Status RequantizeKernelBatch(const int* types, const uint8_t* const* srcs, int8_t* dq,
                                     uint16_t* ds, int64_t batch, int64_t rows, int64_t n_cols,
                                     int64_t ldq, int64_t lds, int64_t q_stride,
