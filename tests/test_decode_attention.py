@@ -117,6 +117,33 @@ def test_native_kernel_reads_a_bfloat16_cache_exactly(rng):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_native_kernel_gives_the_same_bits_on_every_simd_path(rng, monkeypatch, dtype):
+  """The kernel is compiled once per path (SSE2, AVX2, AVX-512, capped by $Q8RULES_CPU_ISA,
+  read on every call) with the same operations in the same order: the outputs are equal bit
+  for bit, grouped-query heads (3 heads a KV head) included."""
+  q, keys, values = operands(rng, s=70, kv=3, h=9, d=40, dtype=dtype)
+  outs = {}
+  for isa in ("scalar", "avx2", "avx512"):
+    monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+    outs[isa] = np.asarray(
+      attention_cpu.decode_attention_cpu(
+        jnp.asarray(q[:, 0]),
+        jnp.asarray(keys),
+        jnp.asarray(values),
+        1,
+        65,
+        scale=0.2,
+        softcap=None,
+      )
+    )
+  np.testing.assert_array_equal(outs["avx2"], outs["scalar"])
+  np.testing.assert_array_equal(outs["avx512"], outs["scalar"])
+  ref = reference64(q, keys.astype(np.float32), values.astype(np.float32), 1, 65, 0.2, None)
+  assert rel_err(outs["scalar"].reshape(ref.shape), ref) < 1e-6
+
+
+@needs_native
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_cpu_equals_the_decoders_xla_attention(rng, softcap):
   q, keys, values = operands(rng)

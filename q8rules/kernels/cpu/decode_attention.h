@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace q8attn {
 
 inline float Widen(float v) { return v; }
@@ -46,38 +48,85 @@ inline float Dot(const float* a, const E* b, int64_t d) {
 }
 
 // out (B, H, D) for q (B, H, D) against keys k and values v (B, S, KV, D) of one layer, over
-// positions [0, n) (1 <= n <= S).
+// positions [0, n) (1 <= n <= S). The H / KV query heads that share a KV head go together, so
+// each key and value row is read once for its whole group (not once per head); each head's
+// sums are the same, in the same order, as it alone would make. Compiled once per path (see
+// DecodeAttention), each making the same multiplications and additions in the same order,
+// only in wider vectors: the same bits on every path.
 template <typename E>
-void DecodeAttention(const float* q, const E* k, const E* v, float* out, int64_t batch,
+Q8_ALWAYS_INLINE void Attend(const float* q, const E* k, const E* v, float* out, int64_t batch,
                      int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
                      float scale, float softcap) {
   const int64_t group = heads / kv_heads;
-  std::vector<float> p(static_cast<size_t>(n));
+  std::vector<float> p(static_cast<size_t>(group * n));  // head j's weights at p[j * n]
+  std::vector<float> top(static_cast<size_t>(group));
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* qh = q + (b * heads + h) * d;
-      const int64_t g = h / group;
-      float top = -std::numeric_limits<float>::infinity();
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float* qg = q + (b * heads + g * group) * d;  // the group's heads, one after another
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
       for (int64_t s = 0; s < n; ++s) {
-        float score = Dot(qh, k + ((b * length + s) * kv_heads + g) * d, d) * scale;
-        if (softcap > 0) score = std::tanh(score / softcap) * softcap;
-        p[s] = score;
-        top = std::max(top, score);
+        const E* ks = k + ((b * length + s) * kv_heads + g) * d;
+        for (int64_t j = 0; j < group; ++j) {
+          float score = Dot(qg + j * d, ks, d) * scale;
+          if (softcap > 0) score = std::tanh(score / softcap) * softcap;
+          p[j * n + s] = score;
+          top[j] = std::max(top[j], score);
+        }
       }
-      float sum = 0;
-      for (int64_t s = 0; s < n; ++s) {
-        p[s] = std::exp(p[s] - top);
-        sum += p[s];
+      float* og = out + (b * heads + g * group) * d;
+      std::fill(og, og + group * d, 0.0f);
+      for (int64_t j = 0; j < group; ++j) {
+        float* pj = p.data() + j * n;
+        float sum = 0;
+        for (int64_t s = 0; s < n; ++s) {
+          pj[s] = std::exp(pj[s] - top[j]);
+          sum += pj[s];
+        }
+        for (int64_t s = 0; s < n; ++s) pj[s] /= sum;
       }
-      float* o = out + (b * heads + h) * d;
-      std::fill(o, o + d, 0.0f);
       for (int64_t s = 0; s < n; ++s) {
-        const float w = p[s] / sum;
         const E* vs = v + ((b * length + s) * kv_heads + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] += w * Widen(vs[i]);
+        for (int64_t j = 0; j < group; ++j) {
+          const float w = p[j * n + s];
+          float* o = og + j * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += w * Widen(vs[i]);
+        }
       }
     }
   }
+}
+
+#if Q8_X86
+// Contraction off: the SSE2 build has no FMA to contract into, so every path keeps the
+// separate multiplications and additions (the same bits).
+#define Q8_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+template <typename E>
+Q8_AVX2 Q8_NO_CONTRACT void AttendAvx2(const float* q, const E* k, const E* v, float* out, int64_t batch,
+                        int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
+                        float scale, float softcap) {
+  Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+}
+
+template <typename E>
+Q8_AVX512 Q8_NO_CONTRACT void AttendAvx512(const float* q, const E* k, const E* v, float* out, int64_t batch,
+                            int64_t length, int64_t kv_heads, int64_t heads, int64_t d,
+                            int64_t n, float scale, float softcap) {
+  Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+}
+#endif
+
+// Attend on the path `isa` names (0 scalar / SSE2, 1 AVX2, 2 AVX-512: q8mm::Isa, which the
+// caller picks as for the products).
+template <typename E>
+void DecodeAttention(int isa, const float* q, const E* k, const E* v, float* out, int64_t batch,
+                     int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
+                     float scale, float softcap) {
+#if Q8_X86
+  if (isa >= 2) return AttendAvx512(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+  if (isa == 1) return AttendAvx2(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+#endif
+  Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
 }
 
 }  // namespace q8attn
