@@ -3,12 +3,15 @@ decode benchmark's models, weights read from DRAM: how the kernel's thread split
 
     python benchmarks/bench_threads.py [--threads 1,2] [--write]
 
-Per shape: `q8rules.q8_matmul(x, w, implementation='cpu')` jitted, called on enough weight
-copies (distinct random Q8_0 values) to total >= 256 MB so that each call reads its weight from
-DRAM, blocking on each call; the time is the best of 5 passes' mean per call, which includes
-the call's dispatch (a few microseconds). GB/s: the Q8_0 weight's bytes (K * N * 34 / 32) over
-that time, and that as a fraction of `bandwidth.py`'s read bandwidth at the same threads. The
-thread limit is `q8rules.set_cpu_threads`.
+Per shape: enough weight copies (distinct random Q8_0 values) to total >= 256 MB, stacked
+(L, K, N), so that each product reads its weight from DRAM; one jitted `lax.fori_loop` runs
+the product on every copy in turn through the kernel's in-place layer target (as a decoder's
+scanned layers call it), each product's input depending on the last one's output, so the
+time per product has no Python dispatch in it (an earlier version of this script called a
+jitted product once per copy from Python: at the 576-wide shapes that dispatch was most of
+the time). The time is the best of 5 loops' mean per product. GB/s: the Q8_0 weight's bytes
+(K * N * 34 / 32) over that time, and that as a fraction of `bandwidth.py`'s read bandwidth
+at the same threads. The thread limit is `q8rules.set_cpu_threads`.
 """
 
 from __future__ import annotations
@@ -39,33 +42,34 @@ ROTATE_BYTES = 256 << 20
 
 
 def time_product(k: int, n: int, threads: int) -> float:
-  """Seconds a call: the best of 5 passes over the copies."""
+  """Seconds a product: the best of 5 loops over the copies."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   import q8rules
+  from q8rules.kernels.matmul.cpu import q8_matmul_cpu_layer
 
   q8rules.set_cpu_threads(threads)
   rng = np.random.default_rng(k * n)
   copies = max(3, -(-ROTATE_BYTES // (k * n * 34 // 32)))
-  weights = [
-    q8rules.Q8Array(
-      q=jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)),
-      scale=jnp.asarray(rng.random((k // 32, n)).astype(np.float16)),
-      axis=0,
-    )
-    for _ in range(copies)
-  ]
+  q = jnp.asarray(rng.integers(-127, 128, (copies, k, n), dtype=np.int8))
+  scale = jnp.asarray(rng.random((copies, k // 32, n)).astype(np.float16) / 64)
   x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
-  f = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="cpu"))
-  for w in weights:
-    f(x, w).block_until_ready()
+
+  @jax.jit
+  def loop(x, q, scale):
+    def body(i, x):  # the next x depends on this product: one after another, as in decode
+      y = q8_matmul_cpu_layer(x, q, scale, i)
+      return x + 1e-30 * y[:, :1]
+
+    return jax.lax.fori_loop(0, copies, body, x)
+
+  loop(x, q, scale).block_until_ready()
   best = float("inf")
   for _ in range(5):
     t = time.perf_counter()
-    for w in weights:
-      f(x, w).block_until_ready()
+    loop(x, q, scale).block_until_ready()
     best = min(best, (time.perf_counter() - t) / copies)
   q8rules.set_cpu_threads(None)
   return best
