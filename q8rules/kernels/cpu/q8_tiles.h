@@ -99,15 +99,18 @@ inline void TileFRows(int64_t mr, const Problem& p, int64_t b, const float* f, i
 // tiles (RESULTS.md). The block's partial sums s (one per column) go through s_buf (L1)
 // between passes; each column's sum is still fma(x_31, q_31, ... fma(x_0, q_0, 0)) in row
 // order and then y = fma(d, s, y), so the result is Tile<1, NV>'s bit for bit. Each row's
-// loads also prefetch kStreamAheadL2 bytes ahead into L2 (about 1 us of DRAM reads ahead:
-// without it the core kept too few lines in flight, and the stream lost to the tiles between
-// 256 and 2048 columns).
+// loads also prefetch into L2 the same columns of a row at least kStreamAheadL2 bytes ahead
+// (about 1 us of DRAM reads: without it the core kept too few lines in flight, and the stream
+// lost to the tiles between 256 and 2048 columns) and at least R rows ahead, a row the next
+// pass reads: a fixed byte distance pointed into rows this pass was already reading (N = 4096)
+// or at other columns than a stretch's (N > kStreamColumns).
 template <int R, int NV>
 inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
                         float* s_buf) {
   const int8_t* qb = p.q + b * kBlock * p.n;
   const float* xb = p.x + m0 * p.ldx + b * kBlock;
   float* yr = p.y + m0 * p.n;
+  const int64_t ahead = p.n * std::max<int64_t>(R, (kStreamAheadL2 + p.n - 1) / p.n);
   for (int64_t r0 = 0; r0 < kBlock; r0 += R) {
     V xv[R];
     for (int i = 0; i < R; ++i) xv[i] = Vec::Broadcast(xb + r0 + i);
@@ -118,7 +121,7 @@ inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
       for (int v = 0; v < NV; ++v) acc[v] = first ? Vec::Zero() : Vec::LoadA(sc + L * v);
       for (int i = 0; i < R; ++i) {
         const int8_t* qr = qb + (r0 + i) * p.n + c;
-        _mm_prefetch(reinterpret_cast<const char*>(qr + kStreamAheadL2), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(qr + ahead), _MM_HINT_T1);
         for (int v = 0; v < NV; ++v) acc[v] = Vec::Fma(xv[i], Vec::Load(qr + L * v), acc[v]);
       }
       if (!last) {
