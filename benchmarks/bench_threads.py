@@ -96,18 +96,26 @@ def main() -> None:
     speedup = [f"{times[threads[0]] / times[threads[-1]]:.2f}x"] if len(threads) > 1 else []
     lines.append(f"| {name} | {k} | {n} | " + " | ".join(cells + speedup) + " |")
     print(lines[-1], flush=True)
-  probe_text = ", ".join(f"{t} thread{'s' * (t > 1)} {probe[t]:.1f} GB/s" for t in threads)
+  heading = "## One decode product at 1 and 2 threads (native CPU kernel, from DRAM)"
+  report("threads", heading, "bench_threads.py", probe, lines, args.write)
+
+
+def report(
+  name: str, heading: str, script: str, probe: dict[int, float], lines: list[str], write: bool
+) -> None:
+  """Print the table `lines` under the probe's figures; with `write`, as RESULTS.md's section
+  `name` (the date, the machine, the load average and the probe in its header)."""
+  probe_text = ", ".join(f"{t} thread{'s' * (t > 1)} {gbs:.1f} GB/s" for t, gbs in probe.items())
   table = "\n".join(lines)
   print(f"read bandwidth: {probe_text}\n{table}")
-  if args.write:
+  if write:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (
       f"{when}. Machine: {machine()}. Load average at the end: {load_average()}. Read"
       f" bandwidth (`benchmarks/bandwidth.py`, 2 GiB): {probe_text}."
     )
-    cmd = "python benchmarks/bench_threads.py --write"
-    heading = "## One decode product at 1 and 2 threads (native CPU kernel, from DRAM)"
-    write_section("threads", section("threads", heading, header, cmd, [table]))
+    cmd = f"python benchmarks/{script} --write"
+    write_section(name, section(name, heading, header, cmd, [table]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ as a fraction of `bandwidth.py`'s probe at the same threads.
 from __future__ import annotations
 
 import argparse
-import datetime
 import subprocess
 import sys
 import tempfile
@@ -23,8 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bandwidth import read_bandwidth  # noqa: E402
-from benchmarks.bench_threads import SHAPES  # noqa: E402
-from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from benchmarks.bench_threads import SHAPES, report  # noqa: E402
 
 SOURCE = Path(__file__).with_name("kernel_stream.cc")
 
@@ -64,18 +62,8 @@ def main() -> None:
       cells.append(f"{us:.0f} ({gbs:.1f}, {gbs / probe[t]:.0%})")
     lines.append(f"| {name} | {k} | {n} | " + " | ".join(cells) + " |")
     print(lines[-1], flush=True)
-  probe_text = f"1 thread {probe[1]:.1f} GB/s, 2 threads {probe[2]:.1f} GB/s"
-  table = "\n".join(lines)
-  print(f"read bandwidth: {probe_text}\n{table}")
-  if args.write:
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    header = (
-      f"{when}. Machine: {machine()}. Load average at the end: {load_average()}. Read"
-      f" bandwidth (`benchmarks/bandwidth.py`, 2 GiB): {probe_text}."
-    )
-    heading = "## The CPU product's column loop alone (C++, no XLA), from DRAM"
-    cmd = "python benchmarks/kernel_stream.py --write"
-    write_section("kernel-stream", section("kernel-stream", heading, header, cmd, [table]))
+  heading = "## The CPU product's column loop alone (C++, no XLA), from DRAM"
+  report("kernel-stream", heading, "kernel_stream.py", probe, lines, args.write)
 
 
 if __name__ == "__main__":
