@@ -201,15 +201,30 @@ def _keep(old: jax.Array, new: jax.Array, keep: Any) -> jax.Array:
   return new if keep is False else jnp.where(keep, old, new)
 
 
+def _as_bits(x: jax.Array) -> jax.Array:
+  """A 16-bit float array as its uint16 bits (a bitcast), else as it is."""
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+def _written(cache: jax.Array, new: jax.Array, write: Any) -> jax.Array:
+  """`write(cache, new)` (a slice update) made on the arrays' bits: XLA:CPU updates a bfloat16
+  array by converting the whole of it to float32 and back (a layer's write was a copy of every
+  layer's cache), and an integer array in place. The same bits either way."""
+  out = write(_as_bits(cache), _as_bits(new))
+  return jax.lax.bitcast_convert_type(out, cache.dtype) if out.dtype != cache.dtype else out
+
+
 def _global_write(pair, k, v, slot, pos, keep: Any = False):
   """Write the chunk k / v (B, T, KV, H) at `pos` of layer `slot` of a full cache."""
   out = []
+  at = (slot, 0, pos, 0, 0)
   for cache, new in zip(pair, (k, v), strict=True):
-    at = (slot, 0, pos, 0, 0)
     new = _like_cache(new.astype(cache.dtype)[None], cache)
     if keep is not False:
       new = _keep(jax.lax.dynamic_slice(cache, at, new.shape), new, keep)
-    out.append(jax.lax.dynamic_update_slice(cache, new, at))
+    out.append(_written(cache, new, lambda c, n: jax.lax.dynamic_update_slice(c, n, at)))
   return tuple(out)
 
 
@@ -260,7 +275,7 @@ def _local_write(pair, k, v, slot, pos, keep: Any = False):
     new = jnp.swapaxes(new[:, t - n :].astype(cache.dtype), 0, 1)  # (n, B, KV, H)
     if keep is not False:
       new = _keep(cache[slot, :, slots], new, keep)
-    out.append(cache.at[slot, :, slots].set(new))
+    out.append(_written(cache, new, lambda c, n: c.at[slot, :, slots].set(n)))
   return tuple(out)
 
 
