@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import tempfile
 import textwrap
@@ -82,60 +81,24 @@ ACTIVATIONS = {"Q8_0": q8_0, "Q4_0": q8_0, "Q5_0": q8_0, "Q4_1": q8_0, "Q5_1": q
 ACTIVATIONS |= {t: q8_k for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
-class Rounded:
-  """The float64 forward's weights: `w[name]` as it is, and `x @ w[name].T` with llama.cpp's
-  activation rounding for that tensor's type when 'act' is on."""
+def rounded_forward(hp: dict, w: dict, types: dict[str, str], ids: list[int], mode: set[str]):
+  """tests/gguf_numpy_forward.py's float64 forward with the roundings of `mode` put back."""
 
-  def __init__(self, w: dict, types: dict[str, str], mode: set[str]):
-    self.w, self.types, self.mode = w, types, mode
-
-  def mm(self, x: np.ndarray, name: str) -> np.ndarray:
-    quant = ACTIVATIONS.get(self.types[name]) if "act" in self.mode else None
-    size = 256 if quant is q8_k else 32
-    if quant is not None and x.shape[-1] % size == 0:
+  def mm(x: np.ndarray, weight: np.ndarray, name: str) -> np.ndarray:
+    quant = ACTIVATIONS.get(types[name]) if "act" in mode else None
+    if quant is not None and x.shape[-1] % (256 if quant is q8_k else 32) == 0:
       x = quant(x)
-    return x @ self.w[name].T
+    return x @ weight.T
 
-
-def attention(hp: dict, r: Rounded, p: str, h: np.ndarray, i: int) -> np.ndarray:
-  """Gemma 3's attention (tests/gguf_numpy_forward.py's, for this arch) with the roundings."""
-  t, nh, nkv, hd = len(h), hp["heads"], hp["kv_heads"], hp["head_dim"]
-  q = r.mm(h, p + "attn_q.weight").reshape(t, nh, hd)
-  k = r.mm(h, p + "attn_k.weight").reshape(t, nkv, hd)
-  v = r.mm(h, p + "attn_v.weight").reshape(t, nkv, hd)
-  q = F._rms(q, r.w[p + "attn_q_norm.weight"], hp["eps"])
-  k = F._rms(k, r.w[p + "attn_k_norm.weight"], hp["eps"])
-  local = hp["local"][i]
-  base = hp["base_local"] if local else hp["base"]
-  linear = hp["factor_local"] if local else hp["factor"]
-  q, k = F._rope_halves(q, base, linear=linear), F._rope_halves(k, base, linear=linear)
-  if "kv16" in r.mode:
-    q, k, v = f16(q), f16(k), f16(v)
-  k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
-  s = np.einsum("tnh,snh->nts", q, k) / math.sqrt(hd)
-  d = np.arange(t)[:, None] - np.arange(t)[None, :]
-  s = np.where((d >= 0) & ((d < hp["window"]) if local else True), s, -np.inf)
-  s = np.exp(s - s.max(-1, keepdims=True))
-  s /= s.sum(-1, keepdims=True)
-  if "kv16" in r.mode:
-    s = f16(s)
-  o = np.einsum("nts,snh->tnh", s, v).reshape(t, nh * hd)
-  return r.mm(o, p + "attn_output.weight")
-
-
-def forward(hp: dict, r: Rounded, ids: list[int]) -> np.ndarray:
-  """Gemma 3's logits (T, vocab) in float64 with the roundings of `r.mode`."""
-  w = r.w
-  x = w["token_embd.weight"][np.asarray(ids)] * math.sqrt(hp["dim"])
-  gelu = F.gelu_fp16_table if "gelu16" in r.mode else F.gelu_tanh
-  for i in range(hp["layers"]):
-    p = f"blk.{i}."
-    o = attention(hp, r, p, F._rms(x, w[p + "attn_norm.weight"], hp["eps"]), i)
-    x = x + F._rms(o, w[p + "post_attention_norm.weight"], hp["eps"])
-    h = F._rms(x, w[p + "ffn_norm.weight"], hp["eps"])
-    a = gelu(r.mm(h, p + "ffn_gate.weight")) * r.mm(h, p + "ffn_up.weight")
-    x = x + F._rms(r.mm(a, p + "ffn_down.weight"), w[p + "post_ffw_norm.weight"], hp["eps"])
-  return r.mm(F._rms(x, w["output_norm.weight"], hp["eps"]), "token_embd.weight")
+  return F.forward(
+    hp,
+    w,
+    ids,
+    n_ctx=len(ids),
+    gelu=F.gelu_fp16_table if "gelu16" in mode else F.gelu_tanh,
+    mm=mm,
+    rounded=f16 if "kv16" in mode else (lambda a: a),
+  )
 
 
 def evaluate(key: str, py: str, work: Path) -> list[dict]:
@@ -147,15 +110,13 @@ def evaluate(key: str, py: str, work: Path) -> list[dict]:
   path = fetch(MODELS[key], cache_dir())
   with open_gguf(path) as ckpt:
     meta = ckpt.metadata
-  if meta.get("general.architecture") != "gemma3":
-    raise SystemExit(f"{path}: this script writes Gemma 3's forward; not {key!r}")
   ids = GGUFTokenizer.from_metadata(meta, path=str(path)).encode(TEXT)
   out = work / f"{key}-llama.npy"
   run([py, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(ids), str(out)])
   theirs = np.load(out).astype(np.float64)
   types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
   hp, w = F.load_float64(path)
-  logits = {n: forward(hp, Rounded(w, types, mode), ids) for n, mode in VARIANTS.items()}
+  logits = {n: rounded_forward(hp, w, types, ids, mode) for n, mode in VARIANTS.items()}
   rows = []
   for n, lo in logits.items():
     rows.append(

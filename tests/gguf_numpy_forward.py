@@ -102,15 +102,23 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
   return np.where(x <= -10, 0.0, np.where(x >= 10, x, out))
 
 
-def _attention(hp, w, p, h, i, n_ctx):
+def product(x: np.ndarray, weight: np.ndarray, name: str) -> np.ndarray:
+  """x @ weight.T: a product of `forward`, `name` the GGUF tensor the weight is."""
+  del name
+  return x @ weight.T
+
+
+def _attention(hp, w, p, h, i, n_ctx, mm=product, rounded=lambda a: a):
   t, nh, nkv, hd = len(h), hp["heads"], hp["kv_heads"], hp["head_dim"]
   if p + "attn_qkv.weight" in w:
-    q, k, v = np.split(h @ w[p + "attn_qkv.weight"].T, [nh * hd, (nh + nkv) * hd], -1)
+    qkv = mm(h, w[p + "attn_qkv.weight"], p + "attn_qkv.weight")
+    q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], -1)
   else:
     wq, wk = w[p + "attn_q.weight"], w[p + "attn_k.weight"]
     if hp["arch"] == "llama":
       wq, wk = unpermute(wq, nh), unpermute(wk, nkv)
-    q, k, v = h @ wq.T, h @ wk.T, h @ w[p + "attn_v.weight"].T
+    q, k = mm(h, wq, p + "attn_q.weight"), mm(h, wk, p + "attn_k.weight")
+    v = mm(h, w[p + "attn_v.weight"], p + "attn_v.weight")
   if p + "attn_q.bias" in w:
     q, k, v = q + w[p + "attn_q.bias"], k + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
   q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
@@ -126,6 +134,7 @@ def _attention(hp, w, p, h, i, n_ctx):
   linear = hp["factor_local"] if local else hp["factor"]
   q = _rope_halves(q, base, factors, hp["attn_factor"], linear)
   k = _rope_halves(k, base, factors, hp["attn_factor"], linear)
+  q, k, v = rounded(q), rounded(k), rounded(v)
   k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
   scale = 1 / math.sqrt(hd)
   if hp["arch"] in ("gemma2", "gemma3") and hp["layers"] in (46, 62):  # 27B: dim / heads
@@ -137,13 +146,25 @@ def _attention(hp, w, p, h, i, n_ctx):
   visible = (d >= 0) & ((d < hp["window"]) if local else True)
   s = np.where(visible, s, -np.inf)
   s = np.exp(s - s.max(-1, keepdims=True))
-  s /= s.sum(-1, keepdims=True)
-  return np.einsum("nts,snh->tnh", s, v).reshape(t, nh * hd) @ w[p + "attn_output.weight"].T
+  s = rounded(s / s.sum(-1, keepdims=True))
+  o = np.einsum("nts,snh->tnh", s, v).reshape(t, nh * hd)
+  return mm(o, w[p + "attn_output.weight"], p + "attn_output.weight")
 
 
-def forward(hp: dict, w: dict[str, np.ndarray], ids, n_ctx: int = 256, gelu=gelu_tanh):
+def forward(
+  hp: dict,
+  w: dict[str, np.ndarray],
+  ids,
+  n_ctx: int = 256,
+  gelu=gelu_tanh,
+  mm=product,
+  rounded=lambda a: a,
+):
   """Logits (T, vocab) float64 of token ids (T,); `n_ctx` is the context llama.cpp would run
-  with (it picks Phi-3's LongRoPE factors); `gelu` the GELU of the gemma archs."""
+  with (it picks Phi-3's LongRoPE factors); `gelu` the GELU of the gemma archs. `mm` makes
+  every product (`product`'s signature) and `rounded` is applied to the attention's q, k, v
+  (after RoPE) and weights: both for putting another implementation's roundings back
+  (benchmarks/llamacpp_rounding.py); by default the exact model."""
   ids = np.asarray(ids)
   arch = hp["arch"]
   gemma = arch.startswith("gemma")
@@ -152,22 +173,25 @@ def forward(hp: dict, w: dict[str, np.ndarray], ids, n_ctx: int = 256, gelu=gelu
     x = x * math.sqrt(hp["dim"])
   for i in range(hp["layers"]):
     p = f"blk.{i}."
-    o = _attention(hp, w, p, _rms(x, w[p + "attn_norm.weight"], hp["eps"]), i, n_ctx)
+    h = _rms(x, w[p + "attn_norm.weight"], hp["eps"])
+    o = _attention(hp, w, p, h, i, n_ctx, mm, rounded)
     if p + "post_attention_norm.weight" in w:
       o = _rms(o, w[p + "post_attention_norm.weight"], hp["eps"])
     x = x + o
     h = _rms(x, w[p + "ffn_norm.weight"], hp["eps"])
     if p + "ffn_gate.weight" in w:
-      g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+      g = mm(h, w[p + "ffn_gate.weight"], p + "ffn_gate.weight")
+      u = mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight")
     else:  # phi3: gate | up in one matrix
-      g, u = np.split(h @ w[p + "ffn_up.weight"].T, 2, -1)
+      g, u = np.split(mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight"), 2, -1)
     act = gelu(g) if gemma else g / (1 + np.exp(-g))
-    f = (act * u) @ w[p + "ffn_down.weight"].T
+    f = mm(act * u, w[p + "ffn_down.weight"], p + "ffn_down.weight")
     if p + "post_ffw_norm.weight" in w:
       f = _rms(f, w[p + "post_ffw_norm.weight"], hp["eps"])
     x = x + f
   x = _rms(x, w["output_norm.weight"], hp["eps"])
-  logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+  head = "output.weight" if "output.weight" in w else "token_embd.weight"
+  logits = mm(x, w[head], head)
   if hp["final_softcap"]:
     logits = np.tanh(logits / hp["final_softcap"]) * hp["final_softcap"]
   return logits
