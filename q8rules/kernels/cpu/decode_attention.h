@@ -55,8 +55,8 @@ inline float Dot(const float* a, const E* b, int64_t d) {
 // only in wider vectors: the same bits on every path.
 template <typename E>
 Q8_ALWAYS_INLINE void Attend(const float* q, const E* k, const E* v, float* out, int64_t batch,
-                     int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
-                     float scale, float softcap) {
+                             int64_t length, int64_t kv_heads, int64_t heads, int64_t d,
+                             int64_t n, float scale, float softcap) {
   const int64_t group = heads / kv_heads;
   std::vector<float> p(static_cast<size_t>(group * n));  // head j's weights at p[j * n]
   std::vector<float> top(static_cast<size_t>(group));
@@ -102,16 +102,18 @@ Q8_ALWAYS_INLINE void Attend(const float* q, const E* k, const E* v, float* out,
 #define Q8_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
 template <typename E>
-Q8_AVX2 Q8_NO_CONTRACT void AttendAvx2(const float* q, const E* k, const E* v, float* out, int64_t batch,
-                        int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
-                        float scale, float softcap) {
+Q8_AVX2 Q8_NO_CONTRACT void AttendAvx2(const float* q, const E* k, const E* v, float* out,
+                                       int64_t batch, int64_t length, int64_t kv_heads,
+                                       int64_t heads, int64_t d, int64_t n, float scale,
+                                       float softcap) {
   Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
 }
 
 template <typename E>
-Q8_AVX512 Q8_NO_CONTRACT void AttendAvx512(const float* q, const E* k, const E* v, float* out, int64_t batch,
-                            int64_t length, int64_t kv_heads, int64_t heads, int64_t d,
-                            int64_t n, float scale, float softcap) {
+Q8_AVX512 Q8_NO_CONTRACT void AttendAvx512(const float* q, const E* k, const E* v, float* out,
+                                           int64_t batch, int64_t length, int64_t kv_heads,
+                                           int64_t heads, int64_t d, int64_t n, float scale,
+                                           float softcap) {
   Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
 }
 #endif
@@ -123,8 +125,10 @@ void DecodeAttention(int isa, const float* q, const E* k, const E* v, float* out
                      int64_t length, int64_t kv_heads, int64_t heads, int64_t d, int64_t n,
                      float scale, float softcap) {
 #if Q8_X86
-  if (isa >= 2) return AttendAvx512(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
-  if (isa == 1) return AttendAvx2(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+  if (isa >= 2)
+    return AttendAvx512(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
+  if (isa == 1)
+    return AttendAvx2(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
 #endif
   Attend(q, k, v, out, batch, length, kv_heads, heads, d, n, scale, softcap);
 }

@@ -62,12 +62,14 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
         "q8_decode_attention: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
   }
   if (k.element_type() == ffi::DataType::F32) {
-    q8attn::DecodeAttention(isa, q.typed_data(), static_cast<const float*>(k.untyped_data()) + offset,
+    q8attn::DecodeAttention(isa, q.typed_data(),
+                            static_cast<const float*>(k.untyped_data()) + offset,
                             static_cast<const float*>(v.untyped_data()) + offset,
                             out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
                             softcap);
   } else if (k.element_type() == ffi::DataType::BF16) {
-    q8attn::DecodeAttention(isa, q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()) + offset,
+    q8attn::DecodeAttention(isa, q.typed_data(),
+                            static_cast<const uint16_t*>(k.untyped_data()) + offset,
                             static_cast<const uint16_t*>(v.untyped_data()) + offset,
                             out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
                             softcap);

@@ -240,7 +240,9 @@ inline void RunUnit(const Problem& p, int64_t per_unit, int64_t i, float* acc) {
   for (size_t i = 0; i < n; ++i) y[i] += acc[i];
 }
 
-inline void AddInto(float* y, const std::vector<float>& acc) { AddInto(y, acc.data(), acc.size()); }
+inline void AddInto(float* y, const std::vector<float>& acc) {
+  AddInto(y, acc.data(), acc.size());
+}
 
 // Work shared between the caller and the pool's threads. K is cut into a fixed
 // number of runs of blocks (units); whoever increments `next` to i does unit i,
