@@ -210,7 +210,7 @@ def _as_bits(x: jax.Array) -> jax.Array:
 
 def _written(cache: jax.Array, new: jax.Array, write: Any) -> jax.Array:
   """`write(cache, new)` (a slice update) made on the arrays' bits: XLA:CPU updates a bfloat16
-  array by converting the whole of it to float32 and back (a layer's write was a copy of every
+  array by converting the whole of it to float32 and back (for one layer's write, every
   layer's cache), and an integer array in place. The same bits either way."""
   out = write(_as_bits(cache), _as_bits(new))
   return jax.lax.bitcast_convert_type(out, cache.dtype) if out.dtype != cache.dtype else out

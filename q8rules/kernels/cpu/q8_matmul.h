@@ -234,7 +234,7 @@ inline void RunUnit(const Problem& p, int64_t per_unit, int64_t i, float* acc) {
 }
 
 // y (M x N) += a unit's accumulator. Not inlined: GCC drops `restrict` from an inlined
-// function's parameters and then left this loop scalar (5 % of a 135M decode step).
+// function's parameters and leaves this loop scalar there.
 [[gnu::noinline]] inline void AddInto(float* __restrict y, const float* __restrict acc,
                                       size_t n) {
   for (size_t i = 0; i < n; ++i) y[i] += acc[i];

@@ -102,8 +102,8 @@ inline void TileFRows(int64_t mr, const Problem& p, int64_t b, const float* f, i
 // loads also prefetch into L2 the same columns of a row at least kStreamAheadL2 bytes ahead
 // (about 1 us of DRAM reads: without it the core kept too few lines in flight, and the stream
 // lost to the tiles between 256 and 2048 columns) and at least R rows ahead, a row the next
-// pass reads: a fixed byte distance pointed into rows this pass was already reading (N = 4096)
-// or at other columns than a stretch's (N > kStreamColumns).
+// pass reads (a fixed byte distance would point into rows this pass is reading at N = 4096, or
+// at other columns than a stretch's at N > kStreamColumns).
 template <int R, int NV>
 inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int64_t m0,
                         float* s_buf) {
