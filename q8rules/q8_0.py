@@ -129,12 +129,12 @@ def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _div127(x: jax.Array) -> jax.Array:
   """x / 127 correctly rounded, for float32 x >= 0 whose quotient is 0 or a normal float32."""
-  return jnp.where(x == 0, np.float32(0), _div_rn(x, jnp.full(x.shape, 127, jnp.float32)))
+  return jnp.where(x == 0, np.float32(0), _div_rn(x, jnp.full_like(x, 127, jnp.float32)))
 
 
 def _recip(d: jax.Array) -> jax.Array:
   """1 / d correctly rounded, for float32 d > 0 whose reciprocal is a normal float32."""
-  return _div_rn(jnp.ones(d.shape, jnp.float32), d)
+  return _div_rn(jnp.ones_like(d, jnp.float32), d)
 
 
 def _scale_up_exact(bits: jax.Array) -> jax.Array:
@@ -173,7 +173,7 @@ def _tiny_blocks(bits: jax.Array, amax_bits: jax.Array):
   d_sub = jax.lax.bitcast_convert_type(d_int, jnp.float32)  # d_int * 2**-149
   # 1/d = 2**149 / d_int: computed as 2**85 / d_int, then shifted by 2**64.
   d_int_f = jnp.maximum(d_int, 1).astype(jnp.float32)  # exact: d_int < 2**24
-  id_sub_up = _div_rn(jnp.full(d_int_f.shape, 2.0**85, jnp.float32), d_int_f)
+  id_sub_up = _div_rn(jnp.full_like(d_int_f, 2.0**85, jnp.float32), d_int_f)
   overflow = id_sub_up >= np.float32(2.0**64)  # the reference's 1/d is inf: q = 0
   id_sub_up = jnp.where((d_int == 0) | overflow, 0, id_sub_up)
   d_is_normal = d_up >= np.float32(2.0 ** (-126 + _SHIFT))

@@ -382,6 +382,39 @@ def test_nnx_params_on_a_mesh(rng):
   check_only_partial_sums_move(hlo, [(4, 6, 64)])  # down's partial sums
 
 
+def test_nnx_model_made_under_an_explicit_mesh_quantizes(rng):
+  """A float nnx model built under `jax.set_mesh` with Explicit axes (its kernels split by
+  `nnx.with_partitioning`) is quantized by `qwix.quantize_model` as it stands: each Q8_0
+  array takes its kernel's split along N, and the output (eager and jitted) matches a
+  float64 pass through the dequantised weights."""
+  mesh = mesh_of(4, axis_type=AxisType.Explicit)
+  split_n = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp"))
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(64, 256, use_bias=False, kernel_init=split_n, rngs=rngs)
+      self.down = nnx.Linear(256, 128, use_bias=False, kernel_init=split_n, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(jax.sharding.reshard(jax.nn.relu(self.up(x)), P()))
+
+  x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
+  with jax.set_mesh(mesh):
+    qnet = qwix.quantize_model(Net(nnx.Rngs(0)), q8rules.Q8Provider([q8rules.Q8Rule()]), x)
+    outs = [qnet(x), nnx.jit(lambda m, x: m(x))(qnet, x)]
+  weights = {}
+  for name in ("up", "down"):
+    array = getattr(qnet, name).kernel.array
+    for part in (array.q.get_value(), array.scale.get_value()):
+      assert part.sharding.spec == P(None, "tp"), (name, part.sharding.spec)
+    weights[name] = dequant64(Q8Array(array.q.get_value(), array.scale.get_value()))
+  h = np.maximum(np.asarray(x, np.float64) @ weights["up"], 0)
+  ref = h @ weights["down"]
+  for y in outs:
+    err = rel_err(y, ref)
+    assert err <= RTOL, f"relative error to float64 {err:.2e}"
+
+
 def test_a_weight_inside_the_models_own_shard_map_stays_float(rng):
   """The Qwix gap: a weight the model itself passes into `jax.shard_map` is not found."""
   mesh = mesh_of(2)
