@@ -14,7 +14,10 @@ auto) caps it, read on every call.
 Threads: a native call (a product, a transposed product, a repack, a requantization) runs on
 the calling thread and up to `max_threads() - 1` helpers: by default every CPU this process may
 run on (its affinity mask: `taskset`, `q8rules run -t N`), at most `set_threads(n)` /
-`$Q8RULES_THREADS` when set (docs/kernels.md, "Threads", says how the work is split).
+`$Q8RULES_THREADS` when set (docs/kernels.md, "Threads", says how the work is split). A
+product's helpers are the library's own threads, which spin `$Q8RULES_SPIN_US` microseconds
+(`spin_us()`) for the next product before they sleep; a product that finds them busy (another
+thread's product) takes threads of XLA's pool instead.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def _load() -> ctypes.CDLL | None:
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
       lib.Q8SetThreadLimit(ctypes.c_int(thread_limit() or 0))
+      lib.Q8SetSpinMicroseconds(ctypes.c_longlong(spin_us()))
       _state["lib"] = lib
       _state["path"] = path
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -308,6 +312,30 @@ def thread_limit() -> int | None:
     raise ValueError(
       f"${THREADS_ENV}={text!r} must be a positive integer (threads per native call)"
     ) from None
+
+
+SPIN_ENV = "Q8RULES_SPIN_US"
+"""The environment variable of the time a product's helper threads spin for the next product
+before they sleep, in microseconds (a non-negative integer; 0: they sleep at once)."""
+DEFAULT_SPIN_US = 200
+"""`spin_us()` when `$Q8RULES_SPIN_US` is not set: long enough to span the other work between
+two products of a decode step, short enough that an idle process soon stops spinning."""
+
+
+def spin_us() -> int:
+  """How long a product's helper threads spin for the next product before they sleep
+  (microseconds): `$Q8RULES_SPIN_US`, else `DEFAULT_SPIN_US`. ValueError naming the variable
+  when it is not a non-negative integer. Read when the library loads."""
+  text = os.environ.get(SPIN_ENV, "").strip()
+  if not text:
+    return DEFAULT_SPIN_US
+  try:
+    us = int(text)
+  except ValueError:
+    us = -1
+  if us < 0:
+    raise ValueError(f"${SPIN_ENV}={text!r} must be a non-negative integer (microseconds)")
+  return us
 
 
 def set_threads(n: int | None) -> None:

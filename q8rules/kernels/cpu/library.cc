@@ -177,6 +177,11 @@ extern "C" int Q8GemvLastThreads() { return q8mm::g_last_threads.load(); }
 // At most n threads per native call from now on, the caller included (n <= 0: no limit).
 extern "C" void Q8SetThreadLimit(int n) { q8mm::g_thread_limit.store(n > 0 ? n : 0); }
 
+// How long the products' helper threads spin for the next product before they sleep (us >= 0).
+extern "C" void Q8SetSpinMicroseconds(long long us) {
+  q8helpers::g_spin_us.store(us > 0 ? us : 0);
+}
+
 // The threads a native call may use now: the process's CPUs, at most the limit.
 extern "C" int Q8MaxThreads() { return static_cast<int>(q8mm::UsableCpus()); }
 

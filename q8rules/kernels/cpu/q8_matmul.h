@@ -27,6 +27,7 @@
 #include <sched.h>
 #endif
 
+#include "helper_threads.h"
 #include "q8_act_int8.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -244,7 +245,7 @@ inline void AddInto(float* y, const std::vector<float>& acc) {
   AddInto(y, acc.data(), acc.size());
 }
 
-// Work shared between the caller and the pool's threads. K is cut into a fixed
+// Work shared between the caller and its helpers (helper_threads.h, else XLA's pool). K is cut into a fixed
 // number of runs of blocks (units); whoever increments `next` to i does unit i,
 // over all N columns (each q row is read as one contiguous run), into unit i's
 // own accumulator: unit 0's is y, unit i's (i > 0) a zeroed M x N buffer. When
@@ -254,7 +255,7 @@ inline void AddInto(float* y, const std::vector<float>& acc) {
 // which: the units are fixed by the problem (BlocksPerUnit) and their sums added
 // in one order, so the output is the same bit for bit on every run, with any
 // number of threads (one included: it runs every unit), in every process.
-struct Shared {
+struct Shared final : q8helpers::Task {
   Problem p;
   int64_t units = 1;
   int64_t blocks_per_unit = 1;
@@ -263,7 +264,7 @@ struct Shared {
   std::vector<std::vector<float>> partial;  // unit i's accumulator is partial[i - 1]
 
   // Claim and run units until none is left.
-  void Work() {
+  void Run() override {
     for (int64_t i = next.fetch_add(1); i < units; i = next.fetch_add(1)) {
       float* acc = p.y;
       if (i > 0) {
@@ -350,17 +351,24 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
     }
     return;
   }
-  auto shared = std::make_shared<Shared>();
+  auto* shared = new Shared;
   shared->p = p;
   shared->blocks_per_unit = per_unit;
   shared->units = units;
   shared->partial.resize(static_cast<size_t>(units - 1));
-  // The helpers hold the shared state, so one that wakes up after the caller
-  // has done every unit finds nothing to claim and touches no buffer.
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([shared] { shared->Work(); });
+  // Helpers hold a reference on the shared state, so one that starts after the caller has
+  // done every unit finds nothing to claim and touches no buffer. Helpers another caller is
+  // using are replaced by threads of XLA's pool.
+  auto& helpers = q8helpers::Helpers::Get();
+  const int want = static_cast<int>(threads - 1);
+  for (int t = helpers.Post(shared, want); t < want; ++t) {
+    shared->Hold();
+    pool.Schedule([shared] {
+      shared->Run();
+      shared->Release();
+    });
   }
-  shared->Work();
+  shared->Run();
   // Wait for the units the helpers claimed (at most one each is still running).
   for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
 #if Q8_X86
@@ -371,8 +379,9 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
 #endif
     std::this_thread::yield();
   }
+  helpers.Retract(shared);
   for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
-  return;
+  shared->Release();
 }
 
 inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
