@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -124,12 +125,20 @@ class Helpers {
     std::lock_guard<std::mutex> lock(grow_);
     for (size_t i = count_.load(std::memory_order_relaxed); i < want; ++i) {
       slots_[i] = std::make_unique<Slot>();
-      std::thread(&Helpers::Loop, slots_[i].get()).detach();
+      try {
+        std::thread(&Helpers::Loop, slots_[i].get()).detach();
+      } catch (const std::system_error&) {  // no more threads: the callers run with fewer
+        slots_[i].reset();
+        return;
+      }
       count_.store(i + 1, std::memory_order_release);
     }
   }
 
   static void Loop(Slot* s) {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "q8rules-helper");
+#endif
     using Clock = std::chrono::steady_clock;
     auto last = Clock::now();
     for (uint64_t spins = 0;; ++spins) {

@@ -315,7 +315,7 @@ inline int64_t BlocksPerUnit(const Problem& p) {
   return (blocks + want - 1) / want;
 }
 
-// Threads worth using: one per kWorkPerThread values of q x M, at most the pool's threads
+// Threads worth using: one per kWorkPerThread values of q x M, at most XLA's pool's threads
 // plus the caller and the CPUs this process may use. (One per 1 MiB left
 // SmolLM-135M's 576-wide layers on one thread at decode: 2 threads decoded it at
 // 41-44 tokens/s with 1 MiB, 63-67 with 64 Ki, 51-58 with 32 Ki; RESULTS.md.)
@@ -329,7 +329,7 @@ inline int64_t Threads(const Problem& p, int64_t pool_threads) {
 
 // The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
 // of q's and scale's) and first elements; y (M, N).
-// The product p (y zeroed) on the caller and up to the pool's threads, in units (Shared).
+// The product p (y zeroed) on the caller and up to threads - 1 helpers, in units (Shared).
 inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t blocks = p.k / kBlock;
   const int64_t per_unit = BlocksPerUnit(p);
