@@ -75,6 +75,7 @@ class Helpers {
     int posted = 0;
     for (size_t i = 0; i < count_.load(std::memory_order_acquire) && posted < n; ++i) {
       Slot& s = *slots_[i];
+      if (s.task.load(std::memory_order_relaxed) != nullptr) continue;  // busy: no locked op
       Task* empty = nullptr;
       task->Hold();
       if (!s.task.compare_exchange_strong(empty, task, std::memory_order_seq_cst)) {
@@ -93,8 +94,12 @@ class Helpers {
   // Takes back the posts of task that no helper has picked up (dropping their references).
   void Retract(Task* task) {
     for (size_t i = 0; i < count_.load(std::memory_order_acquire); ++i) {
+      std::atomic<Task*>& slot = slots_[i]->task;
       Task* posted = task;
-      if (slots_[i]->task.compare_exchange_strong(posted, nullptr, std::memory_order_acq_rel)) {
+      // A plain load first: a failed compare-exchange is still a locked write to a line the
+      // slot's helper is spinning on, and most slots hold another task or none.
+      if (slot.load(std::memory_order_relaxed) != task) continue;
+      if (slot.compare_exchange_strong(posted, nullptr, std::memory_order_acq_rel)) {
         task->Release();
       }
     }

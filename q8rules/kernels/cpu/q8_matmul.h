@@ -245,8 +245,8 @@ inline void AddInto(float* y, const std::vector<float>& acc) {
   AddInto(y, acc.data(), acc.size());
 }
 
-// Work shared between the caller and its helpers (helper_threads.h, else XLA's pool). K is cut into a fixed
-// number of runs of blocks (units); whoever increments `next` to i does unit i,
+// Work shared between the caller and its helpers (helper_threads.h, else XLA's pool). K is
+// cut into a fixed number of runs of blocks (units); whoever increments `next` to i does unit i,
 // over all N columns (each q row is read as one contiguous run), into unit i's
 // own accumulator: unit 0's is y, unit i's (i > 0) a zeroed M x N buffer. When
 // every unit is done the caller adds the buffers into y in unit order. Units are
