@@ -5,7 +5,8 @@ What the limit promises on every backend: it is a setting of the native CPU libr
 that library is unavailable (not x86-64, no compiler) there is nothing to limit and these
 tests skip. Where it runs, a product that would take both CPUs of a 2-CPU process takes one
 under a limit of 1, and its output is the same bit for bit (the work is cut by the problem,
-not by the threads).
+not by the threads). On a GPU or TPU host the products run on the host's CPU devices (the
+library serves programs lowered for the CPU), so every backend expects the same.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from tests._utils import random_q8
 
 
 @pytest.fixture(autouse=True)
-def restore_limit():
-  yield
+def on_a_cpu_device_then_no_limit():
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
   cpu_native._state.pop("threads", None)
   if cpu_native.available():
     cpu_native.library().Q8SetThreadLimit(0)
@@ -110,9 +112,10 @@ def test_concurrent_callers_keep_the_bits(rng):
 
 
 SPIN_CODE = """
-import jax.numpy as jnp, numpy as np, q8rules
+import jax, jax.numpy as jnp, numpy as np, q8rules
 from q8rules.kernels import cpu_native
 from tests._utils import random_q8
+jax.config.update("jax_default_device", jax.devices("cpu")[0])
 q, scale = random_q8(np.random.default_rng(0), 1024, 1024)
 x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 1024)), jnp.float32)
 w = q8rules.Q8Array(q=q, scale=scale, axis=0)
