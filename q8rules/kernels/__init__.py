@@ -10,6 +10,9 @@ reference implementation, and one module per implementation.
   matmul_t/          the transposed product dy @ W^T (the gradient in x): `q8_matmul_t(dy, w)`;
                      'cpu' (native), 'xla', 'reference'
   decode_attention/  one new token's attention over a KV cache layer: 'cpu', 'xla'
+  ragged_matmul/     the grouped Q8_0 product of experts (`jax.lax.ragged_dot`'s contract):
+                     `q8_ragged_matmul(x, w, group_sizes)`; 'pallas' (Mosaic TPU, Triton GPU),
+                     'xla', 'reference'
   native/            the native CPU library, one C++ source per op
 
 `registry.py` holds what an op and an implementation are and `resolve(op, problem,
@@ -35,6 +38,7 @@ from q8rules.kernels.matmul.fold import fold_applies, q8_fold
 from q8rules.kernels.matmul_act_q8 import api as matmul_act_q8_api
 from q8rules.kernels.matmul_t.api import q8_matmul_t
 from q8rules.kernels.problem import check_operands, platform_of
+from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul
 from q8rules.kernels.registry import OPS, Implementation, ImplementationArg, Op, resolve
 
 ACT_DEFAULT_ORDER = matmul_act_q8_api.DEFAULT_ORDER
@@ -62,6 +66,7 @@ __all__ = [
   "q8_fold",
   "q8_matmul",
   "q8_matmul_t",
+  "q8_ragged_matmul",
   "resolve",
   "resolve_product",
   "run_product",
