@@ -136,7 +136,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_graph_sees_imports():
   edges = graph()
-  assert "q8rules.kernels" in edges["q8rules.providers.serving"]
+  assert "q8rules.kernels" in edges["q8rules.providers.mesh"]
   assert "q8rules.q8_0" in edges["q8rules.layout"]
   assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 

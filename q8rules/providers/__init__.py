@@ -4,8 +4,9 @@ from q8rules.providers.lora import Q8LoraProvider, Q8LoraRule
 from q8rules.providers.lora_merge import merge_lora
 from q8rules.providers.lora_params import LoraAdapter, join_lora, split_lora
 from q8rules.providers.mesh import shard_products
+from q8rules.providers.params import quantize_params
 from q8rules.providers.qat import Q8QatProvider
-from q8rules.providers.serving import Q8Provider, quantize_params
+from q8rules.providers.serving import Q8Provider
 
 __all__ = [
   "LoraAdapter",

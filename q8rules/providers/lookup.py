@@ -13,7 +13,7 @@ model computes with exactly what QAT trained against. To keep a table float,
 give its module a rule whose `op_names` leaves 'take' out.
 
 This module owns how a lookup reads Q8_0 values (its layout, `take_q8`, the options it
-honours, its report fields); `q8rules.providers.policies` decides, per run, whether a lookup
+honours, its report fields); `q8rules.providers.policy`'s modes decide, per run, whether a lookup
 (`jnp.take`, or `table[ids]`) is served, fake-quantised or left float.
 """
 

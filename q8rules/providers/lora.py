@@ -41,10 +41,10 @@ from q8rules._qwix import (
   provider_rules,
 )
 from q8rules.layout import ProductLayout
-from q8rules.providers._common import Product, op_where
 from q8rules.providers.lora_placement import init_like_base
+from q8rules.providers.policy import CurrentRule, Product, op_where
 from q8rules.providers.q8_weight import Q8Weight
-from q8rules.providers.serving import Q8Provider
+from q8rules.providers.serving import Q8Provider, ServePolicy
 from q8rules.rules import Q8Rule, describe
 from q8rules.sharding.adapters import LORA_A, LORA_B
 from q8rules.sharding.product import type_spec
@@ -148,29 +148,19 @@ def _initial(
   return run
 
 
-class Q8LoraProvider(Q8Provider):
-  """Serve matched weights as Q8_0 and add LoRA adapters where a `Q8LoraRule` matched.
+class LoraPolicy(ServePolicy):
+  """The LoRA mode: served as `ServePolicy` serves, plus the adapter's delta on each product a
+  `Q8LoraRule` matched (see the module).
 
-  Use as Qwix's `LoraProvider`: `qwix.apply_lora_to_model(model, provider, *inputs,
-  rngs=nnx.Rngs(0))` for nnx, `qwix.quantize_model(model, provider)` then `init`/`apply` for
-  linen. Rules are `Q8LoraRule`s and plain `Q8Rule`s (served without an adapter), or, as
-  `qwix.LoraProvider` takes them, the fields of one `Q8LoraRule` as keywords.
-
-  Raises (at the first run) ValueError naming the rule's module_path when a `Q8LoraRule` put an
-  adapter on no product (its regex matched no served dot_general/einsum).
+  Attributes:
+    adapted_rules: ids of the `Q8LoraRule`s that put an adapter on a product so far.
   """
 
-  def __init__(
-    self, rules: Sequence[Q8Rule] | None = None, *, disable_jit: bool = False, **kwargs: Any
-  ):
-    if rules is None:
-      rules = [Q8LoraRule(**kwargs)]
-    elif kwargs:
-      raise ValueError("Q8LoraProvider takes rules or the fields of one Q8LoraRule, not both")
-    super().__init__(rules, disable_jit=disable_jit)
-    self._adapted_rules: set[int] = set()
+  def __init__(self, rules: Any, current_rule: CurrentRule):
+    super().__init__(rules, current_rule)
+    self.adapted_rules: set[int] = set()
 
-  def _adapted(
+  def adapted(
     self, product: Product, q8: WithAux, layout: ProductLayout, y: jax.Array
   ) -> jax.Array:
     """`y` plus the adapter's delta when a `Q8LoraRule` matched the product (see the module)."""
@@ -208,8 +198,35 @@ class Q8LoraProvider(Q8Provider):
     x = product.lhs
     if rule.dropout > 0:
       x = nnx.Dropout(rule.dropout, deterministic=False)(x, rngs=make_rng("dropout"))
-    self._adapted_rules.add(id(rule))
+    self.adapted_rules.add(id(rule))
     return y.astype(jnp.float32) + lora_delta(x, a, b, layout, rule.scale)
+
+
+class Q8LoraProvider(Q8Provider):
+  """Serve matched weights as Q8_0 and add LoRA adapters where a `Q8LoraRule` matched.
+
+  Use as Qwix's `LoraProvider`: `qwix.apply_lora_to_model(model, provider, *inputs,
+  rngs=nnx.Rngs(0))` for nnx, `qwix.quantize_model(model, provider)` then `init`/`apply` for
+  linen. Rules are `Q8LoraRule`s and plain `Q8Rule`s (served without an adapter), or, as
+  `qwix.LoraProvider` takes them, the fields of one `Q8LoraRule` as keywords.
+
+  Raises (at the first run) ValueError naming the rule's module_path when a `Q8LoraRule` put an
+  adapter on no product (its regex matched no served dot_general/einsum).
+  """
+
+  def __init__(
+    self, rules: Sequence[Q8Rule] | None = None, *, disable_jit: bool = False, **kwargs: Any
+  ):
+    if rules is None:
+      rules = [Q8LoraRule(**kwargs)]
+    elif kwargs:
+      raise ValueError("Q8LoraProvider takes rules or the fields of one Q8LoraRule, not both")
+    super().__init__(rules, disable_jit=disable_jit)
+
+  policy: LoraPolicy
+
+  def make_policy(self, rules: Any, current_rule: CurrentRule) -> LoraPolicy:
+    return LoraPolicy(rules, current_rule)
 
   def process_model_output(self, method_name: str, model_output: Any) -> Any:
     first = not initial_run_complete(self)
@@ -218,7 +235,7 @@ class Q8LoraProvider(Q8Provider):
       idle = [
         r
         for r in provider_rules(self)
-        if isinstance(r, Q8LoraRule) and id(r) not in self._adapted_rules
+        if isinstance(r, Q8LoraRule) and id(r) not in self.policy.adapted_rules
       ]
       if idle:
         raise ValueError(

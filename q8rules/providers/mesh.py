@@ -1,7 +1,9 @@
-"""The provider's mesh context: `shard_products(mesh, specs)` makes `Q8Provider` run each
-matched product per shard. `plan_product` only plans (the specs of the activation, the
-(K, N) matrix and the output); `q8rules.sharding.product.run_sharded` runs;
-`provider_product` is the provider's hook that does both.
+"""How a provider runs a product on a Q8 weight (`run_served`): per shard where a mesh splits
+the weight, else whole through `kernels.run_product`.
+
+The mesh context: `shard_products(mesh, specs)` makes `Q8Provider` run each matched product
+per shard. `plan_product` only plans (the specs of the activation, the (K, N) matrix and the
+output); `q8rules.sharding.product.run_sharded` runs; `provider_product` does both.
 
 Without the context, a weight whose type carries an explicit mesh (sharding in
 types) is split the same way; otherwise XLA's own partitioning applies.
@@ -21,8 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from q8rules import kernels
 from q8rules._qwix import WithAux, current_module_path, find_param
+from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import ProductLayout, WeightLayout
 from q8rules.q8_0 import Q8Array
+from q8rules.rules import Q8Rule
 from q8rules.sharding.params import SpecTable
 from q8rules.sharding.product import run_sharded, type_spec
 from q8rules.sharding.specs import (
@@ -267,6 +271,56 @@ def provider_product(
   )
 
 
+def run_served(
+  lhs: jax.Array,
+  q8: WithAux,
+  layout: ProductLayout,
+  rule: Q8Rule | None,
+  operand: Any,
+  preferred_element_type: Any,
+  where: str,
+) -> tuple[jax.Array, str]:
+  """`lhs` times the Q8 weight `q8` (laid out for this product as `layout`) as serving runs
+  it: per shard where a mesh splits the weight (`provider_product`), else whole through
+  `kernels.run_product` with the rule's `implementation` and `interpret`.
+
+  Args:
+    lhs: the activation as the op got it (any rank; float32, bfloat16 or float16).
+    q8: the Q8 weight (a `Q8Weight` or Qwix `WithAux(Q8Array (K_padded, N), Q8How)`).
+    layout: the product's layout, conformed to the weight's (`Q8Provider._served_weight`).
+    rule: the matched rule (None: the defaults).
+    operand: the op's own weight operand (how a mesh plan finds its param).
+    preferred_element_type: the op's own.
+    where: how errors name the op ('module/path/op_id').
+
+  Returns:
+    (y in the op's output shape, accumulated in float32: in lhs's dtype when split over a mesh,
+    else in `preferred_element_type` or lhs's; the caller casts it to the op's dtype; the path
+    it took).
+  """
+  weight = q8.array
+  options = {
+    "implementation": rule.implementation if rule is not None else None,
+    "interpret": rule.interpret if rule is not None else None,
+    "act_qtype": rule.act_qtype if rule is not None else None,
+  }
+  try:
+    layout.check_lhs(tuple(lhs.shape))
+    # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
+    # layer's own arrays (a `LayerSlice` is read in place only unsplit; unused, XLA drops
+    # the slice)
+    whole = weight.take() if isinstance(weight, LayerSlice) else weight
+    ran = provider_product(lhs, whole, layout, operand=operand, **options)
+    if ran is None:
+      y2d, path = kernels.run_product(
+        layout.lhs_matrix(lhs), weight, preferred_element_type=preferred_element_type, **options
+      )
+      ran = layout.output(y2d, tuple(lhs.shape)), path
+  except (TypeError, ValueError, NotImplementedError) as e:
+    raise type(e)(f"{where}: {e}") from e
+  return ran
+
+
 __all__ = [
   "MeshPlan",
   "ProductPlan",
@@ -274,5 +328,6 @@ __all__ = [
   "current_plan",
   "plan_product",
   "provider_product",
+  "run_served",
   "shard_products",
 ]

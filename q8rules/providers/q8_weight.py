@@ -19,7 +19,8 @@ naming the param, never an error from deep inside JAX.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules._qwix import WithAux, unbox
-from q8rules.layout import Q8How
+from q8rules.layout import ProductLayout, Q8How, UnsupportedProduct
 from q8rules.providers import views
 from q8rules.providers.lookup import (
   UnsupportedLookup,
@@ -37,7 +38,7 @@ from q8rules.providers.lookup import (
   lookup_layout,
   take_q8,
 )
-from q8rules.q8_0 import Q8Array
+from q8rules.q8_0 import Q8Array, quantize
 
 SERVED_OPS = (
   "products (lax.dot_general, jnp.dot, jnp.einsum), lookups (table[ids], jnp.take),"
@@ -236,4 +237,62 @@ def lookup(table: Q8Weight, ids: Any, axis: int, mode: str | None = None) -> jax
   return take_q8(unbox(table.array), layout, ids, table.how.dtype, mode)
 
 
-__all__ = ["SERVED_OPS", "Q8Weight", "as_q8_weight", "is_index_array", "lookup"]
+def quantize_weight(
+  w: jax.Array, how: Q8How, *, name: str = "weight", check_finite: bool = True
+) -> Q8Array:
+  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0.
+
+  `check_finite=False` where the caller has already checked `w` (see `quantize`)."""
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise TypeError(f"{name}: cannot quantize a weight of dtype {w.dtype} to Q8_0 (not float)")
+  if tuple(w.shape) != how.layout.shape:
+    raise ValueError(
+      f"{name}: weight of shape {tuple(w.shape)} does not match its Q8 params, which"
+      f" were made for shape {how.layout.shape}"
+    )
+  return dataclasses.replace(
+    quantize(
+      how.layout.to_matrix(w),
+      axis=0,
+      scale_dtype=how.scale_dtype,
+      name=name,
+      check_finite=check_finite,
+    ),
+    dtype=np.dtype(how.dtype),
+  )
+
+
+def served_layout(
+  q8: WithAux, make_layout: Callable[[tuple[int, ...]], ProductLayout], where: str
+) -> ProductLayout:
+  """The layout of a product on the Q8 weight `q8`, conformed to how the weight is laid out
+  (`make_layout`: the weight's shape -> the op's layout). Raises ValueError, naming the op,
+  when the weight cannot serve the product."""
+  how, weight = q8.how, q8.array
+  try:
+    layout = views.conform(make_layout(how.layout.shape), how.layout)
+  except UnsupportedProduct as e:
+    raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
+  if layout is None:
+    raise ValueError(
+      f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
+      f" {make_layout(how.layout.shape).weight}"
+    )
+  k_pad, n = layout.weight.k_padded, layout.weight.n
+  if tuple(weight.shape) != (k_pad, n):
+    raise ValueError(
+      f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
+      f" layout ({k_pad}, {n})"
+    )
+  return layout
+
+
+__all__ = [
+  "SERVED_OPS",
+  "Q8Weight",
+  "as_q8_weight",
+  "is_index_array",
+  "lookup",
+  "quantize_weight",
+  "served_layout",
+]

@@ -25,21 +25,27 @@ from jax.custom_derivatives import SymbolicZero
 
 from q8rules import kernels
 from q8rules._qwix import QuantizationProvider, is_with_aux
-from q8rules.layout import ProductLayout, WeightLayout, from_dot_general
-from q8rules.providers import model_hooks, policies, tracking
-from q8rules.providers._common import (
-  Product,
-  RecordingProvider,
-  jnp_dot_dimension_numbers,
-  op_where,
-)
+from q8rules.layout import ProductLayout, WeightLayout
+from q8rules.providers import lookup, views
+from q8rules.providers.mesh import run_served
 from q8rules.providers.placement import param_path
-from q8rules.providers.policies import FAKE_QUANT
-from q8rules.providers.q8_weight import Q8Weight
-from q8rules.providers.serving import quantize_weight, run_served, served_layout
+from q8rules.providers.policy import (
+  CurrentRule,
+  PolicyProvider,
+  Product,
+  RunOn,
+  WeightPolicy,
+  base_layout,
+  op_where,
+  stored_how,
+)
+from q8rules.providers.q8_weight import Q8Weight, quantize_weight, served_layout
 from q8rules.providers.tracking import Derived
 from q8rules.q8_0 import BLOCK, dequantize, quantize
 from q8rules.rules import Q8Rule
+
+FAKE_QUANT = "fake_quant"
+"""The `OpRecord.path` of a fake-quantised product or lookup."""
 
 
 def fake_quant(
@@ -127,67 +133,61 @@ def matched_precision(precision: Any, dtype: Any, matched: bool) -> Any:
   return jax.lax.Precision.HIGHEST
 
 
-class Q8QatProvider(RecordingProvider, QuantizationProvider):
-  """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params.
+FakeQuantFn = Callable[[jax.Array, WeightLayout, str], jax.Array]
+"""(a float value, its layout, the scale dtype) -> its Q8_0 round trip (`served_round_trip`)."""
 
-  Use as `qwix.quantize_model(model, Q8QatProvider(rules))` for linen (then
-  `init`/`apply`, `jax.grad` and optimizers as usual; params stay float) and
-  `qwix.quantize_model(model, Q8QatProvider(rules), *inputs)` for nnx. Works
-  under `jax.jit`, `jax.checkpoint`/`nn.remat` and `nn.scan` (inside a scan the
-  weight is the per-layer slice, quantized on its own). After the first run,
-  `report()` lists every intercepted op (path 'fake_quant' or 'float').
+
+def fake_quant_operand(
+  found: Derived, base: jax.Array, view: WeightLayout, scale_dtype: str, fq: FakeQuantFn
+) -> jax.Array:
+  """The fake-quantised operand of a matched product whose weight is `found` (of layout `view`)
+  with the param's value `base`: the param's Q8_0 round trip, then the operand's ops (what
+  serving computes with)."""
+  return round_trip(found, views.apply(found.chain, base), view, scale_dtype, fq, base=base)
+
+
+def _narrows(found: Derived) -> bool:
+  """Whether the ops cast the param to a narrower float (float32 -> bfloat16)."""
+  size = np.dtype(found.base.dtype).itemsize
+  for op in found.chain:
+    if isinstance(op, views.AsType):
+      if np.dtype(op.dtype).itemsize < size:
+        return True
+      size = np.dtype(op.dtype).itemsize
+  return False
+
+
+def round_trip(
+  found: Derived,
+  value: jax.Array,
+  view: WeightLayout,
+  scale_dtype: str,
+  fq: FakeQuantFn,
+  *,
+  base: jax.Array | None = None,
+) -> jax.Array:
+  """The Q8_0 round trip of `value` = ops(param), of layout `view`, as serving computes with it.
+
+  Transposes, reshapes and widening casts leave the values (hence the blocks) as they are, so
+  the round trip of `value` itself is the served one. After a narrowing cast the served
+  values come from the param's own (wider) values (`base`, by default `found.base`): the
+  param's round trip, then the ops that move values (the casts left out: `fq` gives the
+  values in the dtype serving computes in, and the product's result is cast as serving
+  casts it).
   """
+  if not _narrows(found):
+    return fq(value, view, scale_dtype)
+  moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
+  base = found.base if base is None else base
+  return views.apply(moves, fq(base, base_layout(found, view), scale_dtype))
 
-  def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-    # ops on weights (astype, .T, reshape, promote_dtype) and lookups (jnp.take, table[ids]):
-    # q8rules.providers.tracking, decided by q8rules.providers.policies
-    lookups = policies.fake_quant_lookup(self, served_round_trip), policies.refuse_q8_lookup
-    return (
-      super().get_intercept_map()
-      | {
-        "jax.lax.dot_general": self.dot_general,
-        "jax.numpy.einsum": self.einsum,
-        "jax.numpy.dot": self.dot,
-      }
-      | tracking.intercepts(lambda: self._run, *lookups)
-      | model_hooks.intercepts()
-    )
 
-  # ---- the intercepted ops (dot_general and einsum: RecordingProvider's) -------
+class FakeQuantPolicy(WeightPolicy):
+  """The QAT mode: params stay float; a matched product's forward is the served product on the
+  param's Q8_0 values, its derivatives those of the product on the weight's Q8_0 round trip
+  (`qat_product`); a matched table is fake-quantised, then looked up by the model's own op."""
 
-  def dot(
-    self,
-    a: jax.Array,
-    b: jax.Array,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`jnp.dot` with a matched weight `b` fake-quantised; matched as 'dot_general'."""
-
-    def run(a: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jnp.dot(
-        a,
-        weight,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-
-    dims = jnp_dot_dimension_numbers(a.ndim, b.ndim)
-    return self._serve_op(
-      "dot_general",
-      a,
-      b,
-      lambda shape: from_dot_general(a.ndim, shape, dims),
-      precision,
-      preferred_element_type,
-      run,
-    )
-
-  # ---- the product ---------------------------------------------------------
-
-  def _serve(self, product: Product) -> jax.Array:
+  def product(self, product: Product) -> jax.Array:
     """The product on a matched float weight: forward, the serving product on the weight's
     Q8_0 values (`qat_product`); derivatives, those of the product on its Q8_0 round trip
     with the straight-through estimator. Any other op as it is."""
@@ -196,7 +196,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     if matched is None:
       return product.run(lhs, product.rhs, product.precision)
     found, layout, scale_dtype = matched
-    self._run.weights[found.key] = scale_dtype  # a later lookup of the param is fake-quantised
+    self.run.weights[found.key] = scale_dtype  # a later lookup of the param is fake-quantised
     rule = forward_rule(product.rule, lhs, layout.weight)
     paths: list[str] = []
     f = qat_product(product, found, layout.weight, scale_dtype, rule, paths)
@@ -218,12 +218,11 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
         f"{op_where(product.op_id)}: got a Q8 (serving) weight; Q8QatProvider trains float"
         " params. Run Q8 params with the Q8Provider model, and QAT with the float params."
       )
-    rule = product.rule
-    matched = self._match_float_weight(rule, product.op_id, product.rhs, product.make_layout)
+    matched = self.match_float_weight(product)
     if matched is None:
       return None
     found, layout = matched
-    return found, layout, np.dtype(rule.scale_dtype).name
+    return found, layout, np.dtype(product.rule.scale_dtype).name
 
   def _record_fake_quant(
     self,
@@ -236,7 +235,7 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
     notes = ([f"K padded {k} -> {k_pad}"] if k_pad != k else []) + notes
-    self._record(
+    self.record(
       product.rule,
       product.op_id,
       FAKE_QUANT,
@@ -248,6 +247,48 @@ class Q8QatProvider(RecordingProvider, QuantizationProvider):
       q8_bytes=k_pad * n + (k_pad // BLOCK) * n * np.dtype(scale_dtype).itemsize,
       note="; ".join(notes),
     )
+
+  def lookup(
+    self, found: Derived, arr: jax.Array, ids: Any, axis: int, mode: Any, run_on: RunOn
+  ) -> jax.Array:
+    """A matched table (or one fake-quantised as a weight this run) is fake-quantised, then
+    looked up by the model's own op; any other lookup runs float."""
+    rule, op_id = self.current_rule(lookup.OP)
+    scale_dtype = self.run.weights.get(found.key)
+    if rule is not None:
+      scale_dtype = np.dtype(rule.scale_dtype).name
+    if scale_dtype is None:
+      return self.as_float(found, rule, op_id, arr, "lookup: no rule matched", run_on)
+    layout = self.lookup_layout(rule, op_id, arr.shape, axis)
+    if layout is None:
+      return run_on(arr)
+    table = round_trip(found, arr, layout, scale_dtype, served_round_trip)
+    note = f"lookup of {found.name}: the entries of its Q8_0 round trip"
+    self.record_lookup(rule, op_id, FAKE_QUANT, layout, ids, (scale_dtype, arr.dtype), note)
+    return run_on(table).astype(arr.dtype)  # as `take_q8`: the entries in the table's dtype
+
+  def q8_lookup(self, table: Q8Weight, ids: Any, axis: int, mode: Any = None) -> jax.Array:
+    """A lookup of a Q8 (serving) table: refused, as QAT's products refuse Q8 weights."""
+    raise TypeError(
+      f"{table.name or 'a Q8_0 table'}: got a Q8 (serving) table; Q8QatProvider trains float"
+      " params. Run Q8 params with the Q8Provider model, and QAT with the float params."
+    )
+
+
+class Q8QatProvider(PolicyProvider, QuantizationProvider):
+  """Quantization-aware training for Q8_0 serving: fake-quantised weights, float params
+  (`FakeQuantPolicy`).
+
+  Use as `qwix.quantize_model(model, Q8QatProvider(rules))` for linen (then
+  `init`/`apply`, `jax.grad` and optimizers as usual; params stay float) and
+  `qwix.quantize_model(model, Q8QatProvider(rules), *inputs)` for nnx. Works
+  under `jax.jit`, `jax.checkpoint`/`nn.remat` and `nn.scan` (inside a scan the
+  weight is the per-layer slice, quantized on its own). After the first run,
+  `report()` lists every intercepted op (path 'fake_quant' or 'float').
+  """
+
+  def make_policy(self, rules: Any, current_rule: CurrentRule) -> FakeQuantPolicy:
+    return FakeQuantPolicy(rules, current_rule)
 
 
 def forward_rule(rule: Q8Rule, lhs: jax.Array, view: WeightLayout) -> Q8Rule:
@@ -285,7 +326,7 @@ def qat_product(
   (`forward_rule`).
 
   Forward: exactly what the served model computes, the serving product
-  (`serving.run_served`, the rule's `implementation` and `interpret`) on the param's Q8_0
+  (`mesh.run_served`, the rule's `implementation` and `interpret`) on the param's Q8_0
   values, stored as `Q8Provider` stores them and viewed as the op's operand is, so the QAT
   model's outputs are the served model's bit for bit in every dtype. Derivative: that of the
   op on the weight's Q8_0 round trip (`fake_quant_ste`, the straight-through estimator), in
@@ -297,13 +338,13 @@ def qat_product(
     `product.preferred_element_type` or lhs's dtype.
   """
   where = op_where(product.op_id)
-  how = policies.stored_how(found, view, scale_dtype)
+  how = stored_how(found, view, scale_dtype)
   name = param_path(found.module, found.name)
   chain, operand = found.chain, product.rhs
   out_dtype = product.preferred_element_type or product.lhs.dtype
 
   def fake_quant_product(lhs: jax.Array, param: jax.Array) -> jax.Array:
-    fq = policies.fake_quant_operand(found, param, view, scale_dtype, served_round_trip)
+    fq = fake_quant_operand(found, param, view, scale_dtype, served_round_trip)
     precision = matched_precision(product.precision, jnp.result_type(lhs, fq), True)
     return product.run(lhs, fq, precision).astype(out_dtype)
 

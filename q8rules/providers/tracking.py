@@ -10,7 +10,7 @@ derives from a param is recorded as `Derived` (the param, its value, the ops), t
 eagerly and traced, so a product can quantize the param itself and serve the view. The same
 handlers give a `Q8Weight` its views when a model calls `jnp.astype(w, ...)` and the like
 on a Q8 param, and send lookups (`table[ids]`, `jnp.take`) of a param to the provider's
-lookup policy (`q8rules.providers.policies`).
+lookup policy (`q8rules.providers.policy.WeightPolicy`).
 """
 
 from __future__ import annotations
