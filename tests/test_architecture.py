@@ -302,3 +302,85 @@ def test_no_copied_python_code():
 def test_no_copied_cpp_code():
   """No run of six or more lines of code stands twice in q8rules/'s C++."""
   assert copies(sources(".cc", ".h")) == []
+
+
+NAMED_TUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make"})
+"""`_`-named members that are a NamedTuple's public API."""
+
+
+def private_reaches(tree: ast.Module) -> list[str]:
+  """Each `x._name` in `tree` whose `x` is not `self` or `cls`: a reach into another object's
+  private members (a NamedTuple's `_replace` and the like are public)."""
+  out = []
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+      continue
+    if node.attr.startswith("__") or node.attr in NAMED_TUPLE_API:
+      continue
+    if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+      continue
+    out.append(f"{node.lineno}: {ast.unparse(node)}")
+  return out
+
+
+def test_no_reach_into_privates():
+  """Nothing outside a class touches its `_` members (the Qwix shim, `_qwix.py`, is the one
+  module that reaches into Qwix's)."""
+  found = {
+    name: hits
+    for name, tree in modules().items()
+    if name != "q8rules._qwix" and (hits := private_reaches(tree))
+  }
+  assert found == {}
+
+
+def test_private_reach_check_catches_one():
+  tree = ast.parse(
+    "def f(provider):\n  return provider._run\n\nclass A:\n  def g(self):\n    return self._x\n"
+  )
+  assert private_reaches(tree) == ["2: provider._run"]
+
+
+def untyped_providers(tree: ast.Module) -> list[str]:
+  """Each parameter named `provider` (or ending in `_provider`) annotated `Any` or not at all."""
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+      args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+      for a in args:
+        named = a.arg == "provider" or a.arg.endswith("_provider")
+        if named and (a.annotation is None or ast.unparse(a.annotation) == "Any"):
+          out.append(f"{node.lineno}: {node.name}({a.arg})")
+  return out
+
+
+def test_no_untyped_provider():
+  """No function takes a provider without naming its type (a mode's work is its policy's)."""
+  found = {name: hits for name, tree in modules().items() if (hits := untyped_providers(tree))}
+  assert found == {}
+  assert untyped_providers(ast.parse("def f(provider: Any, x):\n  pass\n")) == ["1: f(provider)"]
+
+
+def getattr_dispatches(tree: ast.Module) -> list[str]:
+  """Each `getattr(x, "name", default)` whose `x` is a model or a checkpoint reader (a name
+  like `model`, `m`, `ckpt`, `reader`, `checkpoint`): dispatch on what an object may lack,
+  where its type should say what it has."""
+  subjects = {"model", "m", "ckpt", "reader", "checkpoint", "part"}
+  out = []
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+      continue
+    if node.func.id != "getattr" or len(node.args) != 3:
+      continue
+    subject = node.args[0]
+    if isinstance(subject, ast.Name) and subject.id in subjects:
+      out.append(f"{node.lineno}: {ast.unparse(node)}")
+  return out
+
+
+def test_no_getattr_dispatch_on_models_or_readers():
+  """Readers and models have typed attributes that always exist (`parts`, `lora`, `source`)."""
+  found = {name: hits for name, tree in modules().items() if (hits := getattr_dispatches(tree))}
+  assert found == {}
+  tree = ast.parse('lora = getattr(model, "lora", None)\n')
+  assert getattr_dispatches(tree) == ["1: getattr(model, 'lora', None)"]

@@ -156,7 +156,7 @@ class LoraTrainer:
 
     if self.m.mesh is None:
       return contextlib.nullcontext()
-    return shard_products(self.m.mesh, self.m._specs)
+    return shard_products(self.m.mesh, self.m.product_specs)
 
   def _loss_of(self, base: Any, adapters: Any, tokens: jax.Array, mask: Any, key: Any) -> Any:
     rngs = {"dropout": key} if self.m.lora.dropout else None

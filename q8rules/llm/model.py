@@ -25,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from q8rules.llm import distributed
 from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token
+from q8rules.llm.lora import LoraSpec
 from q8rules.llm.sampling import Sampler
+from q8rules.llm.sources import GGUFSource
 from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
@@ -91,8 +93,8 @@ class GGUFModel:
   mesh: Any = None
   bytes_read: int = 0
   requantized: Counter[str] = dataclasses.field(default_factory=Counter)
-  lora: Any = None
-  source: Any = None
+  lora: LoraSpec | None = None
+  source: GGUFSource | None = None
   rule: Any = None
   provider_type: Any = None
 
@@ -102,6 +104,11 @@ class GGUFModel:
     self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
     context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
     self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # decode on the device
+
+  @property
+  def product_specs(self) -> dict[str, P]:
+    """The per-layer specs `shard_products` splits this model's products by on its mesh."""
+    return self._specs
 
   def unrolled(self) -> GGUFModel:
     """This model with its layers unrolled (no nn.scan): slower to trace and compile, and no

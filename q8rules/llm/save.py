@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,9 @@ from q8rules.checkpoint.gguf import PLAIN_TYPES, Q8_0, open_gguf
 from q8rules.checkpoint.gguf.header import Tensor
 from q8rules.checkpoint.gguf.layouts import block_dtype, swap_last
 from q8rules.checkpoint.gguf.metadata import header_values
+from q8rules.checkpoint.gguf.read import GGUFCheckpoint
 from q8rules.checkpoint.gguf.requant import q8_0_blocks
+from q8rules.checkpoint.gguf.split import GGUFSplitCheckpoint
 from q8rules.checkpoint.gguf.write import header_written
 from q8rules.llm.sources import GGUFSource, TensorSource
 from q8rules.q8_0 import BLOCK, Q8Array, quantize
@@ -74,7 +76,19 @@ def has_lora(params: Any) -> bool:
   )
 
 
-def save_gguf(model: Any, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
+class SavedModel(Protocol):
+  """What `save_gguf` reads of a model (a `q8rules.llm.GGUFModel`)."""
+
+  params: Any
+  lora: object | None
+  source: GGUFSource | None
+
+  def merged(self) -> SavedModel:
+    """The model with its LoRA adapters merged into its Q8_0 weights."""
+    ...
+
+
+def save_gguf(model: SavedModel, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
   """Write `model` (a `GGUFModel` from `load_gguf`) as a complete GGUF file (see the module).
 
   Args:
@@ -90,14 +104,14 @@ def save_gguf(model: Any, path: str | os.PathLike[str], *, progress: bool | None
       does not describe.
   """
   path = Path(path)
-  if getattr(model, "lora", None) is not None:
+  if model.lora is not None:
     model = model.merged()
   elif has_lora(model.params):
     raise ValueError(
       f"{path}: the model's params hold LoRA adapters (*{LORA_A} / *{LORA_B}) that it does not"
       " know (GGUFModel.lora is None): add them with with_lora or load_gguf(lora=...)"
     )
-  source: GGUFSource | None = getattr(model, "source", None)
+  source = model.source
   if source is None:
     raise ValueError(f"{path}: the model was not loaded by load_gguf: no source file to rewrite")
   if path.resolve() in {Path(f).resolve() for f, _, _ in source.files}:
@@ -116,8 +130,8 @@ def save_gguf(model: Any, path: str | os.PathLike[str], *, progress: bool | None
     ckpt.close()
 
 
-def _save(ckpt: Any, params: Any, source: GGUFSource, path: Path, progress: bool | None) -> None:
-  parts = getattr(ckpt, "parts", [ckpt])
+def _save(ckpt: GGUFCheckpoint | GGUFSplitCheckpoint, params: Any, source: GGUFSource, path: Path, progress: bool | None) -> None:
+  parts = ckpt.parts
   if any(p.byteorder != "<" for p in parts):
     raise CheckpointError(f"{source.path}: a big-endian GGUF file; save_gguf writes little-endian")
   if list(ckpt) != list(source.tensors):

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from q8rules.checkpoint import CheckpointError
+from q8rules.checkpoint.gguf.read import GGUFCheckpoint
+from q8rules.checkpoint.gguf.split import GGUFSplitCheckpoint
 from q8rules.llm.stacked import slot_name
 from q8rules.llm.tensors import TensorSlot
 
@@ -121,9 +123,9 @@ def tensor_sources(
   return out
 
 
-def source_of(ckpt: Any, slots: Mapping[str, TensorSlot], fused: Mapping[str, Any]) -> GGUFSource:
+def source_of(ckpt: GGUFCheckpoint | GGUFSplitCheckpoint, slots: Mapping[str, TensorSlot], fused: Mapping[str, Any]) -> GGUFSource:
   """The `GGUFSource` of a model loaded from `ckpt` (a GGUFCheckpoint or a split set)."""
-  parts = getattr(ckpt, "parts", [ckpt])
+  parts = ckpt.parts
   policy = parts[0].policy
   return GGUFSource(
     path=Path(ckpt.path),

@@ -6,7 +6,7 @@ does with a product whose weight operand `tracking` found (`product`), with a lo
 table (`lookup`) and in a stored Q8_0 table (`q8_lookup`). The policy owns what one run has
 seen (`run`, a `tracking.RunState`) and the op report (`records`); the provider owns the
 interception and starts and ends runs. Each mode is one file: `serving.py` (`ServePolicy`,
-`Q8Provider`), `qat.py` (`FakeQuantPolicy`, `Q8QatProvider`), `q8rules/lora/provider.py`
+`Q8Provider`), `qat.py` (`FakeQuantPolicy`, `Q8QatProvider`), and the LoRA provider
 (`LoraPolicy`, `Q8LoraProvider`).
 
 One policy in every mode (eager, `jit`, `eval_shape`, `grad`), decided from what the current

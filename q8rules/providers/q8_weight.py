@@ -90,7 +90,7 @@ class Q8Weight(WithAux):
     try:
       layout = op.forward(self.how.layout)
     except views.ViewError as e:
-      raise TypeError(f"{self._what()}: {e}") from None
+      raise TypeError(f"{self.what()}: {e}") from None
     dtype = op.dtype if isinstance(op, views.AsType) else self.how.dtype
     return self.replace(how=Q8How(layout, self.how.scale_dtype, dtype), chain=self.chain + (op,))
 
@@ -107,7 +107,7 @@ class Q8Weight(WithAux):
   def astype(self, dtype: Any) -> Q8Weight:
     dtype = np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"{self._what()}: astype({dtype}) is not served (float dtypes only)")
+      raise TypeError(f"{self.what()}: astype({dtype}) is not served (float dtypes only)")
     if dtype == self.dtype:  # as jnp.astype: the same dtype is the same array
       return self
     return self.view(views.AsType(dtype.name))
@@ -130,7 +130,7 @@ class Q8Weight(WithAux):
       return unbox(self)
     if not is_index_array(idx):
       raise TypeError(
-        f"{self._what()}: indexing with {idx!r} is not served; a Q8_0 table serves"
+        f"{self.what()}: indexing with {idx!r} is not served; a Q8_0 table serves"
         f" lookups table[ids] with integer ids (served: {SERVED_OPS})"
       )
     return lookup(self, indexing_ids(idx, self.shape[0]), 0, "clip")
@@ -139,13 +139,13 @@ class Q8Weight(WithAux):
     """Refuse, naming the param, a `jnp.take` that is not a lookup the Q8_0 values serve."""
     if axis is None or not is_index_array(indices):
       raise TypeError(
-        f"{self._what()}: take(axis={axis}) is not served; a Q8_0 table serves"
+        f"{self.what()}: take(axis={axis}) is not served; a Q8_0 table serves"
         f" jnp.take(table, ids, axis=...) with integer ids and an axis"
       )
     try:
       check_lookup_kwargs(options)
     except UnsupportedLookup as e:
-      raise TypeError(f"{self._what()}: {e}") from None
+      raise TypeError(f"{self.what()}: {e}") from None
 
   def take(self, indices: Any, axis: int | None = None, **kwargs: Any) -> jax.Array:
     """`jnp.take(w, indices, axis, mode=...)` (lookups only: integer ids and an axis)."""
@@ -154,12 +154,13 @@ class Q8Weight(WithAux):
 
   # ---- everything else: a clear error ----------------------------------------
 
-  def _what(self) -> str:
+  def what(self) -> str:
+    """How errors name this weight: its param and float shape, and the view it is."""
     view = f" (as {views.describe(self.chain)})" if self.chain else ""
     return f"Q8_0 weight {self.name or '(unnamed)'} of float shape {self.shape}{view}"
 
   def refuse(self, op: str) -> TypeError:
-    return TypeError(f"{self._what()}: {op} is not served for a Q8_0 weight (served: {SERVED_OPS})")
+    return TypeError(f"{self.what()}: {op} is not served for a Q8_0 weight (served: {SERVED_OPS})")
 
   def __jax_array__(self) -> jax.Array:
     raise self.refuse("converting it to an array (a jnp function or an operator on it)")
@@ -233,7 +234,7 @@ def lookup(table: Q8Weight, ids: Any, axis: int, mode: str | None = None) -> jax
         f" axes {have.free} in N (K: {have.contract})"
       )
   except UnsupportedLookup as e:
-    raise TypeError(f"{table._what()}: {e}") from None
+    raise TypeError(f"{table.what()}: {e}") from None
   return take_q8(unbox(table.array), layout, ids, table.how.dtype, mode)
 
 
@@ -268,23 +269,20 @@ def served_layout(
   """The layout of a product on the Q8 weight `q8`, conformed to how the weight is laid out
   (`make_layout`: the weight's shape -> the op's layout). Raises ValueError, naming the op,
   when the weight cannot serve the product."""
-  how, weight = q8.how, q8.array
+  how = q8.how
   try:
     layout = views.conform(make_layout(how.layout.shape), how.layout)
   except UnsupportedProduct as e:
     raise ValueError(f"{where}: Q8 weight used by a product it cannot serve: {e}") from e
   if layout is None:
-    raise ValueError(
-      f"{where}: the Q8 weight was laid out as {how.layout} but this product needs"
-      f" {make_layout(how.layout.shape).weight}"
-    )
-  k_pad, n = layout.weight.k_padded, layout.weight.n
-  if tuple(weight.shape) != (k_pad, n):
-    raise ValueError(
-      f"{where}: Q8 values of shape {tuple(weight.shape)} do not match the weight"
-      f" layout ({k_pad}, {n})"
-    )
-  return layout
+    wanted = make_layout(how.layout.shape).weight
+    problem = f"the Q8 weight was laid out as {how.layout} but this product needs {wanted}"
+  elif tuple(q8.array.shape) != (layout.weight.k_padded, layout.weight.n):
+    want = (layout.weight.k_padded, layout.weight.n)
+    problem = f"Q8 values of shape {tuple(q8.array.shape)} do not match the weight layout {want}"
+  else:
+    return layout
+  raise ValueError(f"{where}: {problem}")
 
 
 __all__ = [

@@ -124,6 +124,11 @@ class GGUFCheckpoint(MappedReader):
     return self._fields[0].get("general.architecture")
 
   @property
+  def parts(self) -> list[GGUFCheckpoint]:
+    """The files this checkpoint reads: itself (a split set's `parts` lists its files)."""
+    return [self]
+
+  @property
   def byteorder(self) -> str:
     """The file's byte order: '<' (little-endian, llama.cpp's own) or '>'."""
     return self._byteorder
