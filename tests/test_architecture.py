@@ -12,7 +12,16 @@ FLOORS_PAGE = PACKAGE.parent / "docs" / "kernels.md"
 """The page that shows the floors (a ``` block after `<!-- floors -->`)."""
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-  ("format", ("q8rules.q8_0", "q8rules.tree_paths", "q8rules.timing", "q8rules._qwix")),
+  (
+    "format",
+    (
+      "q8rules.q8_0",
+      "q8rules.tree_paths",
+      "q8rules.timing",
+      "q8rules._qwix",
+      "q8rules.attention_params",
+    ),
+  ),
   ("kernels", ("q8rules.kernels",)),
   ("layout", ("q8rules.layout",)),
   ("sharding", ("q8rules.sharding",)),

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from q8rules.attention_params import AttentionParams
 from q8rules.models import hooks
 from q8rules.models.config import RopeStyle, TransformerConfig
 
@@ -242,9 +243,8 @@ def _global_read(c, q, pair, slot, pos):
 
   if q.shape[1] != 1:
     return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
-  out = hooks.attend_one_token(
-    q, pair[0], pair[1], slot, pos, scale=_scale(c), softcap=c.attn_softcap, reference=xla
-  )
+  how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
+  out = hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how)
   return out.astype(c.dtype)
 
 

@@ -4,16 +4,18 @@ or `Q8QatProvider` (Qwix's interception, as for the products) they are routed to
 `q8rules.kernels`: `take_layer` gives Q8_0 weights as `LayerSlice`s (the native CPU kernel
 reads the layer in place instead of a copy), and `attend_one_token` runs op
 'decode_attention' (the native CPU kernel where it runs). The models import nothing from
-`q8rules.kernels`.
+`q8rules.kernels`: what the attention hook and the kernel both take, `AttentionParams`, lives
+below both (`q8rules.attention_params`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import Array
+
+from q8rules.attention_params import AttentionParams
 
 
 def take_layer(tree: Any, i: jax.Array | int) -> Any:
@@ -22,22 +24,13 @@ def take_layer(tree: Any, i: jax.Array | int) -> Any:
 
 
 def attend_one_token(
-  q: Array,
-  keys: Array,
-  values: Array,
-  slot: Any,
-  pos: Any,
-  *,
-  scale: float,
-  softcap: Any,
-  reference: Callable[..., Array],
+  q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams
 ) -> Array:
   """One new token's attention over layer `slot` of the cache: q (B, 1, H, D), keys / values
   (L, B, S, KV, D) with the token written at `pos` -> (B, 1, H * D) float32. Here, the
-  decoder's own attention `reference(q, keys, values, slot, pos)`; `scale` and `softcap` are
-  what a kernel needs to compute the same."""
-  del scale, softcap
-  return reference(q, keys, values, slot, pos).astype("float32")
+  decoder's own attention `how.reference(q, keys, values, slot, pos)`; `how.scale` and
+  `how.softcap` are what a kernel needs to compute the same."""
+  return how.reference(q, keys, values, slot, pos).astype("float32")
 
 
 __all__ = ["attend_one_token", "take_layer"]

@@ -3,7 +3,7 @@ products: the intercepts both providers add to Qwix's map.
 
 `take_layer(tree, i)` becomes `kernels.layer.layer_of` (Q8_0 weights as `LayerSlice`s, read in
 place by the kernels that can), and `attend_one_token(...)` becomes op 'decode_attention'
-(`kernels.decode_attention.api.one_token`, its implementation chosen by `kernels.resolve`). The
+(`kernels.decode_attention.api.attend`, its implementation chosen by `kernels.resolve`). The
 hooks are intercepted by name, only once their module is loaded (a model without them needs
 nothing), so the core imports nothing of the models.
 """
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from q8rules.kernels.decode_attention.api import one_token
+from q8rules.kernels.decode_attention.api import attend
 from q8rules.kernels.layer import layer_of
 
 HOOKS_MODULE = "q8rules.models.hooks"
@@ -22,7 +22,7 @@ HOOKS_MODULE = "q8rules.models.hooks"
 
 ROUTES: dict[str, Callable[..., Any]] = {
   "take_layer": layer_of,
-  "attend_one_token": one_token,
+  "attend_one_token": attend,
 }
 """Hook name -> what a q8rules provider runs in its place (the same signature)."""
 

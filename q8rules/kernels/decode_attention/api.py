@@ -16,7 +16,7 @@ and 'xla' otherwise. The choice is made again when the program is lowered, per p
 
 A model does not call this: `q8rules.models` calls its own hook
 (`q8rules.models.hooks.attend_one_token`, plain Flax), and q8rules' providers route that hook
-here, as they route the model's products to the Q8_0 kernels.
+to `attend` (the same arguments), as they route the model's products to the Q8_0 kernels.
 
     out = one_token(q, keys, values, slot, pos, scale=0.125, softcap=None, reference=ref)
 """
@@ -32,9 +32,10 @@ from jax import Array
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from q8rules.attention_params import AttentionParams, Reference
 from q8rules.kernels import registry
 from q8rules.kernels.decode_attention import cpu, xla
-from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem, Reference
+from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.kernels.problem import PLATFORM_OF, platform_of
 
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
@@ -107,6 +108,26 @@ def _kernel_bwd(problem, implementation, how, residuals, g):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
+def attend(
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  how: AttentionParams,
+  implementation: str | None = None,
+) -> Array:
+  """`one_token` with its params as one `AttentionParams` (`AttentionParams.of` makes them):
+  what a q8rules provider runs in place of the decoder's hook `attend_one_token`, which takes
+  the same arguments."""
+  problem = AttentionProblem.of(q, keys)
+  name = registry.resolve(OP, problem, implementation)
+  if name == xla.NAME:
+    return xla.run(q, keys, values, slot, pos, how)
+  slot, pos = jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32)
+  return _kernel(problem, implementation, how, q, keys, values, slot, pos)
+
+
 def one_token(
   q: Array,
   keys: Array,
@@ -138,13 +159,9 @@ def one_token(
   Raises:
     ValueError: an unknown implementation, or 'cpu' where it cannot run (the reason named).
   """
-  problem = AttentionProblem.of(q, keys)
-  name = registry.resolve(OP, problem, implementation)
-  how = AttentionParams(float(scale), softcap and float(softcap), reference)
-  if name == xla.NAME:
-    return xla.run(q, keys, values, slot, pos, how)
-  slot, pos = jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32)
-  return _kernel(problem, implementation, how, q, keys, values, slot, pos)
+  return attend(
+    q, keys, values, slot, pos, AttentionParams.of(scale, softcap, reference), implementation
+  )
 
 
 __all__ = [
@@ -154,6 +171,7 @@ __all__ = [
   "OP",
   "AttentionProblem",
   "Reference",
+  "attend",
   "decode_attention_p",
   "one_token",
 ]

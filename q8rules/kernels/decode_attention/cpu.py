@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from q8rules.attention_params import AttentionParams
 from q8rules.kernels import cpu_native
 from q8rules.kernels.cpu_native import TARGET_DECODE_ATTENTION
-from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem
+from q8rules.kernels.decode_attention.problem import AttentionProblem
 
 NAME = "cpu"
 SUMMARY = "the native CPU library (one custom call; float32 or bfloat16 cache)"

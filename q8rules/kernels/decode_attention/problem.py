@@ -1,34 +1,15 @@
-"""What one decode-attention call is, as its implementations judge it (`AttentionProblem`)."""
+"""What one decode-attention call is, as its implementations judge it (`AttentionProblem`; what
+they compute besides the operands is `q8rules.attention_params.AttentionParams`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from q8rules.kernels.problem import platform_of
-
-Reference = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], jax.Array]
-"""`reference(q (B, 1, H, D), keys, values (L, B, S, KV, D), slot, pos) -> (B, 1, H * D)`: a
-caller's own XLA attention of the token at `pos` over layer `slot` of the cache."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionParams:
-  """What an implementation computes besides its operands.
-
-  Attributes:
-    scale: the scores' factor (1 / sqrt(D) unless the model says otherwise).
-    softcap: None, or the cap of `softcap * tanh(scores / softcap)`.
-    reference: the caller's own XLA attention ('xla' runs it), or None (the plain-JAX one).
-  """
-
-  scale: float
-  softcap: float | None
-  reference: Reference | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,4 +52,4 @@ class AttentionProblem:
     return f"q {self.q_shape} over a cache {self.cache_shape} {self.cache_dtype}"
 
 
-__all__ = ["AttentionParams", "AttentionProblem", "Reference"]
+__all__ = ["AttentionProblem"]

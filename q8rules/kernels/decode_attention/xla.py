@@ -8,7 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import Array
 
-from q8rules.kernels.decode_attention.problem import AttentionParams, AttentionProblem
+from q8rules.attention_params import AttentionParams
+from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.kernels.decode_attention.reference import attend_one_token
 
 NAME = "xla"
