@@ -30,13 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from q8rules.attention_params import AttentionParams, Reference
-from q8rules.kernels import registry
+from q8rules.kernels import lowering, registry
 from q8rules.kernels.decode_attention import cpu, xla
 from q8rules.kernels.decode_attention.problem import AttentionProblem
-from q8rules.kernels.problem import PLATFORM_OF, platform_of
+from q8rules.kernels.problem import platform_of
 
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
   "cpu": ("cpu", "xla"),
@@ -52,8 +51,6 @@ OP = registry.register(
 
 IMPLEMENTATIONS = OP.names
 """The implementations `one_token` takes by name."""
-
-_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def _run_on(platform: str, q, keys, values, slot, pos, *, problem, implementation, how):
@@ -79,12 +76,7 @@ def _impl(q, keys, values, slot, pos, **params):
   return _run_on(platform_of(), q, keys, values, slot, pos, **params)
 
 
-for _lp in _LOWERING_PLATFORMS:
-  mlir.register_lowering(
-    decode_attention_p,
-    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
-    platform=_lp,
-  )
+lowering.lower_per_platform(decode_attention_p, _run_on)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

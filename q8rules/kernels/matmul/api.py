@@ -17,20 +17,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
-from q8rules.kernels import registry
+from q8rules.kernels import lowering, registry
 from q8rules.kernels.layer import LayerSlice, check_stacked
 from q8rules.kernels.matmul import cpu, fold, reference, xla_chunked, xla_dequant
 from q8rules.kernels.matmul._bilinear import bilinear_product
 from q8rules.kernels.matmul_act_q8 import api as act
 from q8rules.kernels.matmul_t.api import backward_implementation
-from q8rules.kernels.problem import PLATFORM_OF, Problem, check_operands, platform_of
+from q8rules.kernels.problem import Problem, check_operands, platform_of
 from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
-
-_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 MODULES = (fold, cpu, xla_chunked, xla_dequant, reference)
 """The implementation modules, each with `NAME`, `SUMMARY`, `ROUNDS_WEIGHT`, `cannot`, `slower`
@@ -112,26 +108,11 @@ def _run_on(
   return REGISTRY[name].run(x2d, q, scale, platform, interpret)
 
 
-q8_product_p = Primitive("q8_product")
+q8_product_p = lowering.float32_primitive(
+  "q8_product", lambda x2d, q, scale: (x2d.shape[0], q.shape[1]), _run_on
+)
 """x2d (m, K), q (K, N) int8, scale (K/32, N) -> (m, N) float32; lowered per platform by
 `resolve`, so the kernel is chosen for the platform the program is compiled for."""
-
-
-@q8_product_p.def_abstract_eval
-def _abstract_eval(x2d, q, scale, **params):
-  del scale, params
-  return jax.core.ShapedArray((x2d.shape[0], q.shape[1]), jnp.float32)
-
-
-q8_product_p.def_impl(registry.jit_impl(q8_product_p))
-
-
-for _lp in _LOWERING_PLATFORMS:
-  mlir.register_lowering(
-    q8_product_p,
-    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
-    platform=_lp,
-  )
 
 
 def _run_layer_on(
@@ -150,26 +131,11 @@ def _run_layer_on(
   return REGISTRY[name].run(x2d, w.q, w.scale, platform, interpret)
 
 
-q8_layer_product_p = Primitive("q8_layer_product")
+q8_layer_product_p = lowering.float32_primitive(
+  "q8_layer_product", lambda x2d, q, scale, layer: (x2d.shape[0], q.shape[2]), _run_layer_on
+)
 """x2d (m, K), q (L, K, N) int8, scale (L, K/32, N), layer () int32 -> (m, N) float32: the
 product on one layer of stacked weights, lowered per platform like `q8_product_p`."""
-
-
-@q8_layer_product_p.def_abstract_eval
-def _layer_abstract_eval(x2d, q, scale, layer, **params):
-  del scale, layer, params
-  return jax.core.ShapedArray((x2d.shape[0], q.shape[2]), jnp.float32)
-
-
-q8_layer_product_p.def_impl(registry.jit_impl(q8_layer_product_p))
-
-
-for _lp in _LOWERING_PLATFORMS:
-  mlir.register_lowering(
-    q8_layer_product_p,
-    mlir.lower_fun(functools.partial(_run_layer_on, PLATFORM_OF[_lp]), multiple_results=False),
-    platform=_lp,
-  )
 
 
 def _select_layer(q: jax.Array, scale: jax.Array, layer: jax.Array):

@@ -23,7 +23,6 @@ values get no cotangent (the base is frozen); the scales' cotangent stays the XL
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -31,11 +30,10 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from q8rules.kernels import registry
+from q8rules.kernels import lowering, registry
 from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
 from q8rules.kernels.matmul_t import cpu, reference, xla
 from q8rules.kernels.matmul_t.problem import TransposedProblem, check_operands_t
-from q8rules.kernels.problem import PLATFORM_OF
 from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
 
@@ -54,8 +52,6 @@ OP = registry.register(
 
 IMPLEMENTATIONS = OP.names
 """The implementations of the transposed product."""
-
-_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def resolve_t(
@@ -91,7 +87,9 @@ def _run_on(platform: str, dy2d, q, scale, *, implementation) -> jax.Array:
   return OP.implementations[name].run(dy2d, q, scale)
 
 
-q8_matmul_t_p = Primitive("q8_matmul_t")
+q8_matmul_t_p = lowering.float32_primitive(
+  "q8_matmul_t", lambda dy2d, q, scale: (dy2d.shape[0], q.shape[0]), _run_on
+)
 """dy2d (m, N), q (K, N) int8, scale (K/32, N) -> (m, K) float32; lowered per platform by
 `resolve`; linear in dy (its transpose is `q8_linear_x_p`)."""
 
@@ -101,19 +99,10 @@ primitive linear in x (the XLA scan, `matmul.xla_chunked`), the x-tangent of eve
 implementation; its transpose is `q8_matmul_t_p` with `implementation`."""
 
 
-@q8_matmul_t_p.def_abstract_eval
-def _t_abstract_eval(dy2d, q, scale, **params):
-  del scale, params
-  return jax.core.ShapedArray((dy2d.shape[0], q.shape[0]), jnp.float32)
-
-
 @q8_linear_x_p.def_abstract_eval
 def _x_abstract_eval(x2d, q, scale, **params):
   del scale, params
   return jax.core.ShapedArray((x2d.shape[0], q.shape[1]), jnp.float32)
-
-
-q8_matmul_t_p.def_impl(registry.jit_impl(q8_matmul_t_p))
 
 
 def _linear_x(x2d, q, scale, *, implementation):
@@ -123,13 +112,6 @@ def _linear_x(x2d, q, scale, *, implementation):
 
 q8_linear_x_p.def_impl(_linear_x)
 mlir.register_lowering(q8_linear_x_p, mlir.lower_fun(_linear_x, multiple_results=False))
-
-for _lp in _LOWERING_PLATFORMS:
-  mlir.register_lowering(
-    q8_matmul_t_p,
-    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
-    platform=_lp,
-  )
 
 
 def _transpose_to(other: Primitive):
