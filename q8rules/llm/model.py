@@ -309,27 +309,12 @@ class GGUFModel:
     )
 
   def generate(
-    self,
-    prompt_ids: Sequence[int] | np.ndarray,
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    stop_ids: Sequence[int] = (),
-    sampler: Sampler | None = None,
+    self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, **options: Any
   ) -> list[int]:
-    """The new token ids (up to max_new_tokens) after prompt_ids; greedy by default (KV cache);
-    `sampler` as in `stream`."""
-    return list(
-      self.stream(
-        prompt_ids,
-        max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        stop_ids=stop_ids,
-        sampler=sampler,
-      )
-    )
+    """The new token ids (up to max_new_tokens) after prompt_ids: `stream`'s, as a list;
+    `options` are `stream`'s keywords (`temperature`, `seed`, `stop_ids`, `sampler`, ...),
+    greedy with none."""
+    return list(self.stream(prompt_ids, max_new_tokens, **options))
 
 
 __all__ = ["TP_SPECS", "GGUFModel", "tp_specs"]

@@ -34,13 +34,12 @@ def check_operands_t(dy: jax.Array, w: Q8Array, *, what: str = "q8_matmul_t") ->
 
   Args:
     dy: cotangents (..., N), float32, bfloat16 or float16.
-    w: a `Q8Array` of q int8 (K, N), K a multiple of 32, blocked along axis 0, and scale
-      float32 or float16 (K/32, N) (checked as `problem.check_operands` checks a product's).
+    w: the Q8_0 weight (K, N), checked as `problem.check_operands` checks a product's (which
+      raises as this does).
     what: the entry point the message names.
 
   Raises:
-    TypeError: a dtype is wrong, or `w` is not a `Q8Array`.
-    ValueError: a shape is wrong.
+    TypeError, ValueError: a dtype or a shape of dy is wrong, or the weight's.
   """
   if isinstance(w, Q8Array) and w.ndim == 2:
     k = int(w.shape[0])
