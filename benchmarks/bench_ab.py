@@ -24,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_decode import FILES, NEW, PROMPT, pin, run, theirs  # noqa: E402
+from benchmarks.bench_decode import FILES, NEW, PROMPT, pin, theirs  # noqa: E402
 from benchmarks.bench_gguf import make_file  # noqa: E402
 from benchmarks.llamacpp_native import describe, query  # noqa: E402
 from benchmarks.results_md import load_average, machine  # noqa: E402
+from scripts.run_json import run  # noqa: E402
 
 OURS = r"""
 import json, sys, time

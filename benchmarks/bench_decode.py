@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -54,6 +52,7 @@ from benchmarks.bench_gguf import make_file  # noqa: E402
 from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
 from benchmarks.shapes import TINYLLAMA_1B, Decoder  # noqa: E402
+from scripts.run_json import run  # noqa: E402
 
 SMOL_135M = Decoder("SmolLM-135M", layers=30, dim=576, ffn=1536, heads=9, kv_heads=3, vocab=49152)
 FILES = {  # key: (file name, shapes, vocab (None: the tiny file's), tied)
@@ -200,15 +199,6 @@ def bytes_per_token(path: Path) -> int:
   tensors = open_file(path).tensors
   skip = "token_embd.weight" if "output.weight" in tensors else None
   return sum(t.data.nbytes for name, t in tensors.items() if name != skip)
-
-
-def run(cmd: list[str], env: dict[str, str] | None = None) -> dict:
-  out = subprocess.run(
-    cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800
-  )
-  if out.returncode != 0:
-    raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def pin(threads: int) -> list[str]:

@@ -36,17 +36,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_decode import run  # noqa: E402
 from benchmarks.llamacpp_native import describe, query  # noqa: E402
 from benchmarks.results_md import machine, section, write_section  # noqa: E402
 from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
+from scripts.real_runs import GREEDY, PROMPT, llama_greedy  # noqa: E402
+from scripts.run_json import run  # noqa: E402
 
 TRAIN = ("for", "while", "if", "try", "with", "function", "class", "lambda", "import", "return")
 HELD_OUT = ("assert", "break", "continue", "del", "global", "pass", "raise", "yield")
 """Topics of `pydoc_data.topics` (the Python Language Reference, PSF License)."""
-
-PROMPT = "The for statement is used to iterate over"
-GREEDY = 32
 
 OURS = r"""
 import json, sys, time
@@ -128,29 +126,6 @@ _, losses, tokens_per_s, _ = train(m, train_ids, out)
 res = dict(losses=losses, tokens_per_s=tokens_per_s)
 res["rss_mb"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
 print(json.dumps(res))
-"""
-
-LLAMA = r"""
-import json, sys
-import numpy as np
-from llama_cpp import Llama
-path, args = sys.argv[1], json.loads(sys.argv[2])
-kw = dict(lora_path=args["lora"]) if args.get("lora") else {}
-llm = Llama(path, n_ctx=512, logits_all=True, verbose=False, n_threads=2, **kw)
-llm.eval(args["eval_ids"])
-np.save(args["out"], np.array(llm.scores[: len(args["eval_ids"])], np.float32))
-llm.reset()
-ids = list(args["prompt_ids"])
-llm.eval(ids)
-new, margins = [], []
-for _ in range(args["greedy"]):
-  row = np.asarray(llm.scores[llm.n_tokens - 1])
-  first, second = np.sort(row)[-2:][::-1]
-  tok = int(np.argmax(row))
-  new.append(tok)
-  margins.append(float(first - second))
-  llm.eval([tok])
-print(json.dumps(dict(greedy=new, margins=margins)))
 """
 
 
@@ -247,9 +222,7 @@ def main() -> None:
         lora=lora,
         out=str(work / f"llama_{name}.npy"),
       )
-      llama[name] = run(
-        [args.llama_cpp_python, "-c", textwrap.dedent(LLAMA), str(file), json.dumps(q)]
-      )
+      llama[name] = llama_greedy(args.llama_cpp_python, file, q)
     ob, ol = np.load(cfg["logits_base"]), np.load(cfg["logits_lora"])
     lb, ll = np.load(work / "llama_base.npy"), np.load(work / "llama_lora.npy")
     om, lm = np.load(cfg["logits_merged"]), np.load(work / "llama_merged.npy")

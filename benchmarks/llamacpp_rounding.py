@@ -30,18 +30,16 @@ import datetime
 import json
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_decode import run  # noqa: E402
 from benchmarks.llamacpp_native import describe, query  # noqa: E402
-from benchmarks.real_gguf import LLAMA, TEXT, nll  # noqa: E402
 from benchmarks.results_md import machine, section, write_section  # noqa: E402
 from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
+from scripts.real_runs import TEXT, llama, nll  # noqa: E402
 from tests import gguf_numpy_forward as F  # noqa: E402
 
 VARIANTS = {
@@ -112,7 +110,7 @@ def evaluate(key: str, py: str, work: Path) -> list[dict]:
     meta = ckpt.metadata
   ids = GGUFTokenizer.from_metadata(meta, path=str(path)).encode(TEXT)
   out = work / f"{key}-llama.npy"
-  run([py, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(ids), str(out)])
+  llama(py, path, ids, out)
   theirs = np.load(out).astype(np.float64)
   types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
   hp, w = F.load_float64(path)

@@ -42,21 +42,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_ab import ours as ours_speed  # noqa: E402
-from benchmarks.bench_decode import run  # noqa: E402
 from benchmarks.llamacpp_native import describe, query  # noqa: E402
 from benchmarks.results_md import machine, section, write_section  # noqa: E402
 from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
-
-TEXT = (
-  "It was the best of times, it was the worst of times, it was the age of wisdom, it was the"
-  " age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the"
-  " season of Light, it was the season of Darkness, it was the spring of hope, it was the"
-  " winter of despair, we had everything before us, we had nothing before us, we were all"
-  " going direct to Heaven, we were all going direct the other way - in short, the period was"
-  " so far like the present period, that some of its noisiest authorities insisted on its"
-  " being received, for good or for evil, in the superlative degree of comparison only."
+from scripts.real_runs import (  # noqa: E402
+  TEXT,
+  float64_logits,
+  llama,
+  llama_quantize,
+  nll,
+  write_f16,
 )
-"""The opening of Dickens's A Tale of Two Cities (1859, public domain)."""
+from scripts.run_json import run  # noqa: E402
 
 OURS = r"""
 import json, sys, time
@@ -74,20 +71,6 @@ if len(sys.argv) > 5:
   np.savez(sys.argv[5], **leaves)
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
 print(json.dumps(dict(load_s=load_s, rss_mb=rss, requantized=dict(m.requantized))))
-"""
-
-LLAMA = r"""
-import json, sys, time
-import numpy as np
-from llama_cpp import Llama
-ids, out = json.loads(sys.argv[2]), sys.argv[3]
-t = time.perf_counter()
-llm = Llama(sys.argv[1], n_ctx=512, logits_all=True, verbose=False, n_threads=2)
-load_s = time.perf_counter() - t
-llm.eval(ids)
-np.save(out, np.array(llm.scores[: len(ids)], np.float32))
-rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
-print(json.dumps(dict(load_s=load_s, rss_mb=rss)))
 """
 
 LOAD_OURS = r"""
@@ -110,25 +93,11 @@ print(json.dumps(dict(load_s=time.perf_counter() - t)))
 """
 """Loads alone, each in a fresh process: the library imported before the timer on both sides."""
 
-QUANTIZE = r"""
-import ctypes, json, sys
-import llama_cpp
-p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-p.allow_requantize = True
-rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p))
-print(json.dumps(dict(rc=rc)))
-"""
-
 
 def ours(path: Path, ids: list[int], out: Path, params: Path | None = None, **kw) -> dict:
   cmd = [sys.executable, "-c", textwrap.dedent(OURS), str(path), json.dumps(ids), str(out)]
   cmd += [json.dumps(kw)] + ([str(params)] if params else [])
   return run(cmd, {"PYTHONPATH": str(ROOT)})
-
-
-def llama(py: str, path: Path, ids: list[int], out: Path) -> dict:
-  return run([py, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(ids), str(out)])
 
 
 def load_times(py: str, path: Path, rounds: int) -> tuple[list[float], list[float]]:
@@ -138,39 +107,6 @@ def load_times(py: str, path: Path, rounds: int) -> tuple[list[float], list[floa
     ours_s.append(run([sys.executable, "-c", LOAD_OURS, str(path)], {"PYTHONPATH": str(ROOT)}))
     llama_s.append(run([py, "-c", LOAD_LLAMA, str(path)]))
   return [r["load_s"] for r in ours_s], [r["load_s"] for r in llama_s]
-
-
-def llama_quantize(py: str, src: Path, dst: Path) -> None:
-  if not dst.exists():
-    res = run([py, "-c", textwrap.dedent(QUANTIZE), str(src), str(dst)])
-    if res["rc"] != 0:
-      raise SystemExit(f"llama_model_quantize {src} -> {dst} failed: rc {res['rc']}")
-
-
-def write_f16(src: Path, dst: Path) -> None:
-  """`src` with every quantized tensor dequantized (gguf.quants) and written as F16."""
-  import gguf
-
-  from q8rules.checkpoint.gguf.requant import is_quantized
-  from tests._utils import copy_gguf
-
-  if dst.exists():
-    return
-
-  def as_f16(t):
-    if is_quantized(t.tensor_type):
-      return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16)
-    return np.asarray(t.data), t.tensor_type
-
-  copy_gguf(src, dst, as_f16)
-
-
-def nll(logits: np.ndarray, ids: list[int]) -> float:
-  """Mean next-token negative log-likelihood of ids[1:] under logits[:-1] (float64)."""
-  x = logits[:-1].astype(np.float64)
-  x -= x.max(-1, keepdims=True)
-  logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
-  return float(-np.mean(logp[np.arange(len(ids) - 1), ids[1:]]))
 
 
 def rel(a: np.ndarray, ref: np.ndarray) -> float:
@@ -183,13 +119,6 @@ def same_params(a: Path, b: Path) -> tuple[int, int]:
   assert sorted(x.files) == sorted(y.files), (x.files, y.files)
   same = sum(np.array_equal(x[k].view(np.uint8), y[k].view(np.uint8)) for k in x.files)
   return same, len(x.files)
-
-
-def float64_logits(path: Path, ids: list[int]) -> np.ndarray:
-  from tests import gguf_numpy_forward as ref
-
-  hp, w = ref.load_float64(path)
-  return ref.forward(hp, w, ids, n_ctx=len(ids))
 
 
 def evaluate(key: str, py: str, work: Path, load_rounds: int) -> dict:

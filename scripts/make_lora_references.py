@@ -6,7 +6,7 @@ tests: tests/data/real_lora_refs.json.
 The adapter (`seeded_adapter`: numpy's seeded generator, the same bytes on every machine) goes
 on all seven block matrices of every layer of the package index's SmolLM2-135M-Instruct Q4_1; it
 is written by `save_lora_gguf` and given to llama.cpp as `lora_path`. Stored, on the text of
-benchmarks/real_gguf.py (its ids) and without and with the adapter: llama.cpp's 8 largest
+scripts/real_runs.py (TEXT's ids) and without and with the adapter: llama.cpp's 8 largest
 logits per position ([ids, values]) and its argmax, and its 32 greedy tokens after PROMPT with
 the gap between its two largest logits at each.
 """
@@ -17,17 +17,14 @@ import argparse
 import json
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_decode import run  # noqa: E402
-from benchmarks.finetune_gguf import GREEDY, LLAMA, PROMPT  # noqa: E402
-from benchmarks.real_gguf import TEXT  # noqa: E402
 from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
+from scripts.real_runs import GREEDY, PROMPT, TEXT, llama_greedy  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "real_lora_refs.json"
 KEY = "smollm2-q4_1"
@@ -75,7 +72,7 @@ def main() -> None:
     for name, lora in (("base", None), ("lora", str(adapter))):
       out = Path(tmp) / f"{name}.npy"
       q = dict(eval_ids=ids, prompt_ids=prompt, greedy=GREEDY, lora=lora, out=str(out))
-      res = run([args.llama_cpp_python, "-c", textwrap.dedent(LLAMA), str(path), json.dumps(q)])
+      res = llama_greedy(args.llama_cpp_python, path, q)
       logits = np.load(out)
       refs[name] = dict(
         top=top8(logits),

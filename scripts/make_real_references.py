@@ -7,7 +7,7 @@ Run with the test environment's Python, giving a llama-cpp-python built natively
 
 Per model (MODELS of fetch_real_models.py):
 
-  ids            the token ids of benchmarks/real_gguf.py's TEXT (our tokenizer's; the
+  ids            the token ids of scripts/real_runs.py's TEXT (our tokenizer's; the
                  tokenizer suite holds them equal to llama.cpp's)
   llama_argmax   llama.cpp's argmax at every position of ids, on the file as it is
   llama_nll      llama.cpp's mean next-token negative log-likelihood over ids
@@ -17,7 +17,7 @@ Per model (MODELS of fetch_real_models.py):
   requant_sha256 tensor name -> sha256 of the Q8_0 blocks `llama-quantize --allow-requantize
                  ... Q8_0` writes for every tensor that is not Q8_0 in the file
   f16_sha256     the same for `llama-quantize ... Q8_0` of the file dequantized to F16
-                 (benchmarks/real_gguf.py's write_f16): every tensor llama.cpp quantized
+                 (scripts/real_runs.py's write_f16): every tensor llama.cpp quantized
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.real_gguf import (  # noqa: E402
+from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
+from scripts.real_runs import (  # noqa: E402
   TEXT,
   float64_logits,
   llama,
@@ -42,7 +43,6 @@ from benchmarks.real_gguf import (  # noqa: E402
   nll,
   write_f16,
 )
-from scripts.fetch_real_models import MODELS, cache_dir, fetch  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "real_gguf_refs.json"
 

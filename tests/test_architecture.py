@@ -219,6 +219,50 @@ def test_hooks_the_providers_route_are_the_models():
     assert theirs[: len(mine)] == mine, (name, mine, theirs)
 
 
+SCRIPTS = PACKAGE.parent / "scripts"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+"""scripts/ fetches the real files and writes the references; benchmarks/ measures. The
+benchmarks may import scripts/ (its fetching and `scripts/real_runs.py`, what both share),
+never the reverse."""
+
+
+def imports_of(paths: list[Path], package: str) -> list[str]:
+  """'file:line: module' for each import of `package` or a module under it (lazily or not) in
+  `paths`."""
+  found = []
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      if isinstance(node, ast.ImportFrom) and not node.level:
+        names = [node.module or ""]
+      found += [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {n}"
+        for n in names
+        if n == package or n.startswith(package + ".")
+      ]
+  return found
+
+
+def test_import_direction_check_catches_a_reverse_import():
+  script = SCRIPTS / "_reverse_import.py"
+  try:
+    script.write_text(
+      "import os\nfrom benchmarks.bench_decode import run\n\n\ndef f():\n"
+      "  import benchmarks.real_gguf\n  from benchmarks_other import x\n"
+    )
+    assert imports_of([script], "benchmarks") == [
+      "scripts/_reverse_import.py:2: benchmarks.bench_decode",
+      "scripts/_reverse_import.py:6: benchmarks.real_gguf",
+    ]
+  finally:
+    script.unlink()
+
+
+def test_scripts_import_no_benchmark():
+  """Imports between scripts/ and benchmarks/ go one way: benchmarks/ -> scripts/."""
+  assert imports_of(sorted(SCRIPTS.rglob("*.py")), "benchmarks") == []
+
+
 MAX_PY_LINES = 500
 MAX_CC_LINES = 600
 

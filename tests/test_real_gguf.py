@@ -71,7 +71,7 @@ def test_f16_quantized_at_load_is_llama_quantizes(key, tmp_path):
   """The file dequantized to F16 (as a converter writes it), quantized at load: each tensor's
   blocks are `llama-quantize ... Q8_0`'s of that F16 file, and llama-quantize quantized the
   same tensors that quantize='q8_0' does."""
-  from benchmarks.real_gguf import write_f16
+  from scripts.real_runs import write_f16
 
   f16 = tmp_path / "f16.gguf"
   write_f16(model_path(key), f16)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import q8rules
-from benchmarks.real_gguf import TEXT
 from q8rules.llm import load_gguf
 from scripts.fetch_real_models import MODELS
+from scripts.real_runs import TEXT
 from tests._llamacpp import llama_logits
 from tests.test_real_gguf import model_path
 from tests.test_save_gguf import assert_same_params, flat, next_token_loss, read, rel_l2
