@@ -121,7 +121,7 @@ def device_loop():
   return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 out["decode_tps"] = max(device_loop() for _ in range(2))
 if mode == "full":
-  def host_loop(n):  # the decode loop as GGUFModel.stream ran it before issue 21
+  def host_loop(n):  # the decode loop driven from the host, one device call a token
     tokens = jnp.asarray(prompt, jnp.int32)[None]
     cache = m._cache(tokens.shape[1] + n)
     logits, cache = m._run(tokens, cache, 0)

@@ -1,5 +1,5 @@
 """The first token of a GGUF model after `import q8rules` returns, in fresh processes with warm
-caches (issue 34's measure).
+caches: what a user waits for between the import and the first generated token.
 
     python benchmarks/bench_first_token.py [--file /tmp/bench-135m-q8_0.gguf] [--runs 7] [--write]
 

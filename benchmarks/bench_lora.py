@@ -21,7 +21,7 @@ Each variant runs in a fresh process. Memory: `runtime` is the process's RSS aft
 jax and running one op (the interpreter, jax and XLA, before any model); `peak` is the
 process's high-water mark (VmHWM) over the timed steps, reset (`/proc/self/clear_refs` 5)
 after the first, compiling, step and `malloc_trim` (which hands what compiling freed back to the
-system; `settled` is the RSS then). The bound of issue 32 is
+system; `settled` is the RSS then). The memory bound it checks is
 
     peak <= runtime + base + 2.5 x adapters (params + Adam's two moments + gradients) + activations
 

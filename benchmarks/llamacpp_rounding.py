@@ -4,7 +4,7 @@ llama.cpp's logits on the same file and text.
 
     python benchmarks/llamacpp_rounding.py --llama-cpp-python PY [--models gemma3-q4_k_m] [--write]
 
-Issue 31 asks for argmax agreement >= 0.97 with llama.cpp on the original file. The float64
+The target is argmax agreement >= 0.97 with llama.cpp on the original file. The float64
 forward (tests/gguf_numpy_forward.py) is the model without any rounding; each variant adds one
 of the roundings llama.cpp's CPU backend makes (llama-cpp-python 0.3.36, flash attention off,
 as its log says):

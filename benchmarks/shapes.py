@@ -73,10 +73,10 @@ ISSUE_DECODE: dict[str, tuple[int, int]] = {
   "Llama-3-70B gate, up": LLAMA3_70B.shape("up"),
   "Llama-3-8B lm_head": LLAMA3_8B.shape("lm_head"),
 }
-"""Issue #11's five decode shapes (the GPU check's decode rows)."""
+"""Five decode shapes of Llama-3-8B (the GPU check's decode rows)."""
 
 ISSUE_PREFILL: tuple[str, tuple[int, int]] = ("Llama-3-8B gate, up", LLAMA3_8B.shape("up"))
-"""Issue #11's prefill shape (the GPU check's prefill rows)."""
+"""A prefill shape of Llama-3-8B (the GPU check's prefill rows)."""
 
 SQUARE: dict[str, tuple[int, int]] = {
   "Llama-3-8B q, o": LLAMA3_8B.shape("q"),

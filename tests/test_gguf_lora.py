@@ -456,7 +456,7 @@ def test_unrolled_layers(tmp_path):
 def test_merged_file_for_llama_cpp(tmp_path):
   """`save_gguf` of an adapted model writes `merged()`: read back, its params are the merged
   model's bit for bit (the untouched tensors the source's bytes); llama.cpp runs the file and
-  stays as close to us as on the source file (issue 33's bound: 1.5x)."""
+  stays as close to us as on the source file (at most 1.5x its difference there)."""
   from tests._llamacpp import llama_logits
 
   m = random_b(base("llama").with_lora(rank=4, alpha=8.0, targets=["attn_v", "ffn_down"]), 14)

@@ -4,7 +4,7 @@ llama.cpp's outputs (tests/data/real_lora_refs.json, scripts/make_lora_reference
 the package index's SmolLM2-135M-Instruct Q4_1 with a seeded adapter on all seven block
 matrices of every layer, written by `save_lora_gguf` and given to llama.cpp as `lora_path`.
 Here the same adapter (the same seeded bytes) goes through `load_gguf(lora=...)`: our logits
-stay as close to llama.cpp's with the adapter as without it (issue 33's bound: at most 1.5x the
+stay as close to llama.cpp's with the adapter as without it (at most 1.5x the
 base file's difference), and llama.cpp's greedy text is ours wherever its choice is clear.
 
 Skipped without the file, unless `Q8RULES_REQUIRE_MODELS=1` (CI fetches it).

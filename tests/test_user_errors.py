@@ -1,5 +1,5 @@
 """What a new user trips on: errors raised early and clearly, inputs accepted in the forms
-the README shows (issue #14)."""
+the README shows."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 `traced_params` is the reference: `jax.eval_shape` of the quantized `Transformer`'s init,
 each float leaf given its file dtype. It traces the whole model once (a layer under
 `nn.scan`, the embedding and the head, with Qwix's interceptions): 0.27-0.39 s of a load
-on the 2-core CPU of RESULTS.md's issue-21 tables, more than reading a 135M model's file.
+on the 2-core CPU of benchmarks/RESULTS.md's decode tables, more than reading a 135M model's
+file.
 
 `file_params` builds the same tree without tracing: `load_gguf`'s model is the `Transformer`
 quantized by `q8_rule(q8_paths)`, and each of its params is one of the file's tensors at the

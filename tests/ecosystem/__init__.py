@@ -1,2 +1,2 @@
-"""Models from the JAX ecosystem, unmodified (issue 19): tied embeddings, weights through array
-ops, sharding annotations; the Tunix matrix runs under `pytest -m ecosystem`."""
+"""Models from the JAX ecosystem, unmodified: tied embeddings, weights through array ops,
+sharding annotations; the Tunix matrix runs under `pytest -m ecosystem`."""

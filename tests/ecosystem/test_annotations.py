@@ -1,4 +1,4 @@
-"""Sharding annotations carried from a float param to its 2-D Q8_0 values (issue 19, F1).
+"""Sharding annotations carried from a float param to its 2-D Q8_0 values.
 
 An N-D weight's annotation (nnx `Param(..., sharding=...)`, linen `nn.with_partitioning`)
 becomes the (K, N) spec of `q` and `scale`: the mesh axes of the contracted axes split K, the

@@ -1,4 +1,4 @@
-"""Tied embeddings in linen, through every README flow (issue 19, F4 and F5).
+"""Tied embeddings in linen, through every README flow.
 
 Two heads on the embedding table: Gemma's linen `Embedder` (`table[(ids,)]`, then
 `jnp.dot(x, table.T)`) and Flax's own `nn.Embed.attend`. The table is stored once as Q8_0

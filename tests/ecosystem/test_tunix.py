@@ -1,11 +1,11 @@
-"""Tunix's models, unmodified, through every README flow (issue 19): the matrix of
-docs/ecosystem.md. Run with `pytest -m ecosystem` (needs `.[ecosystem]`, see the doc).
+"""Tunix's models, unmodified, through every README flow: the matrix of docs/ecosystem.md. Run
+with `pytest -m ecosystem` (needs `.[ecosystem]`, see the doc).
 
 Each case is one of `tunix.models` (Llama 3, Qwen 2, Qwen 3, Gemma, Gemma 2, Gemma 3) in
 float32 or bfloat16, small and with fresh random params (`tunix_models.py`), quantized with
 `qwix.quantize_model(model, q8rules.Q8Provider([q8rules.Q8Rule()]), *inputs)`.
 
-Tolerances: float32 runs hold the issue's targets (jit = eager and QAT = served to 1e-5).
+Tolerances: float32 runs hold the strict targets (jit = eager and QAT = served to 1e-5).
 bfloat16 runs round every activation to 8 bits, and under `jit` XLA may skip those roundings
 inside a fusion (`--xla_allow_excess_precision`, on by default), differently in each program:
 jit against eager is held to 4 times the float model's own difference between the two, or

@@ -1,4 +1,4 @@
-"""Tunix's QLoRA recipe on a Q8_0 base (issue 32): Tunix's Gemma 3 and Qwen 3, as they ship,
+"""Tunix's QLoRA recipe on a Q8_0 base: Tunix's Gemma 3 and Qwen 3, as they ship,
 adapted by `qwix.apply_lora_to_model` with `q8rules.Q8LoraProvider` (Tunix's module_path, rank
 16, alpha 2) and trained by Tunix's own `PeftTrainer` on its `TrainingInput`s with its default
 loss, unmodified; the gradients of every adapter, and of a decoder layer's input x, against a
@@ -31,7 +31,7 @@ pytestmark = [
 STEPS = 6
 
 GRAD_TOL = 1e-5
-"""Issue 32: gradients of A, B and x within 1e-5 (relative L2) of float64's."""
+"""The gradients of A, B and x are held within 1e-5 (relative L2) of float64's."""
 
 TRAINED = [
   ("gemma3", "float32", "q8"),

@@ -1,4 +1,4 @@
-"""Tunix's sharded QLoRA training on a Q8_0 base (issue 32): Tunix's Gemma 3 and Qwen 3 on a
+"""Tunix's sharded QLoRA training on a Q8_0 base: Tunix's Gemma 3 and Qwen 3 on a
 2 x 2 (fsdp x tp) CPU mesh, split by their own default `ShardingConfig` (every adapted weight
 along its contracted axes and its output axes), adapted by `q8rules.Q8LoraProvider` with
 Tunix's module_path (tests/ecosystem/tunix_lora.py) and trained by Tunix's `PeftTrainer` under
@@ -53,7 +53,7 @@ LOSS_TOL = 1e-5
 unsharded run's."""
 
 GRAD_TOL = 1e-5
-"""Issue 32: gradients of A and B within 1e-5 (relative L2) of float64's."""
+"""The gradients of A and B are held within 1e-5 (relative L2) of float64's."""
 
 FLOWS = ("placed", "reshard")
 CASES = [(name, flow) for name in ("gemma3", "qwen3") for flow in FLOWS]

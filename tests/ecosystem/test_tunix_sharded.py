@@ -1,4 +1,4 @@
-"""Tunix's models on a device mesh by their own sharding annotations, quantized (issue 19, F1).
+"""Tunix's models on a device mesh by their own sharding annotations, quantized.
 
 Tunix annotates every param (`nnx.Param(..., sharding=('fsdp', 'tp', None))`). The Q8 params
 carry those annotations over as 2-D (K, N) specs, so Tunix's own way of sharding a model
