@@ -15,18 +15,10 @@ from typing import Any
 from q8rules import kernels, sharding
 from q8rules.kernels import export_checks, fold_applies, q8_matmul
 from q8rules.layout import Q8How
-from q8rules.providers import (
-  LoraAdapter,
-  Q8LoraProvider,
-  Q8LoraRule,
-  Q8Provider,
-  Q8QatProvider,
-  join_lora,
-  merge_lora,
-  quantize_params,
-  shard_products,
-  split_lora,
-)
+from q8rules.lora.merge import merge_lora
+from q8rules.lora.params import LoraAdapter, join_lora, split_lora
+from q8rules.lora.provider import Q8LoraProvider, Q8LoraRule
+from q8rules.providers import Q8Provider, Q8QatProvider, quantize_params, shard_products
 from q8rules.q8_0 import BLOCK, Q8Array, dequantize, quantize
 from q8rules.report import OpRecord, Report
 from q8rules.rules import Q8Rule
@@ -36,8 +28,8 @@ _LAZY = {
   "llm": ("q8rules.llm", None),
   "models": ("q8rules.models", None),
   "load_gguf": ("q8rules.llm", "load_gguf"),
-  "save_lora": ("q8rules.checkpoint.lora", "save_lora"),
-  "load_lora": ("q8rules.checkpoint.lora", "load_lora"),
+  "save_lora": ("q8rules.lora.safetensors_file", "save_lora"),
+  "load_lora": ("q8rules.lora.safetensors_file", "load_lora"),
   "set_cpu_threads": ("q8rules.kernels.cpu_native", "set_threads"),
 }
 """Application names resolved on first use (module, attribute)."""

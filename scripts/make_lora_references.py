@@ -57,7 +57,7 @@ def main() -> None:
   import jax.numpy as jnp
 
   import q8rules
-  from q8rules.checkpoint.gguf.adapter import save_lora_gguf
+  from q8rules.lora.gguf_file import save_lora_gguf
 
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--llama-cpp-python", required=True)

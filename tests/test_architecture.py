@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "q8rules"
@@ -24,12 +26,30 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
   ),
   ("kernels", ("q8rules.kernels",)),
   ("layout", ("q8rules.layout",)),
-  ("sharding", ("q8rules.sharding",)),
+      "q8rules.lora",
+  ("sharding", ("q8rules.sharding", "q8rules.lora.names")),
   ("rules", ("q8rules.rules", "q8rules.report")),
-  ("providers", ("q8rules.providers",)),
+  (
+    "providers",
+    (
+      "q8rules.providers",
+      "q8rules.lora.placement",
+      "q8rules.lora.provider",
+      "q8rules.lora.params",
+      "q8rules.lora.merge",
+    ),
+  ),
   ("core", ("q8rules",)),
-  ("checkpoints, models", ("q8rules.checkpoint", "q8rules.models")),
-  ("applications", ("q8rules.llm", "q8rules.demo", "q8rules.__main__")),
+  (
+    "checkpoints, models",
+    (
+      "q8rules.checkpoint",
+      "q8rules.models",
+      "q8rules.lora.safetensors_file",
+      "q8rules.lora.gguf_file",
+    ),
+  ),
+  ("applications", ("q8rules.llm", "q8rules.cli", "q8rules.demo", "q8rules.__main__")),
 ]
 """The floors, lowest first: a module imports only modules on its own floor or below (lazily
 or not). A name covers the module and everything under it (`q8rules`, the package's
@@ -147,6 +167,73 @@ def test_graph_sees_imports():
   edges = graph()
   assert "q8rules.kernels" in edges["q8rules.providers.mesh"]
   assert "q8rules.q8_0" in edges["q8rules.layout"]
+def test_no_upward_import():
+  """Each module imports only its own floor or lower ones; every module is on a floor."""
+  assert upward_imports(direct_imports()) == []
+
+
+def test_floors_check_catches_a_violation():
+  """A deliberate upward import (the format importing the GGUF loader, lazily inside a
+  function) is reported, and so is a module on no floor."""
+  tree = ast.parse("def f():\n  from q8rules.llm import load_gguf\n")
+  edges = direct_imports()
+  found = imported(tree, "q8rules.q8_0", False, set(edges))
+  assert "q8rules.llm" in found
+  edges["q8rules.q8_0"] = edges["q8rules.q8_0"] | {"q8rules.llm"}
+  assert upward_imports(edges) == ["q8rules.q8_0 (format) -> q8rules.llm (applications)"]
+  try:
+    floor_of("q8rules.newthing.module")
+  except AssertionError as e:
+    assert "on no floor" in str(e)
+  else:
+    raise AssertionError("a module on no floor was accepted")
+
+
+def test_docs_show_the_floors():
+  """docs/kernels.md's Architecture section lists the floors as FLOORS has them, top floor
+  first."""
+  text = FLOORS_PAGE.read_text()
+  block = re.search(r"<!-- floors -->\n```\n(.*?)```", text, re.S)
+  assert block, f"{FLOORS_PAGE.name}: no floors table (a ``` block after '<!-- floors -->')"
+  rows = [line.split("|") for line in block.group(1).strip().splitlines()]
+  shown = [(r[0].strip(), tuple(n.strip() for n in r[1].split(","))) for r in rows]
+  assert shown == [
+    (f, tuple(n.removeprefix("q8rules.") or "q8rules" for n in names))
+    for f, names in reversed(FLOORS)
+  ]
+
+
+def test_import_q8rules_loads_no_application():
+  """`import q8rules` loads the core only: no checkpoint/llm/models, no gguf, safetensors or
+  tokenizers (they load on first use of `q8rules.load_gguf` / `q8rules.checkpoint`)."""
+  code = (
+    "import sys, q8rules\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'safetensors',"
+    f" 'tokenizers') or m.startswith({APPLICATIONS!r}))\n"
+    "print(','.join(bad))\n"
+    "assert callable(q8rules.load_gguf) and 'q8rules.llm' in sys.modules\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+  )
+  assert out.stdout.strip() == "", out.stdout
+
+
+def test_star_import_loads_no_application():
+  """`from q8rules import *` takes the core only: `__all__` names no application."""
+  code = (
+    "import sys\n"
+    "from q8rules import *\n"
+    "bad = sorted(m for m in sys.modules if m.startswith("
+    f"{APPLICATIONS!r}) or m.split('.')[0] in ('gguf', 'safetensors'))\n"
+    "print(','.join(bad))\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+  )
+  assert out.stdout.strip() == "", out.stdout
+
+
   assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 
 

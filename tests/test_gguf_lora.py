@@ -22,7 +22,7 @@ import optax
 import pytest
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.checkpoint.gguf.adapter import read_lora_gguf, save_lora_gguf
+from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
 from q8rules.llm import load_gguf
 from q8rules.llm.finetune import LoraTrainer, split_adapters
 from q8rules.llm.lora import DEFAULT_TARGETS
@@ -439,7 +439,7 @@ def test_unrolled_layers(tmp_path):
   scanned = random_b(base("qwen2").with_lora(rank=4, alpha=8.0), seed=13)
   scanned.save_lora_gguf(tmp_path / "a.gguf")
   m = load_gguf(tiny("qwen2"), dtype=jnp.float32).unrolled()
-  from q8rules.checkpoint.gguf.adapter import read_lora_gguf as read
+  from q8rules.lora.gguf_file import read_lora_gguf as read
   from q8rules.llm.lora_convert import attach_lora_files
 
   adapted = attach_lora_files(m, [read(tmp_path / "a.gguf")], [1.0])

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import q8rules
 from q8rules import sharding
-from q8rules.providers.lora_placement import place_like_base
+from q8rules.lora.placement import place_like_base
 from q8rules.q8_0 import quantize
 from tests import _lora_models as lm
 from tests._utils import rel_err

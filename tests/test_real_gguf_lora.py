@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.checkpoint.gguf.adapter import save_lora_gguf
+from q8rules.lora.gguf_file import save_lora_gguf
 from scripts.make_lora_references import ALPHA, KEY, seeded_adapter
 from tests.test_real_gguf import model_path
 

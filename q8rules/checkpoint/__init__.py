@@ -5,14 +5,15 @@ Modules:
     (Q8_0 repacked into `Q8Array`s without dequantising), `save`, and
     `open_gguf` (one file, or every part of a split one, as one mapping).
   safetensors: `save(path, params)` / `load(path)` of Q8 param trees, bit exact.
-  lora: `save_lora(path, adapters)` / `load_lora(path)` of LoRA adapters without their base.
   assign: `assign(q8_params, tensors, name_map)`, putting loaded tensors into a
     quantized model's param tree with every shape checked; `flatten(tree)`.
+
+LoRA adapters' files are `q8rules.lora` (`safetensors_file`, `gguf_file`).
 
 Errors are `CheckpointError` (a ValueError) naming the file and tensor.
 """
 
-from q8rules.checkpoint import assign, gguf, lora, safetensors
+from q8rules.checkpoint import assign, gguf, safetensors
 from q8rules.checkpoint._common import CheckpointError
 
-__all__ = ["CheckpointError", "assign", "gguf", "lora", "safetensors"]
+__all__ = ["CheckpointError", "assign", "gguf", "safetensors"]

@@ -201,7 +201,7 @@ def _lora_files(lora: Any, lora_scale: Any) -> tuple[list[Any], list[float]]:
   for s in scales:
     if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s):
       raise ValueError(f"lora_scale must be a finite number, got {s!r}")
-  from q8rules.checkpoint.gguf.adapter import read_lora_gguf
+  from q8rules.lora.gguf_file import read_lora_gguf
 
   return [read_lora_gguf(p) for p in paths], [float(s) for s in scales]
 

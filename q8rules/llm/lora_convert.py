@@ -26,11 +26,11 @@ from q8rules.llm.lora import (
 from q8rules.llm.lora_fuse import refuse, unfuse
 from q8rules.llm.lora_tree import get_in, set_in
 from q8rules.llm.unstack import rebuilt
-from q8rules.providers.lora_merge import merged_q8
-from q8rules.providers.lora_params import LoraAdapter, placed_like
+from q8rules.lora.merge import merged_q8
+from q8rules.lora.params import LoraAdapter, placed_like
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
-from q8rules.sharding.adapters import LORA_A, LORA_B
+from q8rules.lora.names import LORA_A, LORA_B
 
 
 def _site(name: str, config: Any, present: set[str], where: str) -> tuple[str, int]:
@@ -59,7 +59,7 @@ def _site(name: str, config: Any, present: set[str], where: str) -> tuple[str, i
 
 
 def attach_lora_files(m: Any, files: Sequence[Any], scales: Sequence[float]) -> Any:
-  """`m` with the adapters of llama.cpp LoRA files (`q8rules.checkpoint.gguf.adapter.LoraFile`)
+  """`m` with the adapters of llama.cpp LoRA files (`q8rules.lora.gguf_file.LoraFile`)
   applied unmerged, each delta scaled as llama.cpp scales it (`LoraFile.scale`).
 
   One file (with a scale > 0) keeps its A and B as they are (the rule's alpha = lora_scale *

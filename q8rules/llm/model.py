@@ -165,9 +165,9 @@ class GGUFModel:
   def save_lora_gguf(self, path: Any, *, dtype: str = "f32") -> Any:
     """Write the adapters as a llama.cpp LoRA adapter file (`general.type = adapter`, one
     `<tensor>.lora_a` / `.lora_b` pair per adapted tensor in ggml's orientation, F32 or F16;
-    `q8rules.checkpoint.gguf.adapter`), for llama.cpp's `--lora` and `load_gguf(lora=...)`.
+    `q8rules.lora.gguf_file`), for llama.cpp's `--lora` and `load_gguf(lora=...)`.
     Written to a temporary file, then renamed. Returns the path."""
-    from q8rules.checkpoint.gguf.adapter import save_lora_gguf
+    from q8rules.lora.gguf_file import save_lora_gguf
 
     arch = self.metadata.get("general.architecture", self.config.arch)
     return save_lora_gguf(path, self.adapters(), arch=arch, alpha=self.lora.alpha, dtype=dtype)

@@ -28,7 +28,7 @@ from flax import nnx
 
 import q8rules
 from q8rules.layout import WeightLayout
-from q8rules.providers.lora import LORA_A, LORA_B
+from q8rules.lora.provider import LORA_A, LORA_B
 from q8rules.providers.q8_weight import Q8Weight
 from tests._utils import weight64
 from tests.ecosystem import tunix_models as tm

@@ -31,8 +31,8 @@ import safetensors
 
 from q8rules.checkpoint._common import CheckpointError
 from q8rules.checkpoint.safetensors import user_metadata, write_file
-from q8rules.providers.lora import LORA_A, LORA_B
-from q8rules.providers.lora_params import Adapters, LoraAdapter
+from q8rules.lora.params import Adapters, LoraAdapter
+from q8rules.lora.provider import LORA_A, LORA_B
 from q8rules.tree_paths import listing
 
 META_KEY = "__q8rules_lora__"

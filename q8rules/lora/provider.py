@@ -12,7 +12,7 @@ through `embedding.T`). nnx keeps them as `nnx.LoRAParam` attributes `<param>_lo
 `<param>_lora_b` of the module (so `nnx.DiffState(0, nnx.LoRAParam)` trains only them), linen
 as params of those names beside the Q8 param. On a mesh the adapters follow their base's split
 (A along K as a row-parallel base, B along N as a column-parallel one): a new adapter is
-annotated and placed as its base's Q8 values are (`q8rules.providers.lora_placement`), and
+annotated and placed as its base's Q8 values are (`q8rules.lora.placement`), and
 `q8rules.sharding.shard_params` splits them so. Products matched by a plain `Q8Rule` of the same
 provider are served as Q8_0 without an adapter. The gradient reaches A and B through the delta;
 the base's gradient in x runs the Q8_0 transposed product (op 'matmul_t').
@@ -41,12 +41,12 @@ from q8rules._qwix import (
   provider_rules,
 )
 from q8rules.layout import ProductLayout
-from q8rules.providers.lora_placement import init_like_base
+from q8rules.lora.names import LORA_A, LORA_B
+from q8rules.lora.placement import init_like_base
 from q8rules.providers.policy import CurrentRule, Product, op_where
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.providers.serving import Q8Provider, ServePolicy
 from q8rules.rules import Q8Rule, describe
-from q8rules.sharding.adapters import LORA_A, LORA_B
 from q8rules.sharding.product import type_spec
 from q8rules.sharding.specs import spec_entries
 

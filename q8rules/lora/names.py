@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 from jax.sharding import PartitionSpec as P
 
-from q8rules.sharding.specs import spec_entries
-
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 """The suffixes of the adapter params' names ('kernel' -> 'kernel_lora_a', 'kernel_lora_b')."""
 
@@ -42,7 +40,12 @@ def adapter_entries(base: Any, which: Which, ndim: int = 2) -> tuple[Any, ...]:
   Returns:
     A tuple of `ndim` entries (the leading ones the base's).
   """
-  *lead, k, n = spec_entries(P(*base), ndim, "the base of a LoRA adapter")
+  entries = tuple(P(*base))
+  if len(entries) > ndim:
+    raise ValueError(
+      f"the base of a LoRA adapter: {P(*base)} has {len(entries)} entries for {ndim} axes"
+    )
+  *lead, k, n = entries + (None,) * (ndim - len(entries))
   return (*lead, k, None) if which == "a" else (*lead, None, n)
 
 

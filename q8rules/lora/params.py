@@ -32,7 +32,7 @@ from flax import nnx
 
 from q8rules._qwix import QuantizationProvider, provider_rules, unbox
 from q8rules.layout import Q8How
-from q8rules.providers.lora import LORA_A, LORA_B, Q8LoraRule
+from q8rules.lora.provider import LORA_A, LORA_B, Q8LoraRule
 from q8rules.providers.q8_weight import as_q8_weight
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.rules import Q8Rule, describe

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -111,11 +110,11 @@ def save_lora_gguf(
         raise ValueError(f"{path}: LoRA {part} of {base} overflows float16; write dtype='f32'")
     tensors.append((base + SUFFIX_A, np.ascontiguousarray(a.T, np_dtype)))
     tensors.append((base + SUFFIX_B, np.ascontiguousarray(b.T, np_dtype)))
-  try:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  try:  # created with the umask's mode, as `open` makes any other file (mkstemp's is 0600)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
   except OSError as e:
     raise CheckpointError(f"{path}: cannot write the adapter file there: {e}") from e
-  os.close(fd)
   try:
     writer = gguf_lib.GGUFWriter(tmp, arch)
     writer.add_type(gguf_lib.GGUFType.ADAPTER)

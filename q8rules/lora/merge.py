@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from q8rules._qwix import QuantizationProvider, unbox
-from q8rules.providers.lora_params import (
+from q8rules.lora.params import (
   Adapters,
   LoraAdapter,
   Tree,
@@ -85,7 +85,7 @@ def merge_lora(
       merged) or a plain one (the adapters come as `lora`).
     lora: where the adapters and their alpha come from. A `Q8LoraProvider` or its rules: the
       adapters in `params`, each scaled by the alpha of the rule that matches its module
-      (`q8rules.providers.lora_params.rule_alpha`). A dict of `LoraAdapter`s (`split_lora`,
+      (`q8rules.lora.params.rule_alpha`). A dict of `LoraAdapter`s (`split_lora`,
       `load_lora`): those, each with its own alpha; `params` must then hold none.
 
   Returns:
