@@ -22,14 +22,18 @@ NAME = "xla"
 SUMMARY = "a loop over (expert, row tile) items, one expert dequantised at a time, plain XLA"
 
 MAX_BLOCK_M = 256
-"""The most rows one item takes (fewer rows: M rounded up to 8)."""
+"""The most rows one item takes."""
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def block_rows(m: int) -> int:
-  """Rows per tile for m rows: m rounded up to 8, at most `MAX_BLOCK_M`."""
-  return max(8, min(MAX_BLOCK_M, -(-m // 8) * 8))
+def block_rows(m: int, experts: int) -> int:
+  """Rows per tile for m rows over `experts` groups: the rows an expert gets on average, rounded
+  up to 8, at most `MAX_BLOCK_M`. An item dots its whole tile, so a tile much taller than its
+  group's rows wastes work: 32 decode rows routed to 32 of 128 experts, (2048, 1536) each, ran
+  3.6x faster in tiles of 8 rows than in one tile of 32."""
+  rows = -(-m // max(experts, 1))
+  return max(8, min(MAX_BLOCK_M, -(-rows // 8) * 8))
 
 
 def _tiled(a: jax.Array, tiles: int, block_m: int) -> jax.Array:
@@ -70,11 +74,11 @@ def ragged_xla(
     q: (E, K, N) int8.
     scale: (E, K/32, N) float32 or float16.
     group_sizes: (E,) int32, rows per expert in order (rows past their sum get zeros).
-    block_m: rows per work item (default `block_rows(M)`).
+    block_m: rows per work item (default `block_rows(M, E)`).
   """
   m = x.shape[0]
   n = q.shape[2]
-  bm = block_m or block_rows(m)
+  bm = block_m or block_rows(m, q.shape[0])
   tiles = tiles_of(m, bm)
   items = work_items(group_sizes, m, bm)
 
@@ -97,7 +101,7 @@ def ragged_xla_t(
   dy (M, N); the items and operands as `ragged_xla`'s."""
   m = dy.shape[0]
   k = q.shape[1]
-  bm = block_m or block_rows(m)
+  bm = block_m or block_rows(m, q.shape[0])
   tiles = tiles_of(m, bm)
   items = work_items(group_sizes, m, bm)
 
@@ -115,7 +119,7 @@ def ragged_xla_dscale(
   q[e, 32b + i, n]`, (E, K/32, N) float32, for x (M, K), q (E, K, N) int8, dy (M, N)."""
   m = x.shape[0]
   experts, k, n = q.shape
-  bm = block_m or block_rows(m)
+  bm = block_m or block_rows(m, q.shape[0])
   tiles = tiles_of(m, bm)
   items = work_items(group_sizes, m, bm)
   xt, dyt = _tiled(x, tiles, bm), _tiled(dy, tiles, bm)
