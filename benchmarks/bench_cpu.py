@@ -17,7 +17,7 @@ activations x (m, K), times `y = x @ W` five ways:
   q8 xla       `q8rules.q8_matmul(x, w, implementation="xla")`, a Q8_0 weight
                with float16 scales as GGUF stores it (8.5 bits per weight)
   q8 cpu       `q8rules.q8_matmul(x, w, implementation="cpu")`: the native C++
-               kernel (`q8rules.kernels.cpu_native`), the same Q8_0 weights
+               kernel (`q8rules.kernels.native`), the same Q8_0 weights
 
 Each timing is the least of a few medians (each round sweeps the whole grid,
 so a burst of load from other processes hits one round of a cell rather than

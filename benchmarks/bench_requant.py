@@ -35,7 +35,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
 from q8rules.checkpoint.gguf import requant_native as rn  # noqa: E402
 from q8rules.checkpoint.gguf.header import open_file  # noqa: E402
-from q8rules.kernels import cpu_native  # noqa: E402
+from q8rules.kernels.native import library as native_lib  # noqa: E402
+from q8rules.kernels.native import simd as native_simd  # noqa: E402
+from q8rules.kernels.native import threads as native_threads  # noqa: E402
 
 FILES = ("SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf")
 SYNTHETIC = (T.Q4_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.F16, T.BF16, T.F32)
@@ -126,7 +128,7 @@ def table(by_type: dict[T, list[Tensor]], args: argparse.Namespace, source: str)
     mb = sum(r.nbytes for _, _, r in tensors) / 1e6
     gguf_s, gguf_bytes = gguf_seconds(tensors, args.gguf_mb * 10**6)
     gguf_rate = gguf_bytes / 1e6 / gguf_s
-    for threads in sorted({1, cpu_native.cpus()}):
+    for threads in sorted({1, native_threads.cpus()}):
       rate = mb / native_seconds(tensors, threads, args.rounds)
       rows.append(
         f"| {qtype.name} | {source} | {mb:.1f} | {rate:.0f} | {gguf_rate:.1f} |"
@@ -143,8 +145,8 @@ def main() -> None:
   ap.add_argument("--gguf-mb", type=int, default=8, help="MB of each type gguf.quants runs")
   ap.add_argument("--write", action="store_true", help="write the tables to RESULTS.md")
   args = ap.parse_args()
-  if not cpu_native.available():
-    raise SystemExit(f"the native library is unavailable: {cpu_native.unavailable_reason()}")
+  if not native_lib.available():
+    raise SystemExit(f"the native library is unavailable: {native_lib.unavailable_reason()}")
   base = args.dir or Path(
     os.environ.get("Q8RULES_MODEL_DIR") or Path.home() / ".cache" / "q8rules" / "models"
   )
@@ -173,7 +175,7 @@ def main() -> None:
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     header = (
       f"Date: {now}. Machine: {machine()}. Load average at the end: {load_average()}."
-      f" Native quantizer path: {cpu_native.isa('selected')}."
+      f" Native quantizer path: {native_simd.isa('selected')}."
     )
     cmd = "python " + " ".join(["benchmarks/bench_requant.py", *sys.argv[1:]])
     text = section(

@@ -68,7 +68,8 @@ from benchmarks import results_md  # noqa: E402
 from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, write_section  # noqa: E402
 from benchmarks.shapes import CPU_MATMUL, SQUARE  # noqa: E402
-from q8rules.kernels import cpu_native as cpu  # noqa: E402
+from q8rules.kernels.native import library as native_lib  # noqa: E402
+from q8rules.kernels.native import simd as native_simd  # noqa: E402
 from q8rules.timing import call_times, median_time  # noqa: E402
 
 HEADING = "## CPU: q8rules vs llama.cpp (Q8_0 matmul)"
@@ -248,7 +249,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
   jit_cpu = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="cpu"))
   jit_xla = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="xla"))
   jit_act = jax.jit(lambda x, w: q8rules.q8_matmul(x, w, implementation="cpu", act_qtype="q8_0"))
-  lib = ctypes.CDLL(str(cpu.loaded_path()))
+  lib = ctypes.CDLL(str(native_lib.loaded_path()))
   lib.Q8GemvIsaName.restype = ctypes.c_char_p
 
   # Per-call overheads: a tiny product on each side.
@@ -311,7 +312,7 @@ def run(shapes, rows, rounds: int, calls: int, threads: int, g: Ggml) -> tuple[l
           y_act = np.asarray(jit_act(x, ours[0]), np.float64)
           info[k, n, m] = dict(
             isa=isa,
-            act_path=cpu.last_act_path(),
+            act_path=native_simd.last_act_path(),
             diff=float(np.linalg.norm(y_ggml - y_cpu) / np.linalg.norm(y_cpu)),
             act_diff=float(np.linalg.norm(y_ggml - y_act) / np.linalg.norm(y_act)),
           )
@@ -403,9 +404,9 @@ def main() -> None:
       f"bench_vs_llamacpp: skipped, llama_cpp does not import ({e}); install llama-cpp-python built for this CPU"
     )
     return
-  if not cpu.available():
+  if not native_lib.available():
     print(
-      f"bench_vs_llamacpp: skipped, the native kernel is unavailable: {cpu.unavailable_reason()}"
+      f"bench_vs_llamacpp: skipped, the native kernel is unavailable: {native_lib.unavailable_reason()}"
     )
     return
   build, missing = describe(**query(None))
@@ -420,7 +421,7 @@ def main() -> None:
   rows = (1, 8) if args.quick else ROWS
   rounds = args.rounds or (2 if args.quick else 3)
   now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-  isa_lib = ctypes.CDLL(str(cpu.loaded_path()))
+  isa_lib = ctypes.CDLL(str(native_lib.loaded_path()))
   isa_lib.Q8GemvIsaName.restype = ctypes.c_char_p
   header = (
     f"Date: {now}. Machine: {machine()}; L3 {l3_bytes() >> 20} MiB; CPU flags: {cpu_flags()}."

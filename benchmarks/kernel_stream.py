@@ -31,14 +31,14 @@ def build() -> Path:
   """kernel_stream.cc compiled against the library's headers with its compiler and flags."""
   import jax
 
-  from q8rules.kernels import cpu_native
+  from q8rules.kernels.native import library as native_lib
 
   out = Path(tempfile.mkdtemp(prefix="q8rules-kernel-stream-")) / "kernel_stream"
-  headers = Path(cpu_native.SOURCE).parent
+  headers = Path(native_lib.SOURCE).parent
   # the library's code-generation flags (its warnings left out: GCC 12's AVX-512 headers warn
   # of an uninitialized value inside their own intrinsics when main() inlines them)
-  flags = [f for f in cpu_native.CXXFLAGS if f not in ("-shared", "-fPIC") and f[:2] != "-W"]
-  cmd = [*cpu_native._compiler(), *flags, "-I", str(headers), "-isystem", jax.ffi.include_dir()]
+  flags = [f for f in native_lib.CXXFLAGS if f not in ("-shared", "-fPIC") and f[:2] != "-W"]
+  cmd = [*native_lib.compiler(), *flags, "-I", str(headers), "-isystem", jax.ffi.include_dir()]
   subprocess.run([*cmd, str(SOURCE), "-o", str(out)], check=True)
   return out
 

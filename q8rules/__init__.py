@@ -30,7 +30,7 @@ _LAZY = {
   "load_gguf": ("q8rules.llm", "load_gguf"),
   "save_lora": ("q8rules.lora.safetensors_file", "save_lora"),
   "load_lora": ("q8rules.lora.safetensors_file", "load_lora"),
-  "set_cpu_threads": ("q8rules.kernels.cpu_native", "set_threads"),
+  "set_cpu_threads": ("q8rules.kernels.native.threads", "set_threads"),
 }
 """Application names resolved on first use (module, attribute)."""
 

@@ -43,9 +43,9 @@ def _weight(rng: np.random.Generator, k: int, n: int, scale_dtype: str, layers: 
 
 
 def _isas() -> list[str]:
-  from q8rules.kernels import cpu_native  # the public name on both sides of the move
+  from q8rules.kernels.native import simd as native_simd
 
-  best = cpu_native.isa("best")
+  best = native_simd.isa("best")
   order = ["scalar", "avx2", "avx512"]
   return order[: order.index(best) + 1] if best in order else []
 
@@ -145,7 +145,7 @@ def _with_isa(cap: str | None, fn: Callable[[], jax.Array]) -> Callable[[], np.n
 def repack_cases() -> Iterator[Case]:
   import gguf
 
-  from q8rules.kernels import cpu_native
+  from q8rules.kernels.native import repack as native_repack
 
   for rows, k in ((48, 64), (600, 1024), (7, 4096)):
     rng = np.random.default_rng(rows * k)
@@ -155,7 +155,7 @@ def repack_cases() -> Iterator[Case]:
     def run(blocks=blocks, rows=rows, k=k):
       out = np.zeros((1, k, rows), np.int8)
       scales = np.zeros((1, k // 32, rows), np.float16)
-      assert cpu_native.repack_q8_transposed(blocks.view(np.uint8).reshape(-1), out, scales)
+      assert native_repack.repack_q8_transposed(blocks.view(np.uint8).reshape(-1), out, scales)
       return np.concatenate([out.reshape(-1).view(np.uint8), scales.reshape(-1).view(np.uint8)])
 
     yield f"repack/{rows}x{k}", run

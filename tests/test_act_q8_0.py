@@ -17,18 +17,20 @@ import qwix
 from flax import linen as nn
 
 import q8rules
-from q8rules.kernels import cpu_native, q8_matmul, resolve_product, run_product
+from q8rules.kernels import q8_matmul, resolve_product, run_product
 from q8rules.kernels.layer import LayerSlice
 from q8rules.kernels.matmul_act_q8 import api as act_q8_0
 from q8rules.kernels.matmul_act_q8 import cpu as act_cpu
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
 from q8rules.q8_0 import Q8Array
 from tests._utils import random_q8, random_x, rel_err, weight64
 
 TINY_GGUF = Path(__file__).parent / "data" / "gguf_models" / "tiny-llama-q8_0.gguf"
 
-NATIVE = cpu_native.available()
+NATIVE = native_lib.available()
 needs_native = pytest.mark.skipif(
-  not NATIVE, reason=f"native kernel: {cpu_native.unavailable_reason()}"
+  not NATIVE, reason=f"native kernel: {native_lib.unavailable_reason()}"
 )
 
 
@@ -71,7 +73,7 @@ def test_kernel_quantizes_as_gguf_bit_for_bit(rng, simd):
   """The native kernel's own quantizer (AVX-512 where the CPU has VNNI, and scalar)."""
   x = hard_activations(rng)
   ref_q, ref_d = gguf_q8_0(x)
-  q, d, corr = cpu_native.quantize_activations_native(x, simd=simd)
+  q, d, corr = act_cpu.quantize_activations_native(x, simd=simd)
   np.testing.assert_array_equal(q, ref_q)
   np.testing.assert_array_equal(d.view(np.uint32), ref_d.view(np.uint32))
   np.testing.assert_array_equal(corr, -128 * q.reshape(6, -1, 32).astype(np.int32).sum(-1))
@@ -115,7 +117,7 @@ def test_product_matches_float64_of_the_q8_0_activations(
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(y, ref) <= 1e-6, rel_err(y, ref)
   if name == "cpu" and act_q8_0.int8_kernel_runs():
-    assert cpu_native.last_act_path() == "avx512_vnni"
+    assert native_simd.last_act_path() == "avx512_vnni"
   # against the weight-only float64 product: the activations' rounding, well under 1 %
   assert rel_err(y, np.asarray(x, np.float64) @ weight64(q, scale)) < 1e-2
 
@@ -129,7 +131,7 @@ def test_kernels_scalar_int8_path(rng, monkeypatch, m, k, n):
   q, scale = random_q8(rng, k, n, np.float16)
   x = random_x(rng, (m, k))
   y = act_cpu.q8_matmul_cpu_act_q8(x, q, scale)
-  assert cpu_native.last_act_path() == "scalar"
+  assert native_simd.last_act_path() == "scalar"
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(y, ref) <= 1e-6
 
@@ -139,7 +141,7 @@ def test_default_implementation_per_backend(rng):
   CPU (its int8 product with VNNI, else the round trip through its float32 product), else XLA
   (GPU and TPU: XLA)."""
   backend = jax.default_backend()
-  want = "cpu" if backend == "cpu" and cpu_native.available() else "xla"
+  want = "cpu" if backend == "cpu" and native_lib.available() else "xla"
   assert resolve_product(1, 4096, 4096, jnp.float32, act_qtype="q8_0") == want
   assert resolve_product(1, 4096, 4096, backend="tpu", act_qtype="q8_0") == "xla"
   q, scale = random_q8(rng, 64, 32)
@@ -155,7 +157,7 @@ def test_stacked_layer_is_read_in_place_with_q8_0_activations(rng):
   run = jax.jit(lambda x, i: q8_matmul(x, LayerSlice(w, i), act_qtype="q8_0", implementation="cpu"))
   hlo = run.lower(x, jnp.int32(1)).compile().as_text()
   int8 = act_q8_0.int8_kernel_runs()  # else the round trip through the float32 layer kernel
-  assert (cpu_native.TARGET_ACT_Q8_LAYER if int8 else cpu_native.TARGET_LAYER) in hlo
+  assert (native_lib.TARGET_ACT_Q8_LAYER if int8 else native_lib.TARGET_LAYER) in hlo
   for i, (q, s) in enumerate(parts):
     ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(s))
     assert rel_err(run(x, jnp.int32(i)), ref) <= 1e-6
@@ -276,8 +278,8 @@ def test_export_carries_each_platforms_q8_0_product(rng):
   on_cpu = resolve_product(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
   int8 = on_cpu and act_q8_0.int8_kernel_runs()
   text = exp.mlir_module()
-  assert (cpu_native.TARGET_ACT_Q8 in text) == int8
-  assert (f"@{cpu_native.TARGET}(" in text) == (on_cpu and not int8)
+  assert (native_lib.TARGET_ACT_Q8 in text) == int8
+  assert (f"@{native_lib.TARGET}(" in text) == (on_cpu and not int8)
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(exp.call(x, q, scale), ref) <= 1e-6
 

@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from q8rules.kernels import cpu_native as cpu
 from q8rules.kernels.matmul import cpu as matmul_cpu
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
 from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
 pytestmark = pytest.mark.skipif(
-  not cpu.available(), reason=f"native CPU kernel unavailable: {cpu.unavailable_reason()}"
+  not native_lib.available(),
+  reason=f"native CPU kernel unavailable: {native_lib.unavailable_reason()}",
 )
 
 ISAS = ("scalar", "avx2", "avx512")
@@ -29,7 +31,7 @@ ENV = "Q8RULES_CPU_ISA"
 
 def lib() -> ctypes.CDLL:
   """The loaded kernel library (dlopen of the same path shares its state)."""
-  path = cpu.loaded_path()
+  path = native_lib.loaded_path()
   assert path is not None
   handle = ctypes.CDLL(str(path))
   handle.Q8GemvIsaName.restype = ctypes.c_char_p
@@ -109,7 +111,7 @@ def test_simd_paths_agree_to_the_bit(rng, monkeypatch):
 
 def test_selection_follows_the_environment(monkeypatch):
   """Unset / empty / auto: the best path; a named path is capped at what the CPU has; the
-  scalar switch of `cpu.force_scalar` wins over the environment."""
+  scalar switch of `native_simd.force_scalar` wins over the environment."""
   handle = lib()
   best = handle.Q8GemvBestIsa()
   assert handle.Q8GemvIsaName(best).decode() == ISAS[best]
@@ -122,12 +124,12 @@ def test_selection_follows_the_environment(monkeypatch):
     monkeypatch.setenv(ENV, name)
     assert handle.Q8GemvSelectedIsa() == min(code, best)
   monkeypatch.setenv(ENV, "avx512")
-  cpu.force_scalar(True)
+  native_simd.force_scalar(True)
   try:
     assert handle.Q8GemvSelectedIsa() == 0
-    assert not cpu.has_avx2()
+    assert not native_simd.has_avx2()
   finally:
-    cpu.force_scalar(False)
+    native_simd.force_scalar(False)
   assert handle.Q8GemvSelectedIsa() == best
 
 
@@ -145,8 +147,8 @@ def test_unknown_isa_is_an_error(rng, monkeypatch):
 
 
 def test_isa_names_the_path(isa, rng):
-  """`cpu_native.isa()` reports what the library chose and ran, by name."""
+  """`native.simd.isa()` reports what the library chose and ran, by name."""
   q, scale = random_q8(rng, 64, 32)
   jax.block_until_ready(matmul_cpu.q8_matmul_cpu(random_x(rng, (1, 64)), q, scale))
-  assert cpu.isa("last") == isa == cpu.isa("selected")
-  assert cpu.ISAS.index(cpu.isa("best")) >= cpu.ISAS.index(isa)
+  assert native_simd.isa("last") == isa == native_simd.isa("selected")
+  assert native_simd.ISAS.index(native_simd.isa("best")) >= native_simd.ISAS.index(isa)

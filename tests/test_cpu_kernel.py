@@ -1,4 +1,4 @@
-"""The native CPU Q8_0 kernel (XLA FFI, `q8rules.kernels.cpu_native`) against float64 references."""
+"""The native CPU Q8_0 kernel (XLA FFI, `q8rules.kernels.native`) against float64 references."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import CPU_MAX_ROWS, cpu_native, q8_matmul, resolve_product
+from q8rules.kernels import CPU_MAX_ROWS, q8_matmul, resolve_product
 from q8rules.kernels.matmul import cpu as matmul_cpu
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
 from q8rules.q8_0 import Q8Array
 from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
 
 TOL = 1e-6
 
 pytestmark = pytest.mark.skipif(
-  not cpu_native.available(),
-  reason=f"native CPU kernel unavailable: {cpu_native.unavailable_reason()}",
+  not native_lib.available(),
+  reason=f"native CPU kernel unavailable: {native_lib.unavailable_reason()}",
 )
 
 
@@ -48,11 +50,11 @@ SHAPES = [
 @pytest.fixture(params=["avx2", "scalar"])
 def path(request):
   """Run a test on the AVX2 path (where the CPU has it) and on the forced scalar path."""
-  if request.param == "avx2" and not cpu_native.has_avx2():
+  if request.param == "avx2" and not native_simd.has_avx2():
     pytest.skip("this CPU has no AVX2/FMA/F16C")
-  cpu_native.force_scalar(request.param == "scalar")
+  native_simd.force_scalar(request.param == "scalar")
   yield request.param
-  cpu_native.force_scalar(False)
+  native_simd.force_scalar(False)
 
 
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
@@ -80,8 +82,8 @@ def test_low_precision_x_matches_reference_of_rounded_x(rng, dtype):
 _THREADS_SCRIPT = """
 import hashlib, sys
 import jax, numpy as np
-from q8rules.kernels import cpu_native
 from q8rules.kernels.matmul import cpu as matmul_cpu
+from q8rules.kernels.native import threads as native_threads
 from tests._utils import random_q8, random_x
 rng = np.random.default_rng(7)
 f = jax.jit(matmul_cpu.q8_matmul_cpu)
@@ -91,7 +93,7 @@ for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576),
   out = np.asarray(f(x, q, scale))
   again = np.asarray(f(x, q, scale))
   assert out.tobytes() == again.tobytes(), (m, k, n)
-  print(m, k, n, cpu_native.last_threads(), hashlib.sha256(out.tobytes()).hexdigest())
+  print(m, k, n, native_threads.last_threads(), hashlib.sha256(out.tobytes()).hexdigest())
 """
 
 
@@ -123,7 +125,7 @@ def test_one_row_streamed_equals_the_register_tiles(rng, n):
   """One x row (against at least 64 columns) runs the row-streaming loop (q read a few whole
   rows at a time, prefetched ahead), two rows the register tiles; each column's sum is the same
   FMAs in the same order, so a row's output is the same bytes either way."""
-  if not cpu_native.has_avx2():
+  if not native_simd.has_avx2():
     pytest.skip("this CPU has no AVX2/FMA/F16C")
   q, scale = random_q8(rng, 96, n, np.float16)
   x = random_x(rng, (2, 96))
@@ -225,9 +227,11 @@ def test_rule_accepts_cpu(rng):
 def test_compile_cache_is_reused():
   """The library the kernel was loaded from exists, and a fresh process loads it without
   compiling (CXX points at no compiler there, so compiling would make it unavailable)."""
-  path = cpu_native.loaded_path()
-  assert path is not None and path.exists() and path == cpu_native.library_path()
-  code = "from q8rules.kernels import cpu_native as c; print(c.available(), c.unavailable_reason())"
+  path = native_lib.loaded_path()
+  assert path is not None and path.exists() and path == native_lib.library_path()
+  code = (
+    "from q8rules.kernels.native import library as c; print(c.available(), c.unavailable_reason())"
+  )
   # The same $CXX (part of the cache key) but no PATH to find it on: a rebuild would fail.
   env = dict(os.environ, CXX=os.environ.get("CXX") or "c++", PATH="/nonexistent")
   done = subprocess.run(
@@ -243,9 +247,10 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
     """
     import jax, jax.numpy as jnp, numpy as np
     import q8rules
-    from q8rules.kernels import cpu_native, q8_matmul, resolve_product
-    assert not cpu_native.available()
-    print("REASON", cpu_native.unavailable_reason())
+    from q8rules.kernels import q8_matmul, resolve_product
+    from q8rules.kernels.native import library as native_lib
+    assert not native_lib.available()
+    print("REASON", native_lib.unavailable_reason())
     assert resolve_product(1, 64, 8, backend="cpu") == "xla"
     rng = np.random.default_rng(0)
     w = q8rules.quantize(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32))
@@ -271,10 +276,10 @@ def test_unavailable_without_compiler_falls_back_to_xla(tmp_path):
 
 def test_native_library_builds_without_warnings():
   """The library is compiled with -Wall -Wextra, and its sources give no warning."""
-  if not cpu_native.available():
-    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
-  assert "-Wall" in cpu_native.CXXFLAGS and "-Wextra" in cpu_native.CXXFLAGS
-  log = cpu_native.build_log()
+  if not native_lib.available():
+    pytest.skip(f"native library unavailable: {native_lib.unavailable_reason()}")
+  assert "-Wall" in native_lib.CXXFLAGS and "-Wextra" in native_lib.CXXFLAGS
+  log = native_lib.build_log()
   if log is None:
     pytest.skip("the loaded library was built before build logs were kept")
   assert "warning" not in log, log[-3000:]

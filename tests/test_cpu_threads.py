@@ -23,7 +23,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import q8rules
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import settings as native_settings
+from q8rules.kernels.native import threads as native_threads
 from tests._utils import random_q8
 
 
@@ -31,14 +33,14 @@ from tests._utils import random_q8
 def on_a_cpu_device_then_no_limit():
   with jax.default_device(jax.devices("cpu")[0]):
     yield
-  cpu_native._state.pop("threads", None)
-  if cpu_native.available():
-    cpu_native.library().Q8SetThreadLimit(0)
+  native_settings.forget_limit()
+  if native_lib.available():
+    native_lib.library().Q8SetThreadLimit(0)
 
 
 def needs_kernel():
-  if not cpu_native.available():
-    pytest.skip(f"the native CPU library is unavailable: {cpu_native.unavailable_reason()}")
+  if not native_lib.available():
+    pytest.skip(f"the native CPU library is unavailable: {native_lib.unavailable_reason()}")
 
 
 def product(rng):
@@ -52,14 +54,14 @@ def test_limit_caps_the_threads_and_keeps_the_bits():
   needs_kernel()
   cpus = len(os.sched_getaffinity(0))
   want = product(np.random.default_rng(0))
-  unlimited = cpu_native.last_threads()
+  unlimited = native_threads.last_threads()
   assert 1 <= unlimited <= cpus
   q8rules.set_cpu_threads(1)
-  assert cpu_native.max_threads() == 1 and cpu_native.cpus() == 1
+  assert native_threads.max_threads() == 1 and native_threads.cpus() == 1
   np.testing.assert_array_equal(product(np.random.default_rng(0)), want)
-  assert cpu_native.last_threads() == 1
+  assert native_threads.last_threads() == 1
   q8rules.set_cpu_threads(None)
-  assert cpu_native.max_threads() == cpus and cpu_native.thread_limit() is None
+  assert native_threads.max_threads() == cpus and native_settings.thread_limit() is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
@@ -72,8 +74,9 @@ def test_bad_limits_are_refused(bad):
 def test_environment_variable():
   needs_kernel()
   code = (
-    "from q8rules.kernels import cpu_native; cpu_native.library();"
-    " print(cpu_native.thread_limit(), cpu_native.max_threads())"
+    "from q8rules.kernels.native import library as native_lib, settings as native_settings,"
+    " threads as native_threads; native_lib.library();"
+    " print(native_settings.thread_limit(), native_threads.max_threads())"
   )
   env = dict(os.environ, Q8RULES_THREADS="1")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -96,7 +99,7 @@ def test_concurrent_callers_keep_the_bits(rng):
   w = q8rules.Q8Array(q=q, scale=scale, axis=0)
   xs = jnp.asarray(rng.standard_normal((4, 1, 1024)), jnp.float32)
   want = [np.asarray(q8rules.q8_matmul(x, w, implementation="cpu")) for x in xs]
-  assert cpu_native.last_threads() == min(2, cpu_native.max_threads())
+  assert native_threads.last_threads() == min(2, native_threads.max_threads())
   mesh = jax.make_mesh((4,), ("d",), devices=devices[:4])
   per_device = jax.jit(
     jax.shard_map(
@@ -113,14 +116,15 @@ def test_concurrent_callers_keep_the_bits(rng):
 
 SPIN_CODE = """
 import jax, jax.numpy as jnp, numpy as np, q8rules
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import settings as native_settings
+from q8rules.kernels.native import threads as native_threads
 from tests._utils import random_q8
 jax.config.update("jax_default_device", jax.devices("cpu")[0])
 q, scale = random_q8(np.random.default_rng(0), 1024, 1024)
 x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 1024)), jnp.float32)
 w = q8rules.Q8Array(q=q, scale=scale, axis=0)
 y = [np.asarray(q8rules.q8_matmul(x[i:i + 1], w, implementation="cpu")) for i in range(3)]
-print(cpu_native.spin_us(), cpu_native.last_threads(), np.concatenate(y).tobytes().hex())
+print(native_settings.spin_us(), native_threads.last_threads(), np.concatenate(y).tobytes().hex())
 """
 
 
@@ -136,7 +140,7 @@ def test_spin_time_variable():
     out = subprocess.run([sys.executable, "-c", SPIN_CODE], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     outs[value] = out.stdout.split()
-  assert [outs[v][0] for v in outs] == [str(cpu_native.DEFAULT_SPIN_US), "0", "5000"]
+  assert [outs[v][0] for v in outs] == [str(native_settings.DEFAULT_SPIN_US), "0", "5000"]
   assert len({o[1] for o in outs.values()}) == 1 and len({o[2] for o in outs.values()}) == 1
   env = dict(os.environ, Q8RULES_SPIN_US="-1")
   out = subprocess.run([sys.executable, "-c", SPIN_CODE], env=env, capture_output=True, text=True)

@@ -16,18 +16,18 @@ import pytest
 import qwix
 
 import q8rules
-from q8rules.kernels import cpu_native
 from q8rules.kernels.decode_attention import api as decode_attention
 from q8rules.kernels.decode_attention import cpu as attention_cpu
 from q8rules.kernels.decode_attention import cpu as native_attention
 from q8rules.kernels.decode_attention.problem import AttentionProblem
+from q8rules.kernels.native import library as native_lib
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import _attend_f32
 from tests._utils import rel_err
 
-NATIVE = cpu_native.available()
+NATIVE = native_lib.available()
 needs_native = pytest.mark.skipif(
-  not NATIVE, reason=f"native kernel: {cpu_native.unavailable_reason()}"
+  not NATIVE, reason=f"native kernel: {native_lib.unavailable_reason()}"
 )
 
 
@@ -206,7 +206,7 @@ def test_implementation_choice_and_errors(rng):
   expected = q8rules.kernels.resolve("decode_attention", problem)
   assert expected == ("cpu" if jax.default_backend() == "cpu" and NATIVE else "xla")
   text = jax.jit(run).lower(*args).as_text()
-  assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
+  assert (native_lib.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
   one = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
   with jax.set_mesh(one):  # a one-device mesh shards nothing: the kernel still runs
     assert native_attention.cannot(AttentionProblem.of(*args[:2])) == reason_now(*args[:2])
@@ -216,7 +216,7 @@ def test_implementation_choice_and_errors(rng):
   with jax.set_mesh(mesh):  # a mesh in context: XLA's partitioner runs the attention
     reason = native_attention.cannot(AttentionProblem.of(*args[:2]))
     assert reason is not None and ("mesh" in reason or not NATIVE)
-    assert cpu_native.TARGET_DECODE_ATTENTION not in jax.jit(run).lower(*args).as_text()
+    assert native_lib.TARGET_DECODE_ATTENTION not in jax.jit(run).lower(*args).as_text()
 
 
 def test_reference_without_a_callers_attention(rng):
@@ -246,7 +246,7 @@ def test_other_platforms_lower_the_xla_attention(rng, platform):
   exported = jax.export.export(jax.jit(run), platforms=[platform])(
     jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.int32(0), jnp.int32(3)
   )
-  assert cpu_native.TARGET_DECODE_ATTENTION not in exported.mlir_module()
+  assert native_lib.TARGET_DECODE_ATTENTION not in exported.mlir_module()
 
 
 @pytest.mark.slow
@@ -280,11 +280,11 @@ def test_decoder_logits_the_same_either_way(rng, dtype):
   want, _ = jax.jit(model.apply)(*args)
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   assert rel_err(np.asarray(got), np.asarray(want)) < tol
-  assert cpu_native.TARGET_DECODE_ATTENTION not in jax.jit(model.apply).lower(*args).as_text()
+  assert native_lib.TARGET_DECODE_ATTENTION not in jax.jit(model.apply).lower(*args).as_text()
   problem = AttentionProblem.of(jnp.zeros((2, 1, 6, 8)), cache[0])
   expected = q8rules.kernels.resolve("decode_attention", problem)
   text = jax.jit(served.apply).lower(*args).as_text()
-  assert (cpu_native.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
+  assert (native_lib.TARGET_DECODE_ATTENTION in text) == (expected == "cpu")
 
 
 @needs_native
@@ -318,6 +318,6 @@ def test_one_export_carries_each_platforms_attention(rng):
       jax.jit(run), platforms=platforms, disabled_checks=q8rules.export_checks()
     )(*args)
   on_cpu = q8rules.kernels.resolve("decode_attention", AttentionProblem.of(q, keys, "cpu"))
-  assert (cpu_native.TARGET_DECODE_ATTENTION in exp.mlir_module()) == (on_cpu == "cpu")
+  assert (native_lib.TARGET_DECODE_ATTENTION in exp.mlir_module()) == (on_cpu == "cpu")
   ref = reference64(q, keys, values, 1, 9, 0.25, None)
   assert rel_err(np.asarray(exp.call(*args)), ref) < 1e-6

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.kernels import cpu_native, q8_matmul, resolve_product
+from q8rules.kernels import q8_matmul, resolve_product
 from q8rules.kernels.matmul import fold
 from q8rules.kernels.matmul.fold import TILE_ROWS, fold_applies, kernel_form, q8_fold
 from q8rules.kernels.matmul.pallas_mosaic_tpu import block_k, column_tile, fold_tpu
 from q8rules.kernels.matmul.pallas_triton import blocks_per_step, fold_gpu, k_splits
 from q8rules.kernels.matmul.reference import q8_matmul_reference
 from q8rules.kernels.matmul.xla_chunked import q8_matmul_xla
+from q8rules.kernels.native import library as native_lib
 from q8rules.kernels.problem import Problem
 from q8rules.q8_0 import BLOCK, Q8Array
 from tests._utils import rel_err
@@ -177,7 +178,7 @@ def test_q8_matmul_fold_end_to_end(rng):
   # By default the fold runs on TPU and GPU, never on CPU (interpret mode only there).
   default = resolve_product(6, 2048, 40, jnp.float32)
   if jax.default_backend() == "cpu":
-    assert default == ("cpu" if cpu_native.available() else "xla")
+    assert default == ("cpu" if native_lib.available() else "xla")
 
 
 def test_q8_matmul_pallas_under_jit(rng):
@@ -257,7 +258,7 @@ def test_applies_and_reasons():
 
 
 def test_resolve():
-  on_cpu = "cpu" if cpu_native.available() else "xla"  # never the fold on CPU
+  on_cpu = "cpu" if native_lib.available() else "xla"  # never the fold on CPU
   assert resolve_product(1, 4096, 4096, backend="cpu") == on_cpu
   assert resolve_product(64, 4096, 4096, backend="cpu") == "xla"
   assert resolve_product(1, 4096, 4096, backend="tpu") == "fold"

@@ -1,5 +1,5 @@
 """The GGUF loader's Q8_0 repack: the native library's transposing read of the file's blocks
-(`cpu_native.repack_q8_transposed`) against numpy, and `GGUFCheckpoint.get_stacked` (per-layer
+(`q8rules.kernels.native.repack.repack_q8_transposed`) against numpy, and `GGUFCheckpoint.get_stacked` (per-layer
 tensors repacked straight into one stacked Q8Array) against stacking them one by one."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from q8rules.checkpoint import CheckpointError
 from q8rules.checkpoint import gguf as ckpt_gguf
 from q8rules.checkpoint.gguf.layouts import block_dtype
 from q8rules.checkpoint.host_buffers import is_aligned
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import repack as native_repack
 from tests._utils import weights, write_gguf
 
 
@@ -39,10 +40,10 @@ def test_native_repack_is_numpys_transpose(rng, batch, rows, nb, scales):
   raw = random_blocks(rng, batch, rows, nb)
   out = np.full((batch, nb * 32, rows), 99, np.int8)
   scale_out = np.full((batch, nb, rows), 7, np.float16) if scales else None
-  ran = cpu_native.repack_q8_transposed(raw, out, scale_out)
-  assert ran == cpu_native.available()  # the library runs exactly where it is available
+  ran = native_repack.repack_q8_transposed(raw, out, scale_out)
+  assert ran == native_lib.available()  # the library runs exactly where it is available
   if not ran:
-    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+    pytest.skip(f"native library unavailable: {native_lib.unavailable_reason()}")
   blocks = raw.view(block_dtype("<"))
   qs = blocks["qs"].reshape(batch, rows, nb * 32)
   np.testing.assert_array_equal(out, np.swapaxes(qs, -1, -2))
@@ -52,34 +53,34 @@ def test_native_repack_is_numpys_transpose(rng, batch, rows, nb, scales):
 
 
 def test_native_repack_refuses_wrong_sizes(rng):
-  if not cpu_native.available():
-    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  if not native_lib.available():
+    pytest.skip(f"native library unavailable: {native_lib.unavailable_reason()}")
   raw = random_blocks(rng, 1, 16, 2)
   with pytest.raises(ValueError, match="C-contiguous uint8 bytes"):
-    cpu_native.repack_q8_transposed(raw, np.empty((1, 64, 17), np.int8))
+    native_repack.repack_q8_transposed(raw, np.empty((1, 64, 17), np.int8))
   out = np.empty((1, 64, 16), np.int8)
   with pytest.raises(ValueError, match=r"float16 scales \(1, 2, 16\)"):
-    cpu_native.repack_q8_transposed(raw, out, np.empty((1, 2, 16), np.float32))
+    native_repack.repack_q8_transposed(raw, out, np.empty((1, 2, 16), np.float32))
   with pytest.raises(ValueError, match=r"float16 scales \(1, 2, 16\)"):
-    cpu_native.repack_q8_transposed(raw, out, np.empty((1, 3, 16), np.float16))
+    native_repack.repack_q8_transposed(raw, out, np.empty((1, 3, 16), np.float16))
   two = np.empty((2, 64, 16), np.int8)  # one array per tensor: as many as out has, each whole
   with pytest.raises(ValueError, match="2 tensor"):
-    cpu_native.repack_q8_transposed([raw, raw, raw], two)
+    native_repack.repack_q8_transposed([raw, raw, raw], two)
   with pytest.raises(ValueError, match="2 tensor"):
-    cpu_native.repack_q8_transposed([raw, raw[:-34]], two)
+    native_repack.repack_q8_transposed([raw, raw[:-34]], two)
 
 
 def test_native_repack_of_separate_tensors_into_a_stack_of_column_ranges(rng, monkeypatch):
   """Tensors given one array each (a stack's layers, each a view of the file's mapping), in one
   call, into a column range of every layer of a wider stack (load_gguf's fused gate | up): the
   threads take whole tensors (REPACK_THREAD_BYTES lowered so that they run)."""
-  if not cpu_native.available():
-    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
-  monkeypatch.setattr(cpu_native, "REPACK_THREAD_BYTES", 1)
+  if not native_lib.available():
+    pytest.skip(f"native library unavailable: {native_lib.unavailable_reason()}")
+  monkeypatch.setattr(native_repack, "REPACK_THREAD_BYTES", 1)
   raws = [random_blocks(rng, 1, 40, 3) for _ in range(5)]
   wide = np.full((5, 96, 100), 99, np.int8)
   wide_scale = np.full((5, 3, 100), 7, np.float16)
-  assert cpu_native.repack_q8_transposed(raws, wide[:, :, 30:70], wide_scale[:, :, 30:70])
+  assert native_repack.repack_q8_transposed(raws, wide[:, :, 30:70], wide_scale[:, :, 30:70])
   for i, raw in enumerate(raws):
     blocks = raw.view(block_dtype("<"))
     np.testing.assert_array_equal(wide[i, :, 30:70], blocks["qs"].reshape(40, 96).T)
@@ -115,12 +116,12 @@ def test_get_stacked_equals_stacking(tmp_path, rng):
 def test_native_repack_into_a_column_range(rng):
   """The repack writes a column range of a wider matrix (load_gguf's fused q | k | v and
   gate | up) and leaves the other columns alone."""
-  if not cpu_native.available():
-    pytest.skip(f"native library unavailable: {cpu_native.unavailable_reason()}")
+  if not native_lib.available():
+    pytest.skip(f"native library unavailable: {native_lib.unavailable_reason()}")
   raw = random_blocks(rng, 1, 40, 3)
   wide = np.full((1, 96, 100), 99, np.int8)
   wide_scale = np.full((1, 3, 100), 7, np.float16)
-  assert cpu_native.repack_q8_transposed(raw, wide[:, :, 30:70], wide_scale[:, :, 30:70])
+  assert native_repack.repack_q8_transposed(raw, wide[:, :, 30:70], wide_scale[:, :, 30:70])
   blocks = raw.view(block_dtype("<"))
   qs = blocks["qs"].reshape(1, 40, 96)
   np.testing.assert_array_equal(wide[:, :, 30:70], np.swapaxes(qs, -1, -2))
@@ -147,7 +148,7 @@ def test_get_fused_equals_concatenating_the_stacks(tmp_path, rng, monkeypatch, n
   groups = [[f"blk.{i}.{m}.weight" for i in range(3)] for m in members]
   stacks = [ckpt.get_stacked(g) for g in groups]
   if not native:
-    monkeypatch.setattr(cpu_native, "repack_q8_transposed", lambda *a, **k: False)
+    monkeypatch.setattr(native_repack, "repack_q8_transposed", lambda *a, **k: False)
   got = ckpt.get_fused(groups)
   assert got.q.shape == (3, 96, 128) and got.scale.shape == (3, 3, 128)
   assert got.axis == stacks[0].axis and got.dtype == stacks[0].dtype
@@ -182,16 +183,16 @@ def test_the_repack_loads_and_runs_on_an_accelerator_host(rng, monkeypatch, back
   if platform.machine().lower() not in ("x86_64", "amd64"):
     pytest.skip("the native library is x86-64 only")
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  cpu_native.reset()
+  native_lib.reset()
   try:
-    assert cpu_native.available(), cpu_native.unavailable_reason()
+    assert native_lib.available(), native_lib.unavailable_reason()
     raw = random_blocks(rng, 2, 40, 3)
     out = np.zeros((2, 96, 40), np.int8)
     scale_out = np.zeros((2, 3, 40), np.float16)
-    assert cpu_native.repack_q8_transposed(raw, out, scale_out)
+    assert native_repack.repack_q8_transposed(raw, out, scale_out)
     blocks = raw.view(block_dtype("<"))
     np.testing.assert_array_equal(out, np.swapaxes(blocks["qs"].reshape(2, 40, 96), -1, -2))
     np.testing.assert_array_equal(scale_out, np.swapaxes(blocks["d"].reshape(2, 40, 3), -1, -2))
   finally:
     monkeypatch.undo()
-    cpu_native.reset()
+    native_lib.reset()

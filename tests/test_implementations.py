@@ -10,8 +10,8 @@ import pytest
 from jax import export
 
 from q8rules.kernels import IMPLEMENTATIONS, REGISTRY, q8_matmul, resolve_product, why_not
-from q8rules.kernels.cpu_native import TARGET as CPU_TARGET
 from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels.native.library import TARGET as CPU_TARGET
 from q8rules.q8_0 import Q8Array
 from tests._utils import close_to_float64, lowering_for, random_q8, random_x, weight64
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from q8rules.kernels import REGISTRY, q8_matmul, resolve_product, why_not
-from q8rules.kernels.cpu_native import TARGET, TARGET_LAYER
 from q8rules.kernels.layer import LayerSlice, layer_of
+from q8rules.kernels.native.library import TARGET, TARGET_LAYER
 from q8rules.llm import load_gguf
 from q8rules.llm.unstack import rebuilt
 from q8rules.q8_0 import Q8Array

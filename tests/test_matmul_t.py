@@ -17,7 +17,6 @@ from q8rules import sharding
 from q8rules.kernels import (
   IMPLEMENTATIONS,
   OPS,
-  cpu_native,
   q8_fold,
   q8_matmul,
   q8_matmul_t,
@@ -27,6 +26,8 @@ from q8rules.kernels.layer import LayerSlice
 from q8rules.kernels.matmul_t import api
 from q8rules.kernels.matmul_t.reference import reference_float64
 from q8rules.kernels.matmul_t.xla import q8_matmul_t_xla
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
 from q8rules.q8_0 import BLOCK, Q8Array
 from tests._utils import rel_err
 from tests.test_fold import GPU_CASES, TPU_CASES
@@ -93,17 +94,17 @@ def test_bfloat16_cotangents_and_float16_scales(rng, name, m, k, n):
 def test_native_paths(rng, monkeypatch, isa):
   """Each SIMD path the CPU has (capped by $Q8RULES_CPU_ISA), N with a tail past the lanes,
   rows in several tiles and enough work for the threads."""
-  if not cpu_native.available():
-    pytest.skip(cpu_native.unavailable_reason())
+  if not native_lib.available():
+    pytest.skip(native_lib.unavailable_reason())
   order = ["scalar", "avx2", "avx512"]
-  if order.index(isa) > order.index(cpu_native.isa("best")):
+  if order.index(isa) > order.index(native_simd.isa("best")):
     pytest.skip(f"this CPU has no {isa}")
   monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   for m, k, n in [(11, 2048, 200), (1, 64, 7), (17, 4096, 512)]:
     dy, q, scale = operands(rng, m, k, n, scale_dtype=np.float16 if m == 1 else np.float32)
     # Dispatch is asynchronous: the call must have run before "last" can name its path.
     y = jax.block_until_ready(q8_matmul_t(jnp.asarray(dy), weight(q, scale), implementation="cpu"))
-    assert cpu_native.isa("last") == isa
+    assert native_simd.isa("last") == isa
     assert rel_err(y, reference_float64(dy, q, scale)) <= TOL, (isa, m, k, n)
 
 
@@ -141,15 +142,15 @@ def test_grad_of_q8_matmul_matches_float64(rng, name, m, k, n):
 def test_the_gradient_program_calls_the_native_kernel(rng):
   """On the CPU the gradient in x of every implementation but 'xla' and 'reference' lowers to
   the native transposed kernel; 'xla' keeps to XLA."""
-  if not cpu_native.available():
-    pytest.skip(cpu_native.unavailable_reason())
+  if not native_lib.available():
+    pytest.skip(native_lib.unavailable_reason())
   cot, q, scale = operands(rng, 3, 256, 64)
   w = weight(q, scale)
   x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
   for name, native in [("cpu", True), ("fold", True), ("xla_dequant", True), ("xla", False)]:
     lowered = jax.jit(jax.grad(lambda x, i=name: jnp.sum(q8_matmul(x, w, implementation=i) * cot)))
     text = lowered.lower(x).as_text()
-    assert (cpu_native.TARGET_MATMUL_T in text) == native, name
+    assert (native_lib.TARGET_MATMUL_T in text) == native, name
 
 
 def test_fold_gradient(rng):
@@ -288,7 +289,7 @@ def test_registered_with_orders_and_reasons():
   assert op.names == ("cpu", "xla", "reference")
   assert api.resolve_t(1, 4096, 4096, backend="tpu") == "xla"
   assert api.resolve_t(1, 4096, 4096, backend="gpu") == "xla"
-  if cpu_native.available():
+  if native_lib.available():
     assert api.resolve_t(16, 4096, 4096, backend="cpu") == "cpu"
   assert api.resolve_t(17, 4096, 4096, backend="cpu") == "xla"  # XLA's GEMM is faster there
   with pytest.raises(ValueError, match=r"'cpu': the native CPU kernel runs on the CPU only"):

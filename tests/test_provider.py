@@ -15,6 +15,7 @@ from flax import nnx
 from qwix._src.providers.ptq import WithAux
 
 import q8rules
+from q8rules.kernels.native import library as native_lib
 from q8rules.q8_0 import BLOCK
 from tests._utils import rel_err
 
@@ -40,7 +41,7 @@ def default_path(m: int, k: int, n: int, dtype=jnp.float32) -> str:
   k_pad = -(-k // BLOCK) * BLOCK
   path = q8rules.kernels.resolve_product(m, k_pad, n, dtype)
   if jax.default_backend() == "cpu":
-    assert path == ("cpu" if q8rules.kernels.cpu_native.available() and m <= 16 else "xla")
+    assert path == ("cpu" if native_lib.available() and m <= 16 else "xla")
   return path
 
 

@@ -22,11 +22,13 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from q8rules.checkpoint.gguf import requant_native as rn
 from q8rules.checkpoint.gguf.header import open_file
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import repack as native_repack
+from q8rules.kernels.native import threads as native_threads
 
 pytestmark = pytest.mark.skipif(
-  not cpu_native.available(),
-  reason=f"native library unavailable: {cpu_native.unavailable_reason()}",
+  not native_lib.available(),
+  reason=f"native library unavailable: {native_lib.unavailable_reason()}",
 )
 
 SCALE_FIELDS = {
@@ -145,8 +147,8 @@ def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, thre
   transposed, into a column range of wider arrays: the bytes of gguf-py's requantize,
   transposed; nothing outside the range written. Rows past the last run of 64 and of 16."""
   monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
-  monkeypatch.setattr(cpu_native, "cpus", lambda: threads)
-  monkeypatch.setattr(cpu_native, "REPACK_THREAD_BYTES", 0)
+  monkeypatch.setattr(native_threads, "cpus", lambda: threads)
+  monkeypatch.setattr(native_repack, "REPACK_THREAD_BYTES", 0)
   types = [*NATIVE, T.Q8_0]
   n_rows, n_cols, n0, wide = 83, 512, 7, 100
   datas = [random_blocks(rng, t, n_rows, n_cols) for t in types]
@@ -154,7 +156,7 @@ def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, thre
   scale = np.zeros((len(types), n_cols // 32, wide), np.float16)
   cols = slice(n0, n0 + n_rows)
   parts = [np.ascontiguousarray(d).reshape(-1) for d in datas]
-  assert cpu_native.repack_q8_transposed(
+  assert native_repack.repack_q8_transposed(
     parts, q[:, :, cols], scale[:, :, cols], source_types=[int(t) for t in types]
   )
   for i, (qtype, data) in enumerate(zip(types, datas, strict=True)):
@@ -165,13 +167,13 @@ def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, thre
   assert not q[:, :, :n0].any() and not q[:, :, n0 + n_rows :].any()
   assert not scale[:, :, :n0].view(np.uint16).any()
   one_q, one_scale = np.zeros_like(q[:1]), np.zeros_like(scale[:1])  # one tensor: runs of rows
-  assert cpu_native.repack_q8_transposed(
+  assert native_repack.repack_q8_transposed(
     parts[4:5], one_q[:, :, cols], one_scale[:, :, cols], source_types=[int(types[4])]
   )
   assert_same_bits(one_q, q[4:5])
   assert_same_bits(one_scale, scale[4:5])
   with pytest.raises(ValueError, match="scale_out and one array a tensor"):
-    cpu_native.repack_q8_transposed(parts[0], q[:1, :, cols], source_types=int(types[0]))
+    native_repack.repack_q8_transposed(parts[0], q[:1, :, cols], source_types=int(types[0]))
 
 
 @pytest.mark.parametrize("qtype", (T.F32, T.F16), ids=lambda t: t.name)
@@ -249,7 +251,7 @@ def test_not_native_is_none(monkeypatch):
     assert int(qtype) not in rn.requant_native_types()
     assert rn.dequantize_native(np.zeros(64, np.uint8), int(qtype), (1, 256)) is None
     assert rn.requantize_q8_0_native(np.zeros(64, np.uint8), int(qtype), 1, 256) is None
-  monkeypatch.setattr(cpu_native, "library", lambda: None)
+  monkeypatch.setattr(native_lib, "library", lambda: None)
   assert rn.requant_native_types() == frozenset()
   assert rn.requantize_q8_0_native(np.zeros(34, np.uint8), int(T.Q8_0), 1, 32) is None
 
@@ -309,9 +311,9 @@ def test_real_files_in_full(name):
 
 def test_library_builds_without_warnings():
   """The library with requant.h in it is built with -Wall -Wextra and warns of nothing."""
-  assert {"-Wall", "-Wextra"} <= set(cpu_native.CXXFLAGS)
-  assert hasattr(cpu_native.library(), "Q8Requantize")
-  log = cpu_native.build_log()
+  assert {"-Wall", "-Wextra"} <= set(native_lib.CXXFLAGS)
+  assert hasattr(native_lib.library(), "Q8Requantize")
+  log = native_lib.build_log()
   if log is None:
     pytest.skip("the loaded library was built before build logs were kept")
   assert "warning" not in log, log[-3000:]
@@ -325,9 +327,9 @@ def test_fma_build_gives_the_same_bits(tmp_path):
     """
     import numpy as np
     from tests import test_requant_native as t
-    from q8rules.kernels import cpu_native
-    assert cpu_native.available(), cpu_native.unavailable_reason()
-    assert "warning" not in cpu_native.build_log()
+    from q8rules.kernels.native import library as native_lib
+    assert native_lib.available(), native_lib.unavailable_reason()
+    assert "warning" not in native_lib.build_log()
     rng = np.random.default_rng(0)
     for qtype in t.NATIVE:
       t.check(t.random_blocks(rng, qtype, 8, 512), qtype, 8, 512)

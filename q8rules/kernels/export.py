@@ -21,15 +21,15 @@ from collections.abc import Sequence
 import jax
 from jax import export as jax_export
 
-from q8rules.kernels.cpu_native import TARGET as CPU_CUSTOM_CALL
-from q8rules.kernels.cpu_native import (
+from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels.native.library import TARGET as CPU_CUSTOM_CALL
+from q8rules.kernels.native.library import (
   TARGET_ACT_Q8,
   TARGET_ACT_Q8_LAYER,
   TARGET_DECODE_ATTENTION,
   TARGET_LAYER,
   TARGET_MATMUL_T,
 )
-from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
 
 CUSTOM_CALL_TARGETS = (
   CPU_CUSTOM_CALL,

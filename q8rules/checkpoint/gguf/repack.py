@@ -17,7 +17,7 @@ import numpy as np
 from q8rules.checkpoint.gguf.layouts import Q8_0, Layout, block_dtype, q8_shapes
 from q8rules.checkpoint.gguf.requant_native import block_of, requant_native_types
 from q8rules.checkpoint.host_buffers import aligned_empty
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import repack as native_repack
 from q8rules.q8_0 import BLOCK, Q8Array
 
 
@@ -104,7 +104,7 @@ def repack_q8_layers(
   native = (
     transposed
     and n * lead > 0
-    and cpu_native.repack_q8_transposed(
+    and native_repack.repack_q8_transposed(
       parts,
       q.reshape(n * lead, nb * BLOCK, rows[-1]),
       scale_out,
@@ -168,7 +168,7 @@ def repack_q8_fused(
       scale_out is not None and requantizes_on_the_way("kernel", scale.dtype, types)
     ):
       raise ValueError(f"repack_q8_fused: cannot requantize GGML types {sorted(set(types))} here")
-    ran = cpu_native.repack_q8_transposed(
+    ran = native_repack.repack_q8_transposed(
       [data.reshape(-1) for data in member], q[:, :, n0:n1], scale_out, source_types=types
     )
     for i, data in enumerate(member):

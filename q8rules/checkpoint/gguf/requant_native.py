@@ -24,7 +24,8 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from q8rules.kernels import cpu_native
+from q8rules.kernels.native import library
+from q8rules.kernels.native import threads as native_threads
 
 Q8_BLOCK, Q8_BLOCK_BYTES = 32, 34
 """Q8_0's values and bytes a block (a float16 scale, then 32 int8)."""
@@ -62,7 +63,7 @@ def _blocks(lib: ctypes.CDLL) -> dict[int, tuple[int, int]]:
 def _library(qtype: int) -> tuple[ctypes.CDLL, tuple[int, int]] | None:
   """The loaded library and `qtype`'s block (values, bytes), or None when there is no native
   path for it here."""
-  lib = cpu_native.library()
+  lib = library.library()
   if lib is None:
     return None
   block = _blocks(lib).get(int(qtype))
@@ -77,7 +78,7 @@ def block_of(qtype: int) -> tuple[int, int]:
 def requant_native_types() -> frozenset[int]:
   """The GGML type ids the native library dequantizes and requantizes (empty where the library
   is unavailable)."""
-  lib = cpu_native.library()
+  lib = library.library()
   return frozenset() if lib is None else frozenset(_blocks(lib))
 
 
@@ -112,7 +113,7 @@ def _threads(values: int, threads: int | None) -> int:
   `THREAD_VALUES` on, else one."""
   if threads is not None:
     return max(1, int(threads))
-  return cpu_native.cpus() if values >= THREAD_VALUES else 1
+  return native_threads.cpus() if values >= THREAD_VALUES else 1
 
 
 def _call(

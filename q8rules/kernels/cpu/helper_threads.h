@@ -52,7 +52,7 @@ class Task {
 };
 
 // How long a helper spins for its next task before it sleeps, in microseconds (0: it sleeps
-// at once). Q8SetSpinMicroseconds: $Q8RULES_SPIN_US (q8rules/kernels/cpu_native.py).
+// at once). Q8SetSpinMicroseconds: $Q8RULES_SPIN_US (q8rules/kernels/native/settings.py).
 inline std::atomic<int64_t> g_spin_us{200};
 
 class Helpers {

@@ -13,9 +13,9 @@ import numpy as np
 from jax import Array
 
 from q8rules.attention_params import AttentionParams
-from q8rules.kernels import cpu_native
-from q8rules.kernels.cpu_native import TARGET_DECODE_ATTENTION
 from q8rules.kernels.decode_attention.problem import AttentionProblem
+from q8rules.kernels.native import library
+from q8rules.kernels.native.library import TARGET_DECODE_ATTENTION
 
 NAME = "cpu"
 SUMMARY = "the native CPU library (one custom call; float32 or bfloat16 cache)"
@@ -62,8 +62,8 @@ def cannot(p: AttentionProblem) -> str | None:
   """Why the kernel cannot run `p` (None: it can)."""
   if p.platform != "cpu":
     return f"the native CPU library runs on the CPU only, not {p.platform}"
-  if not cpu_native.available():
-    return f"the native CPU library is unavailable: {cpu_native.unavailable_reason()}"
+  if not library.available():
+    return f"the native CPU library is unavailable: {library.unavailable_reason()}"
   if len(p.q_shape) != 4 or p.q_shape[1] != 1:
     return f"it runs one new token (q (B, 1, H, D)), got q {p.q_shape}"
   if p.cache_dtype not in CACHE_DTYPES:

@@ -1,4 +1,4 @@
-"""'cpu': the weight-only product on the native CPU library (`kernels/cpu_native.py`, built
+"""'cpu': the weight-only product on the native CPU library (`kernels/native/`, built
 from `kernels/cpu/`).
 
 `q8_matmul_cpu(x, q, scale)` reads each int8 row once, converts it in registers and folds it
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels.cpu_native import TARGET, TARGET_LAYER, available, unavailable_reason
 from q8rules.kernels.matmul._bilinear import bilinear_product
+from q8rules.kernels.native.library import TARGET, TARGET_LAYER, available, unavailable_reason
 from q8rules.kernels.problem import Problem
 
 NAME = "cpu"

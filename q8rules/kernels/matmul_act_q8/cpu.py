@@ -9,13 +9,16 @@ layer in place either way.
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from q8rules.kernels import cpu_native
-from q8rules.kernels.cpu_native import TARGET_ACT_Q8, TARGET_ACT_Q8_LAYER
 from q8rules.kernels.matmul import cpu as weight_only
 from q8rules.kernels.matmul_act_q8.reference import round_trip
+from q8rules.kernels.native import library, simd
+from q8rules.kernels.native.library import TARGET_ACT_Q8, TARGET_ACT_Q8_LAYER
 from q8rules.kernels.problem import Problem
 
 NAME = "cpu"
@@ -40,8 +43,7 @@ def q8_matmul_cpu_act_q8(
   """
   m, k = x.shape
   n = q.shape[-1]
-  if not cpu_native.available():
-    raise RuntimeError(f"the native CPU kernel is unavailable: {cpu_native.unavailable_reason()}")
+  library.require()
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), jnp.float32)
   out = jax.ShapeDtypeStruct((m, n), jnp.float32)
@@ -54,7 +56,7 @@ def q8_matmul_cpu_act_q8(
 def int8_kernel_runs() -> bool:
   """Whether 'cpu' runs the native kernel's int8 product here (AVX-512 VNNI, the kernel's
   selected path AVX-512), rather than the round trip through its float32 product."""
-  return cpu_native.has_vnni() and cpu_native.isa("selected") == "avx512"
+  return simd.has_vnni() and simd.isa("selected") == "avx512"
 
 
 def cannot(p: Problem) -> str | None:
@@ -82,4 +84,40 @@ def run(
   return weight_only.q8_matmul_cpu_layer(round_trip(x2d), q, scale, layer)
 
 
-__all__ = ["NAME", "SUMMARY", "cannot", "int8_kernel_runs", "q8_matmul_cpu_act_q8", "run", "slower"]
+def quantize_activations_native(
+  x: np.ndarray, simd: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The kernel's own Q8_0 of float32 rows x (m, K), as the Q8_0-activation product uses it:
+  int8 values (m, K), float32 scales (m, K/32: the float16 d widened) and int32 -128 * each
+  block's sum of values; on AVX-512 with `simd` where the CPU has VNNI, else scalar (tests)."""
+  lib = library.require()
+  x = np.ascontiguousarray(x, np.float32)
+  m, k = x.shape
+  if k % 32:
+    raise ValueError(f"quantize_activations_native: K = {k} is not a multiple of 32")
+  xq = np.empty((m, k), np.int8)
+  dx = np.empty((m, k // 32), np.float32)
+  xc = np.empty((m, k // 32), np.int32)
+  ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+  lib.Q8QuantizeActivations(
+    ptr(x.ctypes.data),
+    i64(m),
+    i64(k),
+    ptr(xq.ctypes.data),
+    ptr(dx.ctypes.data),
+    ptr(xc.ctypes.data),
+    ctypes.c_int(int(simd)),
+  )
+  return xq, dx, xc
+
+
+__all__ = [
+  "NAME",
+  "SUMMARY",
+  "cannot",
+  "int8_kernel_runs",
+  "q8_matmul_cpu_act_q8",
+  "quantize_activations_native",
+  "run",
+  "slower",
+]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from q8rules.kernels import cpu_native
-from q8rules.kernels.cpu_native import TARGET_MATMUL_T
 from q8rules.kernels.matmul_t.problem import TransposedProblem
+from q8rules.kernels.native import library
+from q8rules.kernels.native.library import TARGET_MATMUL_T
 
 NAME = "cpu"
 SUMMARY = "the native CPU kernel (C++ through XLA's FFI), q streamed row by row"
@@ -35,8 +35,8 @@ def q8_matmul_t_cpu(dy: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
   """
   m = dy.shape[0]
   k, n = q.shape
-  if not cpu_native.available():
-    raise RuntimeError(f"the native CPU kernel is unavailable: {cpu_native.unavailable_reason()}")
+  if not library.available():
+    raise RuntimeError(f"the native CPU kernel is unavailable: {library.unavailable_reason()}")
   if m == 0 or k == 0 or n == 0:
     return jnp.zeros((m, k), jnp.float32)
   out = jax.ShapeDtypeStruct((m, k), jnp.float32)
@@ -47,8 +47,8 @@ def cannot(p: TransposedProblem) -> str | None:
   """Why the native kernel cannot run `p`: not on the CPU, or not built here (None: it can)."""
   if p.platform != "cpu":
     return f"the native CPU kernel runs on the CPU only, not {p.platform}"
-  if not cpu_native.available():
-    return f"the native CPU kernel is unavailable here: {cpu_native.unavailable_reason()}"
+  if not library.available():
+    return f"the native CPU kernel is unavailable here: {library.unavailable_reason()}"
   return None
 
 
