@@ -158,7 +158,7 @@ class Helpers {
         continue;
       }
 #if Q8_X86
-      _mm_pause();
+      q8simd::Pause();
 #else
       std::this_thread::yield();
 #endif

@@ -1,9 +1,11 @@
-// The native library q8rules builds on first use (kernels/cpu_native.py): XLA FFI handlers for
-// each op, and the C functions the Python side calls through ctypes. Each op's code is its own
-// header: q8_matmul.h (with q8_tiles.h and simd.h) the weight-only product, q8_matmul_t.h its
-// transpose (the gradient with respect to x), q8_act_int8.h the Q8_0-activation product, decode_attention.h one new token's attention, repack.h the GGUF
-// repack, requant.h GGUF's other tensor types as float32 and as Q8_0. The handlers'
-// signatures are declared once each (ffi_bind.h).
+// The native library q8rules builds on first use (kernels/native/library.py): XLA FFI handlers
+// for each op, and the C functions the Python side calls through ctypes. Each op's code is its
+// own header: q8_matmul.h (with q8_tiles.h) the weight-only product, q8_matmul_t.h its
+// transpose (the gradient with respect to x), q8_act_int8.h the Q8_0-activation product,
+// decode_attention.h one new token's attention, repack.h the GGUF repack, requant.h GGUF's
+// other tensor types as float32 and as Q8_0, requant_repack.h both in one pass. The products'
+// helper threads are helper_threads.h's. Every header reaches the SIMD instructions through
+// simd.h, the one SIMD layer. The handlers' signatures are declared once each (ffi_bind.h).
 
 // GCC 12's avx512fintrin.h seeds its conversions with _mm512_undefined_*(), which
 // -Wuninitialized then reports at every inlined use in this library (GCC bug 105593); on that

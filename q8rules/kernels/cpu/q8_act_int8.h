@@ -25,9 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace q8act {
 
@@ -126,35 +124,39 @@ inline void QuantizeBlockScalar(const float* xb, int8_t* qb, float* dx, int32_t*
   *xc = -kOffset * sum;
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define Q8_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+#if Q8_X86
+using q8simd::F32x16;
+using q8simd::I32x16;
+using q8simd::Mask16;
+using F = q8simd::Avx512F;
+using Vnni = q8simd::Avx512Vnni;
 
 // QuantizeBlockScalar on AVX-512, bit for bit: the same float32 operations, each correctly
 // rounded (vdivps, not a reciprocal estimate; floor by vrndscaleps).
 Q8_VNNI inline void QuantizeBlockAvx512(const float* xb, int8_t* qb, float* dx, int32_t* xc) {
-  const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const F32x16 lo = F::LoadU(xb), hi = F::LoadU(xb + 16);
+  const float amax = F::ReduceMax(F::Max(F::Abs(lo), F::Abs(hi)));
   const float d = amax / 127.0f;
   const float id = d == 0.0f ? 0.0f : 1.0f / d;
-  const __m512 idv = _mm512_set1_ps(id), limit = _mm512_set1_ps(127.0f);
-  __m512i q[2];
-  const __m512 halves[2] = {lo, hi};
+  const F32x16 idv = F::Set1(id), limit = F::Set1(127.0f);
+  I32x16 q[2];
+  const F32x16 halves[2] = {lo, hi};
   for (int h = 0; h < 2; ++h) {
-    const __m512 v = _mm512_mul_ps(halves[h], idv);
-    const __m512 a = _mm512_abs_ps(v);
-    const __m512 fl = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 twice = _mm512_add_ps(_mm512_sub_ps(a, fl), _mm512_sub_ps(a, fl));
-    __m512 r = _mm512_add_ps(fl, _mm512_roundscale_ps(twice, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-    r = _mm512_min_ps(r, limit);
+    const F32x16 v = F::Mul(halves[h], idv);
+    const F32x16 a = F::Abs(v);
+    const F32x16 fl = F::Floor(a);
+    const F32x16 twice = F::Add(F::Sub(a, fl), F::Sub(a, fl));
+    F32x16 r = F::Add(fl, F::Floor(twice));
+    r = F::Min(r, limit);
     // the sign back (a -0 becomes 0 as an integer either way)
-    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-    r = _mm512_mask_sub_ps(r, neg, _mm512_setzero_ps(), r);
-    q[h] = _mm512_cvttps_epi32(r);
+    const Mask16 neg = F::Less(v, F::Zero());
+    r = F::NegateWhere(neg, r);
+    q[h] = F::TruncToInt32(r);
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q[0]));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q[1]));
-  *dx = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  *xc = -kOffset * _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+  F::StoreInt8(qb, q[0]);
+  F::StoreInt8(qb + 16, q[1]);
+  *dx = Vnni::RoundToHalf(d);
+  *xc = -kOffset * F::ReduceAddInt32(F::AddInt32(q[0], q[1]));
 }
 #endif
 
@@ -164,16 +166,13 @@ Q8_VNNI inline void QuantizeBlockAvx512(const float* xb, int8_t* qb, float* dx, 
 // when `simd`.
 inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t ldx, int8_t* xq,
                          float* dx, int32_t* xc, bool simd) {
-#if defined(__x86_64__) || defined(_M_X64)
-  const unsigned csr = _mm_getcsr();
-  _mm_setcsr(csr & ~0x8040u);  // FTZ (bit 15) and DAZ (bit 6) off
-#endif
+  const q8simd::IeeeFloat ieee;
   const int64_t nb = k / kBlock;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * kBlock;
       int8_t* qb = xq + r * k + b * kBlock;
-#if defined(__x86_64__) || defined(_M_X64)
+#if Q8_X86
       if (simd) {
         QuantizeBlockAvx512(xb, qb, dx + r * nb + b, xc + r * nb + b);
         continue;
@@ -182,9 +181,6 @@ inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t ldx, int8
       QuantizeBlockScalar(xb, qb, dx + r * nb + b, xc + r * nb + b);
     }
   }
-#if defined(__x86_64__) || defined(_M_X64)
-  _mm_setcsr(csr);
-#endif
 }
 
 // The operands of one share of a product (a run of blocks), all row-major.
@@ -236,14 +232,12 @@ inline void UnpermuteColumns(float* y, int64_t m, int64_t n) {
   }
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if Q8_X86
 // 16 weight scales of block b from column col, as float32.
-Q8_VNNI inline __m512 WeightScale16(const Int8Operands& p, int64_t b, int64_t col) {
+Q8_VNNI inline F32x16 WeightScale16(const Int8Operands& p, int64_t b, int64_t col) {
   const int64_t i = b * p.n + col;
-  if (p.scale_f16)
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.scale) + i)));
-  return _mm512_loadu_ps(static_cast<const float*>(p.scale) + i);
+  if (p.scale_f16) return F::LoadHalves(static_cast<const uint16_t*>(p.scale) + i);
+  return F::LoadU(static_cast<const float*>(p.scale) + i);
 }
 
 // Rows 4t..4t+3 of block b's stretch at column c, interleaved: g[i] holds the 16 columns of
@@ -252,80 +246,79 @@ Q8_VNNI inline __m512 WeightScale16(const Int8Operands& p, int64_t b, int64_t co
 // kStreamAheadL2 bytes ahead into L2.
 template <bool kStream = false>
 Q8_VNNI inline void InterleaveQuad(const Int8Operands& p, int64_t b, int64_t c, int t,
-                                   __m512i* g) {
+                                   I32x16* g) {
   const int8_t* row = p.q + (b * kBlock + 4 * t) * p.n + c;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i r[4];
+  const I32x16 flip = F::Set1Int8(static_cast<int8_t>(0x80));
+  I32x16 r[4];
   for (int i = 0; i < 4; ++i) {
-    if (kStream)
-      _mm_prefetch(reinterpret_cast<const char*>(row + i * p.n + kStreamAheadL2), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(row + i * p.n + kPrefetchAhead), _MM_HINT_T0);
-    r[i] = _mm512_xor_si512(_mm512_loadu_si512(row + i * p.n), flip);
+    if (kStream) q8simd::PrefetchL2(row + i * p.n + kStreamAheadL2);
+    q8simd::PrefetchL1(row + i * p.n + kPrefetchAhead);
+    r[i] = F::Xor(F::LoadBytes(row + i * p.n), flip);
   }
-  const __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
-  const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
-  g[0] = _mm512_unpacklo_epi16(lo01, lo23);
-  g[1] = _mm512_unpackhi_epi16(lo01, lo23);
-  g[2] = _mm512_unpacklo_epi16(hi01, hi23);
-  g[3] = _mm512_unpackhi_epi16(hi01, hi23);
+  const I32x16 lo01 = Vnni::UnpackLo<8>(r[0], r[1]), hi01 = Vnni::UnpackHi<8>(r[0], r[1]);
+  const I32x16 lo23 = Vnni::UnpackLo<8>(r[2], r[3]), hi23 = Vnni::UnpackHi<8>(r[2], r[3]);
+  g[0] = Vnni::UnpackLo<16>(lo01, lo23);
+  g[1] = Vnni::UnpackHi<16>(lo01, lo23);
+  g[2] = Vnni::UnpackLo<16>(hi01, hi23);
+  g[3] = Vnni::UnpackHi<16>(hi01, hi23);
 }
 
 // The weight scales of block b's stretch at c in StoredColumn's order: ds[g] lane 4 L + t is
 // column c + 16 L + 4 g + t (the 4 x 4 lanes of 4 columns of the 4 natural vectors, transposed).
-Q8_VNNI inline void StretchScales(const Int8Operands& p, int64_t b, int64_t c, __m512* ds) {
-  const __m512 s0 = WeightScale16(p, b, c), s1 = WeightScale16(p, b, c + 16);
-  const __m512 s2 = WeightScale16(p, b, c + 32), s3 = WeightScale16(p, b, c + 48);
-  const __m512 a = _mm512_shuffle_f32x4(s0, s1, 0x44), bb = _mm512_shuffle_f32x4(s0, s1, 0xee);
-  const __m512 cc = _mm512_shuffle_f32x4(s2, s3, 0x44), d = _mm512_shuffle_f32x4(s2, s3, 0xee);
-  ds[0] = _mm512_shuffle_f32x4(a, cc, 0x88);
-  ds[1] = _mm512_shuffle_f32x4(a, cc, 0xdd);
-  ds[2] = _mm512_shuffle_f32x4(bb, d, 0x88);
-  ds[3] = _mm512_shuffle_f32x4(bb, d, 0xdd);
+Q8_VNNI inline void StretchScales(const Int8Operands& p, int64_t b, int64_t c, F32x16* ds) {
+  const F32x16 s0 = WeightScale16(p, b, c), s1 = WeightScale16(p, b, c + 16);
+  const F32x16 s2 = WeightScale16(p, b, c + 32), s3 = WeightScale16(p, b, c + 48);
+  const F32x16 a = F::Shuffle128<0x44>(s0, s1), bb = F::Shuffle128<0xee>(s0, s1);
+  const F32x16 cc = F::Shuffle128<0x44>(s2, s3), d = F::Shuffle128<0xee>(s2, s3);
+  ds[0] = F::Shuffle128<0x88>(a, cc);
+  ds[1] = F::Shuffle128<0xdd>(a, cc);
+  ds[2] = F::Shuffle128<0x88>(bb, d);
+  ds[3] = F::Shuffle128<0xdd>(bb, d);
 }
 
 // y rows r0..r0+MR-1 at the stretch c += (dx * dw) * acc, ds[g]: group g's weight scales.
 template <int MR>
 Q8_VNNI inline void FoldInt8(const Int8Operands& p, int64_t b, int64_t c, int64_t r0,
-                             const __m512i (&acc)[MR][4], const __m512* ds) {
+                             const I32x16 (&acc)[MR][4], const F32x16* ds) {
   for (int r = 0; r < MR; ++r) {
-    const __m512 dxr = _mm512_set1_ps(p.dx[(r0 + r) * p.lddx + b]);
+    const F32x16 dxr = F::Set1(p.dx[(r0 + r) * p.lddx + b]);
     float* yr = p.y + (r0 + r) * p.n + c;
     for (int g = 0; g < 4; ++g) {
-      const __m512 scale = _mm512_mul_ps(dxr, ds[g]);
-      _mm512_storeu_ps(yr + 16 * g, _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(acc[r][g]),
-                                                    _mm512_loadu_ps(yr + 16 * g)));
+      const F32x16 scale = F::Mul(dxr, ds[g]);
+      F::StoreU(yr + 16 * g, F::Fma(scale, F::ToFloat(acc[r][g]), F::LoadU(yr + 16 * g)));
     }
   }
 }
 
 template <int MR>
-Q8_VNNI inline void StartSums(const Int8Operands& p, int64_t b, int64_t r0, __m512i (&acc)[MR][4]) {
+Q8_VNNI inline void StartSums(const Int8Operands& p, int64_t b, int64_t r0,
+                              I32x16 (&acc)[MR][4]) {
   for (int r = 0; r < MR; ++r) {
-    const __m512i start = _mm512_set1_epi32(p.xc[(r0 + r) * p.lddx + b]);
+    const I32x16 start = F::Set1Int32(p.xc[(r0 + r) * p.lddx + b]);
     for (int g = 0; g < 4; ++g) acc[r][g] = start;
   }
 }
 
 template <int MR>
-Q8_VNNI inline void DotQuad(const Int8Operands& p, int64_t b, int64_t r0, int t, const __m512i* g,
-                            __m512i (&acc)[MR][4]) {
+Q8_VNNI inline void DotQuad(const Int8Operands& p, int64_t b, int64_t r0, int t, const I32x16* g,
+                            I32x16 (&acc)[MR][4]) {
   const int8_t* xb = p.xq + r0 * p.ldxq + b * kBlock + 4 * t;
   for (int r = 0; r < MR; ++r) {
     int32_t quad;
     std::memcpy(&quad, xb + r * p.ldxq, sizeof quad);
-    const __m512i xv = _mm512_set1_epi32(quad);
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], g[i], xv);
+    const I32x16 xv = F::Set1Int32(quad);
+    for (int i = 0; i < 4; ++i) acc[r][i] = Vnni::DotBytes(acc[r][i], g[i], xv);
   }
 }
 
 // MR (<= 4) x rows from r0 against block b's stretch at c, interleaved straight from the loads.
 template <int MR>
 Q8_VNNI inline void TileInt8(const Int8Operands& p, int64_t b, int64_t c, int64_t r0,
-                                   const __m512* ds) {
-  __m512i acc[MR][4];
+                                   const F32x16* ds) {
+  I32x16 acc[MR][4];
   StartSums<MR>(p, b, r0, acc);
   for (int t = 0; t < kBlock / 4; ++t) {
-    __m512i g[4];
+    I32x16 g[4];
     InterleaveQuad(p, b, c, t, g);
     DotQuad<MR>(p, b, r0, t, g, acc);
   }
@@ -333,7 +326,7 @@ Q8_VNNI inline void TileInt8(const Int8Operands& p, int64_t b, int64_t c, int64_
 }
 
 Q8_VNNI inline void TileInt8Rows(int64_t mr, const Int8Operands& p, int64_t b, int64_t c,
-                                       int64_t r0, const __m512* ds) {
+                                       int64_t r0, const F32x16* ds) {
   switch (mr) {
     case 1: return TileInt8<1>(p, b, c, r0, ds);
     case 2: return TileInt8<2>(p, b, c, r0, ds);
@@ -351,35 +344,33 @@ constexpr int kStreamQuads = 2;
 
 Q8_VNNI inline void StreamInt8Row(const Int8Operands& p, int64_t b, int64_t n64, int32_t* sums) {
   const int8_t* xb = p.xq + b * kBlock;
-  const __m512i start = _mm512_set1_epi32(p.xc[b]);
+  const I32x16 start = F::Set1Int32(p.xc[b]);
   for (int t0 = 0; t0 < kBlock / 4; t0 += kStreamQuads) {
-    __m512i xv[kStreamQuads];
+    I32x16 xv[kStreamQuads];
     for (int u = 0; u < kStreamQuads; ++u) {
       int32_t quad;
       std::memcpy(&quad, xb + 4 * (t0 + u), sizeof quad);
-      xv[u] = _mm512_set1_epi32(quad);
+      xv[u] = F::Set1Int32(quad);
     }
     const bool first = t0 == 0, last = t0 + kStreamQuads == kBlock / 4;
     for (int64_t c = 0; c < n64; c += kStretch) {
-      __m512i acc[4];
-      for (int g = 0; g < 4; ++g)
-        acc[g] = first ? start : _mm512_loadu_si512(sums + c + 16 * g);
+      I32x16 acc[4];
+      for (int g = 0; g < 4; ++g) acc[g] = first ? start : F::LoadBytes(sums + c + 16 * g);
       for (int u = 0; u < kStreamQuads; ++u) {
-        __m512i w[4];
+        I32x16 w[4];
         InterleaveQuad<true>(p, b, c, t0 + u, w);
-        for (int g = 0; g < 4; ++g) acc[g] = _mm512_dpbusd_epi32(acc[g], w[g], xv[u]);
+        for (int g = 0; g < 4; ++g) acc[g] = Vnni::DotBytes(acc[g], w[g], xv[u]);
       }
       if (!last) {
-        for (int g = 0; g < 4; ++g) _mm512_storeu_si512(sums + c + 16 * g, acc[g]);
+        for (int g = 0; g < 4; ++g) F::StoreBytes(sums + c + 16 * g, acc[g]);
         continue;
       }
-      __m512 ds[4];
+      F32x16 ds[4];
       StretchScales(p, b, c, ds);
-      const __m512 dxr = _mm512_set1_ps(p.dx[b]);
+      const F32x16 dxr = F::Set1(p.dx[b]);
       for (int g = 0; g < 4; ++g) {
         float* yc = p.y + c + 16 * g;
-        _mm512_storeu_ps(yc, _mm512_fmadd_ps(_mm512_mul_ps(dxr, ds[g]), _mm512_cvtepi32_ps(acc[g]),
-                                             _mm512_loadu_ps(yc)));
+        F::StoreU(yc, F::Fma(F::Mul(dxr, ds[g]), F::ToFloat(acc[g]), F::LoadU(yc)));
       }
     }
   }
@@ -401,7 +392,7 @@ Q8_VNNI inline void ColumnsInt8Vnni(const Int8Operands& p) {
   }
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
     for (int64_t c = 0; c < n64; c += kStretch) {
-      __m512 ds[4];
+      F32x16 ds[4];
       StretchScales(p, b, c, ds);
       for (int64_t r = 0; r < p.m; r += kTileRows)
         TileInt8Rows(p.m - r < kTileRows ? p.m - r : kTileRows, p, b, c, r, ds);
@@ -424,7 +415,7 @@ inline bool HasVnni() { return false; }
 
 // y (p.m, p.n, stretch-permuted) += the blocks of p: on VNNI when `vnni`, else scalar.
 inline void ColumnsInt8(const Int8Operands& p, bool vnni) {
-#if defined(__x86_64__) || defined(_M_X64)
+#if Q8_X86
   if (vnni) return ColumnsInt8Vnni(p);
 #endif
   ColumnsInt8Scalar(p, 0, p.n);

@@ -373,7 +373,7 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
 #if Q8_X86
     if (spins < 4096) {
-      _mm_pause();
+      q8simd::Pause();
       continue;
     }
 #endif

@@ -39,7 +39,7 @@ inline void Tile(const Problem& p, int64_t b, int64_t col, int64_t m0) {
   for (int i = 0; i < kBlock; ++i) {
     const int8_t* qr = qb + i * p.n;
     for (int l = 0; l < NV * L; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(qr + l + q8simd::kPrefetch), _MM_HINT_T0);
+      q8simd::PrefetchL1(qr + l + q8simd::kPrefetch);
     V qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = Vec::Load(qr + L * v);
     for (int r = 0; r < MR; ++r) {
@@ -121,7 +121,7 @@ inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
       for (int v = 0; v < NV; ++v) acc[v] = first ? Vec::Zero() : Vec::LoadA(sc + L * v);
       for (int i = 0; i < R; ++i) {
         const int8_t* qr = qb + (r0 + i) * p.n + c;
-        _mm_prefetch(reinterpret_cast<const char*>(qr + ahead), _MM_HINT_T1);
+        q8simd::PrefetchL2(qr + ahead);
         for (int v = 0; v < NV; ++v) acc[v] = Vec::Fma(xv[i], Vec::Load(qr + L * v), acc[v]);
       }
       if (!last) {
@@ -177,7 +177,7 @@ inline void Columns(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_
         alignas(64) float f[kBlock * 64];
         for (int64_t i = 0; i < kBlock; ++i) {
           const int8_t* qr = p.q + (b * kBlock + i) * p.n + c;
-          _mm_prefetch(reinterpret_cast<const char*>(qr + q8simd::kPrefetch), _MM_HINT_T0);
+          q8simd::PrefetchL1(qr + q8simd::kPrefetch);
           for (int v = 0; v < 64 / L; ++v) Vec::StoreA(f + i * 64 + L * v, Vec::Load(qr + L * v));
         }
         for (int64_t cv = c; cv < c + 64; cv += 2 * L)

@@ -22,32 +22,31 @@ constexpr int64_t kBlock = 32;  // Q8_0 values per block
 // four bits reversed. Elsewhere, element by element.
 inline void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
 #if Q8_X86
+  using S = q8simd::Sse2;
   static constexpr int kColumn[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  __m128i x[16], t[16];
-  for (int i = 0; i < 16; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ls));
+  S::V x[16], t[16];
+  for (int i = 0; i < 16; ++i) x[i] = S::Load(s + i * ls);
   for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
-    t[2 * i + 1] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+    t[2 * i] = S::UnpackLo<8>(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = S::UnpackHi<8>(x[2 * i], x[2 * i + 1]);
   }
   for (int i = 0; i < 4; ++i) {
     for (int j = 0; j < 2; ++j) {
-      x[4 * i + j] = _mm_unpacklo_epi16(t[4 * i + j], t[4 * i + j + 2]);
-      x[4 * i + j + 2] = _mm_unpackhi_epi16(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j] = S::UnpackLo<16>(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j + 2] = S::UnpackHi<16>(t[4 * i + j], t[4 * i + j + 2]);
     }
   }
   for (int i = 0; i < 2; ++i) {
     for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm_unpacklo_epi32(x[8 * i + j], x[8 * i + j + 4]);
-      t[8 * i + j + 4] = _mm_unpackhi_epi32(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j] = S::UnpackLo<32>(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j + 4] = S::UnpackHi<32>(x[8 * i + j], x[8 * i + j + 4]);
     }
   }
   for (int j = 0; j < 8; ++j) {
-    x[j] = _mm_unpacklo_epi64(t[j], t[j + 8]);
-    x[j + 8] = _mm_unpackhi_epi64(t[j], t[j + 8]);
+    x[j] = S::UnpackLo<64>(t[j], t[j + 8]);
+    x[j + 8] = S::UnpackHi<64>(t[j], t[j + 8]);
   }
-  for (int k = 0; k < 16; ++k) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + kColumn[k] * ld), x[k]);
-  }
+  for (int k = 0; k < 16; ++k) S::Store(d + kColumn[k] * ld, x[k]);
 #else
   for (int r = 0; r < 16; ++r) {
     for (int c = 0; c < 16; ++c) d[c * ld + r] = s[r * ls + c];

@@ -31,6 +31,7 @@
 
 #include "q8_act_int8.h"  // q8act::FloatToHalf: float32 -> float16 bits, as numpy rounds
 #include "q8_matmul.h"    // q8mm::SelectIsa: the SIMD path a call may take
+#include "simd.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -332,29 +333,27 @@ inline void QuantizeBlock(const float* x, uint8_t* out) {
 }
 
 #if Q8_X86
-#define Q8_REQUANT_AVX512 __attribute__((target("avx512f")))
-
 // QuantizeBlock on AVX-512, bit for bit: the same float32 operations, the rounding as in
 // RoundToInt8 (vcvttps2dq truncates), 0 where |v| is not below 128.
-Q8_REQUANT_AVX512 inline void QuantizeBlockAvx512(const float* x, uint8_t* out) {
-  const __m512 half_lo = _mm512_loadu_ps(x), half_hi = _mm512_loadu_ps(x + 16);
-  const __mmask16 unordered = _mm512_cmp_ps_mask(half_lo, half_lo, _CMP_UNORD_Q) |
-                              _mm512_cmp_ps_mask(half_hi, half_hi, _CMP_UNORD_Q);
-  const __m512 mag = _mm512_max_ps(_mm512_abs_ps(half_lo), _mm512_abs_ps(half_hi));
-  const __m512 id = _mm512_set1_ps(StoreScale(_mm512_reduce_max_ps(mag), unordered != 0, out));
-  const __m512 halves[2] = {half_lo, half_hi};
+Q8_AVX512F inline void QuantizeBlockAvx512(const float* x, uint8_t* out) {
+  using F = q8simd::Avx512F;
+  using q8simd::F32x16, q8simd::I32x16, q8simd::Mask16;
+  const F32x16 half_lo = F::LoadU(x), half_hi = F::LoadU(x + 16);
+  const Mask16 unordered = F::Unordered(half_lo, half_lo) | F::Unordered(half_hi, half_hi);
+  const F32x16 mag = F::Max(F::Abs(half_lo), F::Abs(half_hi));
+  const F32x16 id = F::Set1(StoreScale(F::ReduceMax(mag), unordered != 0, out));
+  const F32x16 halves[2] = {half_lo, half_hi};
   for (int h = 0; h < 2; ++h) {
-    const __m512 v = _mm512_mul_ps(halves[h], id);
-    const __m512 a = _mm512_abs_ps(v);
-    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(128.0f), _CMP_LT_OQ);
-    __m512i t = _mm512_maskz_cvttps_epi32(small, a);
-    const __m512 dropped = _mm512_sub_ps(a, _mm512_cvtepi32_ps(t));
-    const __mmask16 up =
-        _mm512_mask_cmp_ps_mask(small, dropped, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-    t = _mm512_mask_add_epi32(t, up, t, _mm512_set1_epi32(1));
-    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-    t = _mm512_mask_sub_epi32(t, neg, _mm512_setzero_si512(), t);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 + 16 * h), _mm512_cvtepi32_epi8(t));
+    const F32x16 v = F::Mul(halves[h], id);
+    const F32x16 a = F::Abs(v);
+    const Mask16 small = F::Less(a, F::Set1(128.0f));
+    I32x16 t = F::TruncToInt32Where(small, a);
+    const F32x16 dropped = F::Sub(a, F::ToFloat(t));
+    const Mask16 up = F::GreaterEqualWhere(small, dropped, F::Set1(0.5f));
+    t = F::AddInt32Where(up, t, F::Set1Int32(1));
+    const Mask16 neg = F::Less(v, F::Zero());
+    t = F::NegateInt32Where(neg, t);
+    F::StoreInt8(out + 2 + 16 * h, t);
   }
 }
 #endif
@@ -372,28 +371,6 @@ inline void QuantizeRun(const float* x, int64_t n, uint8_t* out, bool avx512) {
   }
 }
 
-// IEEE float32 while it lives: flush-to-zero and denormals-are-zero off (the caller's MXCSR
-// may have them on), the caller's setting back at the end.
-class IeeeFloat {
- public:
-  IeeeFloat() {
-#if Q8_X86
-    csr_ = _mm_getcsr();
-    _mm_setcsr(csr_ & ~0x8040u);  // FTZ is bit 15, DAZ bit 6
-#endif
-  }
-  ~IeeeFloat() {
-#if Q8_X86
-    _mm_setcsr(csr_);
-#endif
-  }
-  IeeeFloat(const IeeeFloat&) = delete;
-  IeeeFloat& operator=(const IeeeFloat&) = delete;
-
- private:
-  unsigned csr_ = 0;
-};
-
 // fn(c0, c1) over chunks [0, chunks), in runs of `run` chunks that the caller and up to
 // threads - 1 started threads take in turn from one counter, so a thread whose core is busy
 // with other work takes fewer (a fixed split waits for its slowest share).
@@ -404,7 +381,7 @@ void OnThreads(int64_t chunks, int64_t threads, const Fn& fn, int64_t run = kRun
   const int64_t runs = (chunks + run - 1) / run;
   std::atomic<int64_t> next{0};
   auto work = [&fn, &next, chunks, runs, run] {
-    const IeeeFloat ieee;
+    const q8simd::IeeeFloat ieee;
     for (int64_t r = next.fetch_add(1); r < runs; r = next.fetch_add(1)) {
       fn(r * run, std::min(chunks, (r + 1) * run));
     }

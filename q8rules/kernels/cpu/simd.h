@@ -1,8 +1,17 @@
-// SIMD helpers of the native library: the x86 target attributes and, for the weight-only
-// product's tiles (q8_tiles.h) and its transpose (q8_matmul_t.h), one vector type per path
-// with the same operations, so each tile is written once: Avx2 (8 float lanes, __m256) and Avx512 (16, __m512). Every
-// operation is the instruction the path's hand-written code used, so a tile computes the
-// same FMAs in the same order on either type.
+// The native library's one SIMD layer: the only header that includes <immintrin.h> or names an
+// intrinsic (tests/test_architecture.py checks), as ggml keeps its SIMD in one place. It holds
+// the x86 target attributes and, per instruction set, a type with the operations the kernels
+// use:
+//   - Avx2 (8 float lanes, __m256) and Avx512 (16), the same operations on either, so each of
+//     the weight-only product's tiles (q8_tiles.h) and its transpose's (q8_matmul_t.h) is
+//     written once;
+//   - Avx512F (16 floats, 16 int32 and their masks): the Q8_0 quantizers of requant.h and
+//     q8_act_int8.h, on AVX-512 F alone;
+//   - Avx512Vnni: the Q8_0-activation product's byte interleave and int8 dots (q8_act_int8.h);
+//   - Sse2 (16 bytes, baseline on x86-64): the repack's 16 x 16 transposes (repack.h);
+// and the prefetches, the spin-wait hint and the MXCSR guard every path shares. Every operation
+// is one instruction (or the fixed sequence) the kernels' hand-written code used, so a kernel
+// computes the same bits through this layer as it did with the intrinsics inline.
 
 #ifndef Q8RULES_SIMD_H_
 #define Q8RULES_SIMD_H_
@@ -26,6 +35,20 @@ constexpr int64_t kPrefetch = 128;  // bytes ahead in each q row stream (RESULTS
 #if Q8_X86
 #define Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define Q8_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+// AVX-512 F alone: requant.h's Q8_0 quantizer, on any AVX-512 CPU.
+#define Q8_AVX512F __attribute__((target("avx512f")))
+// AVX-512 F, BW and VNNI, with F16C: the Q8_0-activation product (q8_act_int8.h).
+#define Q8_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+
+// The next cache lines' hints: into L1 (prefetcht0) and into L2 (prefetcht1).
+Q8_ALWAYS_INLINE void PrefetchL1(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+Q8_ALWAYS_INLINE void PrefetchL2(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
+// A spin-wait loop's hint (pause).
+Q8_ALWAYS_INLINE void Pause() { _mm_pause(); }
 
 // AVX2 + FMA + F16C: 8 lanes.
 struct Avx2 {
@@ -91,7 +114,176 @@ struct Avx512 {
     return _mm512_loadu_ps(static_cast<const float*>(scale) + i);
   }
 };
+
+// 16 floats, 16 int32 (or 64 int8) and a 16-lane mask of AVX-512.
+using F32x16 = __m512;
+using I32x16 = __m512i;
+using Mask16 = __mmask16;
+
+// AVX-512 F alone (no FMA or F16C assumed: requant.h's quantizer runs on any AVX-512 CPU).
+struct Avx512F {
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Zero() { return _mm512_setzero_ps(); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Set1(float v) { return _mm512_set1_ps(v); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 LoadU(const float* p) { return _mm512_loadu_ps(p); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static void StoreU(float* p, F32x16 v) { _mm512_storeu_ps(p, v); }
+  // 16 float16 at p widened to float32 (vcvtph2ps).
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 LoadHalves(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Abs(F32x16 a) { return _mm512_abs_ps(a); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Max(F32x16 a, F32x16 b) { return _mm512_max_ps(a, b); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Min(F32x16 a, F32x16 b) { return _mm512_min_ps(a, b); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Add(F32x16 a, F32x16 b) { return _mm512_add_ps(a, b); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Sub(F32x16 a, F32x16 b) { return _mm512_sub_ps(a, b); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Mul(F32x16 a, F32x16 b) { return _mm512_mul_ps(a, b); }
+  // a * b + c, rounded once (vfmadd).
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Fma(F32x16 a, F32x16 b, F32x16 c) {
+    return _mm512_fmadd_ps(a, b, c);
+  }
+  // Each lane rounded down to an integer (vrndscaleps, no exceptions).
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Floor(F32x16 a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static float ReduceMax(F32x16 a) { return _mm512_reduce_max_ps(a); }
+  // The 128-bit lanes of a and b picked by kImm (vshuff32x4).
+  template <int kImm>
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 Shuffle128(F32x16 a, F32x16 b) {
+    return _mm512_shuffle_f32x4(a, b, kImm);
+  }
+  // Masks: a < b (ordered, quiet); either lane NaN; a >= b (ordered, quiet) where m is set.
+  Q8_AVX512F Q8_ALWAYS_INLINE static Mask16 Less(F32x16 a, F32x16 b) {
+    return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static Mask16 Unordered(F32x16 a, F32x16 b) {
+    return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static Mask16 GreaterEqualWhere(Mask16 m, F32x16 a, F32x16 b) {
+    return _mm512_mask_cmp_ps_mask(m, a, b, _CMP_GE_OQ);
+  }
+  // 0 - a where m is set, a elsewhere.
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 NegateWhere(Mask16 m, F32x16 a) {
+    return _mm512_mask_sub_ps(a, m, _mm512_setzero_ps(), a);
+  }
+  // Float to int32 truncated (vcvttps2dq), and that where m is set, 0 elsewhere; int32 to float.
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 TruncToInt32(F32x16 a) {
+    return _mm512_cvttps_epi32(a);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 TruncToInt32Where(Mask16 m, F32x16 a) {
+    return _mm512_maskz_cvttps_epi32(m, a);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static F32x16 ToFloat(I32x16 a) { return _mm512_cvtepi32_ps(a); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 Set1Int32(int32_t v) { return _mm512_set1_epi32(v); }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 Set1Int8(int8_t v) {
+    return _mm512_set1_epi8(static_cast<char>(v));
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 AddInt32(I32x16 a, I32x16 b) {
+    return _mm512_add_epi32(a, b);
+  }
+  // a + b where m is set, a elsewhere; 0 - a where m is set, a elsewhere.
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 AddInt32Where(Mask16 m, I32x16 a, I32x16 b) {
+    return _mm512_mask_add_epi32(a, m, a, b);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 NegateInt32Where(Mask16 m, I32x16 a) {
+    return _mm512_mask_sub_epi32(a, m, _mm512_setzero_si512(), a);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static int32_t ReduceAddInt32(I32x16 a) {
+    return _mm512_reduce_add_epi32(a);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 Xor(I32x16 a, I32x16 b) {
+    return _mm512_xor_si512(a, b);
+  }
+  // 64 bytes at p, unaligned; stored to p.
+  Q8_AVX512F Q8_ALWAYS_INLINE static I32x16 LoadBytes(const void* p) {
+    return _mm512_loadu_si512(p);
+  }
+  Q8_AVX512F Q8_ALWAYS_INLINE static void StoreBytes(void* p, I32x16 v) {
+    _mm512_storeu_si512(p, v);
+  }
+  // The 16 int32 lanes truncated to int8 (vpmovdb), stored as 16 bytes at p.
+  Q8_AVX512F Q8_ALWAYS_INLINE static void StoreInt8(void* p, I32x16 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+};
+
+// The Q8_0-activation product's operations past AVX-512 F: BW's byte and word interleaves,
+// VNNI's int8 dots and F16C's float16 rounding.
+struct Avx512Vnni {
+  // The low (high) halves of each 128-bit lane of a and b interleaved, in units of kBits (8 or
+  // 16) bits (vpunpckl/hbw, vpunpckl/hwd).
+  template <int kBits>
+  Q8_VNNI Q8_ALWAYS_INLINE static I32x16 UnpackLo(I32x16 a, I32x16 b) {
+    static_assert(kBits == 8 || kBits == 16);
+    if constexpr (kBits == 8) return _mm512_unpacklo_epi8(a, b);
+    else return _mm512_unpacklo_epi16(a, b);
+  }
+  template <int kBits>
+  Q8_VNNI Q8_ALWAYS_INLINE static I32x16 UnpackHi(I32x16 a, I32x16 b) {
+    static_assert(kBits == 8 || kBits == 16);
+    if constexpr (kBits == 8) return _mm512_unpackhi_epi8(a, b);
+    else return _mm512_unpackhi_epi16(a, b);
+  }
+  // acc + per 32-bit lane the sum of the four products of u's unsigned bytes and s's signed
+  // bytes (vpdpbusd: exact in int32).
+  Q8_VNNI Q8_ALWAYS_INLINE static I32x16 DotBytes(I32x16 acc, I32x16 u, I32x16 s) {
+    return _mm512_dpbusd_epi32(acc, u, s);
+  }
+  // f rounded to float16 (nearest even) and widened back (vcvtps2ph, vcvtph2ps).
+  Q8_VNNI Q8_ALWAYS_INLINE static float RoundToHalf(float f) {
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+// 16 bytes in an SSE2 register (baseline on x86-64: no target attribute).
+struct Sse2 {
+  using V = __m128i;
+  Q8_ALWAYS_INLINE static V Load(const int8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  Q8_ALWAYS_INLINE static void Store(int8_t* p, V v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
+  }
+  // The low (high) halves of a and b interleaved in units of kBits (8, 16, 32 or 64) bits
+  // (punpckl/h).
+  template <int kBits>
+  Q8_ALWAYS_INLINE static V UnpackLo(V a, V b) {
+    static_assert(kBits == 8 || kBits == 16 || kBits == 32 || kBits == 64);
+    if constexpr (kBits == 8) return _mm_unpacklo_epi8(a, b);
+    else if constexpr (kBits == 16) return _mm_unpacklo_epi16(a, b);
+    else if constexpr (kBits == 32) return _mm_unpacklo_epi32(a, b);
+    else return _mm_unpacklo_epi64(a, b);
+  }
+  template <int kBits>
+  Q8_ALWAYS_INLINE static V UnpackHi(V a, V b) {
+    static_assert(kBits == 8 || kBits == 16 || kBits == 32 || kBits == 64);
+    if constexpr (kBits == 8) return _mm_unpackhi_epi8(a, b);
+    else if constexpr (kBits == 16) return _mm_unpackhi_epi16(a, b);
+    else if constexpr (kBits == 32) return _mm_unpackhi_epi32(a, b);
+    else return _mm_unpackhi_epi64(a, b);
+  }
+};
 #endif  // Q8_X86
+
+// IEEE float32 while it lives: flush-to-zero and denormals-are-zero off (the caller's MXCSR
+// may have them on), the caller's setting back at the end. Nothing to do off x86.
+class IeeeFloat {
+ public:
+  IeeeFloat() {
+#if Q8_X86
+    csr_ = _mm_getcsr();
+    _mm_setcsr(csr_ & ~0x8040u);  // FTZ is bit 15, DAZ bit 6
+#endif
+  }
+  ~IeeeFloat() {
+#if Q8_X86
+    _mm_setcsr(csr_);
+#endif
+  }
+  IeeeFloat(const IeeeFloat&) = delete;
+  IeeeFloat& operator=(const IeeeFloat&) = delete;
+
+ private:
+  unsigned csr_ = 0;
+};
 
 }  // namespace q8simd
 
