@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,3 +102,29 @@ def test_decode_loop_samples_as_the_chain_does():
     ids.append(t)
   plain = m.generate(prompt, 20)
   assert len(set(plain)) < 12 and new != plain  # the penalty changed a repeating greedy text
+
+
+def primitives(settings: tuple, vocab: int = 49152) -> set[str]:
+  """The primitives of one traced sampling step over a vocabulary of `vocab` (nested too)."""
+  logits, recent = jnp.zeros((vocab,), jnp.float32), jnp.full((settings[-1],), -1, jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda x, k: sample(x, k, recent, 0.8, settings))(
+    logits, jax.random.key(0)
+  )
+  out, todo = set(), [jaxpr.jaxpr]
+  while todo:
+    j = todo.pop()
+    for eqn in j.eqns:
+      out.add(eqn.primitive.name)
+      todo += [
+        v.jaxpr if hasattr(v, "jaxpr") else v for v in jax.extend.core.jaxprs_in_params(eqn.params)
+      ]
+  return out
+
+
+def test_top_k_never_sorts_the_vocabulary():
+  """With top-k, the step takes the k largest (`top_k`) and works on those: no sort of the
+  vocabulary, and the draw's noise is over k, not the vocabulary; greedy runs no filter."""
+  topk = primitives(Sampler(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05).settings())
+  assert "top_k" in topk and "sort" not in topk
+  assert "sort" not in primitives(Sampler(top_k=40, top_p=0.95).settings())  # greedy
+  assert "sort" in primitives(Sampler(temperature=0.8, top_p=0.95).settings())  # top-p alone

@@ -3,7 +3,9 @@ does: repetition penalty, then top-k, top-p, min-p, temperature, and a draw (gre
 argmax after the penalty).
 
 `Sampler` holds the settings; `sample(logits, key, recent, temperature, settings)` is the
-traced step the decode loop runs on the device. `reference_probabilities` is the same chain
+traced step the decode loop runs on the device. With top-k on, the step never sorts the
+vocabulary: `lax.top_k` takes the k largest and the rest of the chain and the draw work on
+those k (the same distribution as over the whole vocabulary, where the rest is at -inf). `reference_probabilities` is the same chain
 in float64 numpy (the tests' yardstick).
 
 The steps, on the logits `l` (vocab,) float32:
@@ -28,26 +30,23 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-  """How the next token is chosen. The defaults turn every step off: greedy decoding.
-
-  Attributes:
-    temperature: 0 (greedy: the argmax) or > 0 (a draw from softmax(l / temperature)).
-    top_k: keep the k most likely ids (0: off).
-    top_p: keep the most likely ids up to this probability mass (1.0: off).
-    min_p: keep the ids at least this fraction of the most likely one's probability (0: off).
-    repeat_penalty: divide the positive logits (multiply the negative ones) of recently seen
-      ids by this (1.0: off).
-    repeat_last_n: how many of the last tokens the penalty looks at.
-    seed: the draws' PRNG seed.
-  """
+  """How the next token is chosen. The defaults turn every step off: greedy decoding."""
 
   temperature: float = 0.0
+  """0 (greedy: the argmax) or > 0 (a draw from softmax(l / temperature))."""
   top_k: int = 0
+  """Keep the k most likely ids (0: off)."""
   top_p: float = 1.0
+  """Keep the most likely ids up to this probability mass (1.0: off)."""
   min_p: float = 0.0
+  """Keep the ids at least this fraction of the most likely one's probability (0: off)."""
   repeat_penalty: float = 1.0
+  """Divide the positive logits (multiply the negative ones) of recently seen ids by this
+  (1.0: off)."""
   repeat_last_n: int = 64
+  """How many of the last tokens the penalty looks at."""
   seed: int = 0
+  """The draws' PRNG seed."""
 
   def __post_init__(self) -> None:
     checks = [
@@ -96,43 +95,65 @@ def _keep(logits: jax.Array, keep: jax.Array) -> jax.Array:
   return jnp.where(keep, logits, -jnp.inf)
 
 
-def filtered(logits: jax.Array, recent: jax.Array, settings: tuple) -> jax.Array:
-  """The logits (vocab,) float32 after the penalty, top-k, top-p and min-p of `settings`
-  (`Sampler.settings()`): the removed ids at -inf."""
+def _top_p(ranked: jax.Array, top_p: float) -> jax.Array:
+  """`ranked` (n,) float32 in descending order, cut to the smallest prefix whose probability
+  (softmax of what is left) reaches `top_p`: the rest at -inf."""
+  p = jax.nn.softmax(ranked)
+  before = jnp.cumsum(p) - p  # the mass ahead of each id: keep it while that is < top_p
+  return _keep(ranked, before < top_p)
+
+
+def candidates(
+  logits: jax.Array, recent: jax.Array, settings: tuple
+) -> tuple[jax.Array, jax.Array | None]:
+  """The tokens the chain of `settings` (`Sampler.settings()`) may draw from one position's
+  logits (vocab,): (values (n,) float32, the removed at -inf; their ids (n,) int32, or None when
+  the values are the whole vocabulary in id order).
+
+  With top-k, n = k: `lax.top_k` picks the k largest (in descending order, the lower id first
+  among equal ones, as a stable sort), and top-p and min-p work within them; the vocabulary is
+  never sorted. Top-p alone sorts it (n = vocab)."""
   _, top_k, top_p, min_p, penalty, history = settings
   x = logits.astype(jnp.float32)
   if history:
     x = _penalize(x, recent, penalty)
-  if top_k or top_p < 1.0:
-    order = jnp.argsort(-x, stable=True)  # descending, ties in id order (llama.cpp's sort)
-    ranked = x[order]
-    keep = jnp.ones(x.shape, bool)
-    if top_k:
-      keep = keep & (jnp.arange(x.shape[0]) < top_k)
-    if top_p < 1.0:
-      p = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-      before = jnp.cumsum(p) - p  # the mass ahead of each id: keep it while that is < top_p
-      keep = keep & (before < top_p)
-    x = jnp.full(x.shape, -jnp.inf).at[order].set(_keep(ranked, keep))
+  ids = None
+  if top_k:
+    x, ids = jax.lax.top_k(x, min(top_k, x.shape[0]))
+  elif top_p < 1.0:
+    ids = jnp.argsort(-x, stable=True).astype(jnp.int32)  # llama.cpp's order, ties by id
+    x = x[ids]
+  if top_p < 1.0:
+    x = _top_p(x, top_p)
   if min_p > 0.0:
     p = jax.nn.softmax(x)
     x = _keep(x, p >= min_p * p.max())
-  return x
+  return x, ids
+
+
+def filtered(logits: jax.Array, recent: jax.Array, settings: tuple) -> jax.Array:
+  """The logits (vocab,) float32 after the penalty, top-k, top-p and min-p of `settings`
+  (`Sampler.settings()`): the removed ids at -inf."""
+  x, ids = candidates(logits, recent, settings)
+  return x if ids is None else jnp.full(logits.shape, -jnp.inf).at[ids].set(x)
 
 
 def sample(
   logits: jax.Array, key: jax.Array, recent: jax.Array, temperature: jax.Array, settings: tuple
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(token int32, next key, recent ids with the token appended) from one position's logits
-  (vocab,). Greedy: the argmax of the filtered logits, the key unchanged; else each draw
-  splits the key once (`key, sub = split(key)`; `categorical(sub, filtered / temperature)`)."""
-  greedy, *_, history = settings
-  x = filtered(logits, recent, settings)
+  (vocab,). Greedy: the argmax after the penalty (top-k, top-p and min-p all keep it), the key
+  unchanged; else each draw splits the key once (`key, sub = split(key)`) and draws from
+  softmax(candidates / temperature), among the top-k's k ids when top-k is on."""
+  greedy, _, _, _, penalty, history = settings
   if greedy:
+    x = _penalize(logits.astype(jnp.float32), recent, penalty) if history else logits
     tok = jnp.argmax(x).astype(jnp.int32)
   else:
+    x, ids = candidates(logits, recent, settings)
     key, sub = jax.random.split(key)
     tok = jax.random.categorical(sub, x / temperature).astype(jnp.int32)
+    tok = tok if ids is None else ids[tok]
   if history:
     recent = jnp.concatenate([recent[1:], tok[None]])
   return tok, key, recent
@@ -170,4 +191,4 @@ def reference_probabilities(logits: np.ndarray, recent: list[int], sampler: Samp
   return out
 
 
-__all__ = ["Sampler", "filtered", "reference_probabilities", "sample"]
+__all__ = ["Sampler", "candidates", "filtered", "reference_probabilities", "sample"]

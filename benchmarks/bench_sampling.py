@@ -1,0 +1,107 @@
+"""Decode with sampling against greedy decode, on the real SmolLM2-135M-Instruct (vocab 49,152).
+
+    python benchmarks/bench_sampling.py [--rounds 5] [--new 65] [--threads N] [--write]
+
+One process, the model loaded once; per round each setting in turn (the order rotating), each
+a `GGUFModel.stream` of --new tokens after a 9-token prompt, its decode rate counted as
+`q8rules run` counts it (generated tokens after the decode loop's first chunk, over the time
+since that chunk: q8rules/cli/rates.py). Every setting runs once before the rounds, so no
+compilation is timed. The settings: greedy; `--temp 0.8 --top-k 40 --top-p 0.95` (top-k
+picks 40 candidates with `lax.top_k`, the chain and the draw work on those 40); `--temp 0.8
+--top-p 0.95` alone, which sorts the whole vocabulary every step (the cost top-k avoids); plain
+temperature 0.8 (a draw over the whole vocabulary, no sort).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from scripts.fetch_real_models import MODELS, cache_dir  # noqa: E402
+
+SETTINGS = {
+  "greedy": {},
+  "--temp 0.8 --top-k 40 --top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
+  "--temp 0.8 --top-p 0.95 (sorts the vocabulary)": dict(temperature=0.8, top_p=0.95),
+  "--temp 0.8": dict(temperature=0.8),
+}
+
+
+def rate(m, prompt: list[int], new: int, sampler) -> float:
+  """Generated tokens/s of one `stream`, as `q8rules run` counts them (after the first chunk)."""
+  from q8rules.cli.rates import decode_rate
+  from q8rules.llm.generate import CHUNK
+
+  stamps = []
+  for _ in m.stream(prompt, new, sampler=sampler):
+    stamps.append(time.perf_counter())
+  r = decode_rate(stamps, CHUNK)
+  if not r.warm:
+    raise RuntimeError(f"{len(stamps)} tokens: too few to count after the first chunk")
+  return r.per_s
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every setting")
+  ap.add_argument("--new", type=int, default=65, help="tokens generated per run")
+  ap.add_argument("--threads", type=int, default=None, help="CPUs (None: all)")
+  ap.add_argument("--write", action="store_true", help="write RESULTS.md's `sampling` section")
+  args = ap.parse_args()
+  if args.threads:
+    from q8rules.cli.threads import limit_threads
+
+    limit_threads(args.threads)
+  import jax.numpy as jnp
+
+  import q8rules
+  from q8rules.llm.sampling import Sampler
+
+  path = cache_dir() / MODELS["smollm2-q4_1"].file
+  if not path.exists():
+    raise SystemExit(f"{path}: missing; run scripts/fetch_real_models.py first")
+  m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
+  prompt = m.tokenizer.encode("Once upon a time, in a small village by the sea,")
+  samplers = {name: Sampler(seed=1, **kw) for name, kw in SETTINGS.items()}
+  for s in samplers.values():  # compile every program first
+    rate(m, prompt, args.new, s)
+  runs: dict[str, list[float]] = {name: [] for name in samplers}
+  names = list(samplers)
+  for r in range(args.rounds):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      runs[name].append(rate(m, prompt, args.new, samplers[name]))
+    print(f"round {r}: " + ", ".join(f"{runs[n][-1]:.1f}" for n in names), flush=True)
+  greedy = statistics.median(runs["greedy"])
+  rows = [
+    "| setting | generated tokens/s, median (runs) | x greedy |",
+    "|---|---|---|",
+  ]
+  for name in names:
+    med = statistics.median(runs[name])
+    each = ", ".join(f"{x:.1f}" for x in runs[name])
+    rows.append(f"| `{name}` | {med:.1f} ({each}) | {med / greedy:.2f} |")
+  table = "\n".join(rows)
+  print(table)
+  if args.write:
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    header = (
+      f"{when}. Machine: {machine()}; load average at the end {load_average()}. {path.name},"
+      f" float32 activations, {args.new} tokens a run ({args.new - 17} counted, after the first"
+      f" chunk), {args.rounds} interleaved rounds, threads: {args.threads or 'all'}."
+    )
+    cmd = "python benchmarks/bench_sampling.py" + (
+      f" --threads {args.threads}" if args.threads else ""
+    )
+    heading = "## Decode with top-k / top-p sampling against greedy"
+    write_section("sampling", section("sampling", heading, header, cmd + " --write", [table]))
+
+
+if __name__ == "__main__":
+  main()
