@@ -345,7 +345,7 @@ def test_finetune_command_writes_an_adapter_run_reads(tmp_path, capsys):
   args += ["--steps", "6", "--batch", "2", "--length", "32", "--lr", "1e-2", "--log-every", "3"]
   assert main([*args, "--no-progress"]) == 0
   err = capsys.readouterr().err
-  assert "step 3: loss" in err and "step 6: loss" in err and f"wrote {out}" in err
+  assert "step 3: train loss" in err and "step 6: train loss" in err and f"wrote {out}" in err
   f = read_lora_gguf(out)
   assert f.arch == "qwen2" and f.alpha == 32.0 and len(f.adapters) == 7 * 2
   assert any(np.abs(b).max() > 0 for _, b in f.adapters.values())  # trained: B moved off zero

@@ -93,6 +93,11 @@ def unit_closed(text: str) -> float:
   return _ranged(float, text, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
+def half_unit(text: str) -> float:
+  """argparse type: a number in [0, 0.5]."""
+  return _ranged(float, text, lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]")
+
+
 def _ranged(kind: type, text: str, ok: Callable[[float], bool], what: str):
   try:
     value = kind(text)

@@ -7,9 +7,16 @@ flags once, when it starts."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
-from q8rules.cli.errors import UsageError
+from q8rules.cli.errors import UsageError, positive_int
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+  """The `-t/--threads N` option (`limit_threads` applies it before the command runs)."""
+  p.add_argument("-t", "--threads", type=positive_int, default=None,
+                 help="CPUs to run on (None: all this process may use)")  # fmt: skip
 
 
 def limit_threads(n: int) -> list[int]:

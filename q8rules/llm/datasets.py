@@ -18,21 +18,28 @@ Batch = tuple[np.ndarray, np.ndarray]
 Sampler = Callable[[], Batch]
 
 
-def text_windows(ids: Any, length: int, batch: int, *, seed: int = 0) -> Sampler:
+def text_windows(
+  ids: Any, length: int, batch: int, *, seed: int = 0, exclude: Sequence[tuple[int, int]] = ()
+) -> Sampler:
   """Windows of `length` tokens of the stream `ids` (1-D), `batch` of them at random offsets per
-  draw; every token a target.
+  draw, none overlapping a [start, stop) span of `exclude` (the held-out tokens,
+  `q8rules.llm.heldout.held_out_spans`); every token a target.
 
   Raises:
-    ValueError: a stream shorter than one window.
+    ValueError: an empty text, or no window of `length` tokens clear of `exclude`.
   """
+  from q8rules.llm.heldout import train_starts
+
   ids = np.asarray(ids, np.int32)
-  if ids.ndim != 1 or ids.size < length:
+  if ids.ndim != 1 or ids.size == 0:
+    raise ValueError("the text is empty: no token to train on")
+  starts = train_starts(ids.size, length, exclude)
+  if starts.size == 0:
     raise ValueError(f"the text has {ids.size} tokens, fewer than one window of {length}")
   rng = np.random.default_rng(seed)
 
   def draw() -> Batch:
-    starts = rng.integers(0, ids.size - length + 1, size=batch)
-    tokens = np.stack([ids[s : s + length] for s in starts])
+    tokens = np.stack([ids[s : s + length] for s in rng.choice(starts, size=batch)])
     return tokens, np.ones_like(tokens, bool)
 
   return draw

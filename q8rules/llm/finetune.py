@@ -6,7 +6,11 @@
     for tokens, mask in batches:                 # (B, T) int32, (B, T) bool or None
       state, loss = trainer.step(state, tokens, mask)
     m = trainer.model(state)                      # the GGUFModel with the trained adapters
+    held_loss = trainer.evaluate(state, held)     # mean loss over held-out (tokens, mask) batches
     m.save_lora_gguf("adapter.gguf")              # for llama.cpp's --lora
+
+`fit` runs that loop with the held-out evaluation (before, every few steps, at the end) and
+keeps the adapters of the best one (`q8rules.llm.finetune_loop`).
 
 Only the adapters are arguments of the gradient: the Q8_0 base goes into the step as a
 separate, non-donated argument and comes out untouched (its bytes are the file's). The adapters
@@ -200,6 +204,21 @@ class LoraTrainer:
         )
         return fn(self.base, state.adapters, tokens, mask)
       return self._loss(self.base, state.adapters, tokens, mask, state.key)
+
+  def evaluate(self, state: TrainState, batches: Any) -> float:
+    """The mean loss of `state`'s adapters over every target token of `batches` ((tokens (B, T),
+    mask (B, T)) each; `q8rules.llm.heldout.eval_batches` makes them from held-out text)."""
+    from q8rules.llm.finetune_loop import evaluate
+
+    return evaluate(self, state, batches)
+
+  def fit(self, state: TrainState, draw: Any, steps: int, **kwargs: Any) -> Any:
+    """`steps` steps on batches of `draw()`, evaluated on `eval_batches=` before, every
+    `eval_every=` steps and at the end, the best adapters kept: `q8rules.llm.finetune_loop.fit`
+    (its FitResult)."""
+    from q8rules.llm.finetune_loop import fit
+
+    return fit(self, state, draw, steps, **kwargs)
 
   def model(self, state: TrainState) -> Any:
     """The GGUFModel with the adapters of `state` (copied, so later steps cannot donate them)."""
