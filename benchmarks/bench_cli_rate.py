@@ -28,7 +28,7 @@ from benchmarks.bench_decode import FILES, NEW, PROMPT, pin  # noqa: E402
 from benchmarks.bench_gguf import make_file  # noqa: E402
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
 
-RATE = re.compile(r"decode: ([\d.]+) tokens/s over (\d+) tokens")
+RATE = re.compile(r"decode: ([\d.]+) generated tokens/s over (\d+) tokens")
 
 
 def cli_rate(path: Path, threads: int, cache: str) -> float:

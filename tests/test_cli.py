@@ -130,7 +130,9 @@ BAD = [  # (name, arguments ({x}: a file of bad_files), exit status, a piece of 
   ("unknown option", ["run", GOOD, "--frob"], 2, "unrecognized arguments"),
   ("bad quantize", ["run", GOOD, "--quantize", "q4_0"], 2, "invalid choice"),
   ("no model", ["run"], 2, "required: model"),
-  ("prompt past the context", ["run", GOOD, "-n", "1000"], 2, "exceed the model's context"),
+  ("prompt past the context", ["run", GOOD, "-p", "Hi", "-n", "1000"], 2, "exceed the context"),
+  ("ctx past the model's", ["run", GOOD, "-p", "Hi", "-c", "100000"], 2, "the model's context"),
+  ("unreadable prompt file", ["run", GOOD, "-f", "{missing}"], 2, "No such file"),
   ("chat without a template", ["chat", GOOD, "-p", "hi"], 1, "no chat template"),
   ("chat bad tokens", ["chat", GOOD, "-n", "0"], 2, "integer >= 1"),
 ]

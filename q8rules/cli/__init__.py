@@ -20,6 +20,20 @@ COMMANDS: list[ModuleType] = [demo, run, chat, finetune]
 """The subcommands, in the order `--help` lists them."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """Each option's default after its help; descriptions and epilogs kept as written."""
+
+
+def version() -> str:
+  """`q8rules X.Y.Z` of the installed package (the source tree's `pyproject.toml` otherwise)."""
+  from importlib import metadata
+
+  try:
+    return f"{PROG} {metadata.version('q8rules')}"
+  except metadata.PackageNotFoundError:
+    return f"{PROG} (not installed)"
+
+
 def parser() -> OneLineParser:
   """The command line's parser: a subparser per command of `COMMANDS`."""
   epilog = "commands, with an example each:\n" + "\n".join(
@@ -29,15 +43,16 @@ def parser() -> OneLineParser:
     prog=PROG,
     description="Q8_0 quantization rules for JAX, and GGUF models run with them.",
     epilog=epilog + f"\n\n`{PROG} COMMAND --help` for a command's options; no command: the demo.",
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=HelpFormatter,
   )
+  top.add_argument("--version", action="version", version=version(), help="print the version")
   sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
   for c in COMMANDS:
     p = sub.add_parser(
       c.NAME,
       help=c.HELP,
       description=(c.__doc__ or c.HELP).strip(),
-      formatter_class=argparse.RawDescriptionHelpFormatter,
+      formatter_class=HelpFormatter,
     )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     c.add_arguments(p)
@@ -47,7 +62,7 @@ def parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Run the command line on `argv` (default: sys.argv[1:]); the exit status."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+  if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
     argv = [demo.NAME, *argv]  # the default command
   args = parser().parse_args(argv)
   if getattr(args, "threads", None):
@@ -60,4 +75,4 @@ def main(argv: Sequence[str] | None = None) -> int:
   return guarded(lambda: command.execute(args), args.debug)
 
 
-__all__ = ["COMMANDS", "main", "parser"]
+__all__ = ["COMMANDS", "HelpFormatter", "main", "parser", "version"]

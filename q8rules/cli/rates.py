@@ -32,7 +32,7 @@ class DecodeRate:
     if self.per_s is None:
       return "n/a (fewer than 2 tokens)"
     what = "" if self.warm else " (with the decode program's compilation or cache fetch)"
-    return f"{self.per_s:.1f} tokens/s over {self.tokens} tokens{what}"
+    return f"{self.per_s:.1f} generated tokens/s over {self.tokens} tokens{what}"
 
 
 def decode_rate(stamps: Sequence[float], chunk: int) -> DecodeRate:

@@ -1,10 +1,13 @@
 """`q8rules run MODEL.gguf -p "..." -n 32`: generate text from a GGUF model.
 
-The generated text alone goes to stdout (`> out.txt` holds only the text; `--echo` puts the
-prompt first, as llama.cpp's `--no-display-prompt` off does); the load's progress, the model
-line and the speeds go to stderr. Sampling follows llama.cpp's chain (repetition penalty,
-top-k, top-p, min-p, temperature: `q8rules.llm.sampling`); greedy by default. The compilation
-cache is on (`q8rules.llm.enable_compile_cache`; `Q8RULES_NO_COMPILE_CACHE=1` turns it off).
+The prompt is `-p TEXT`, `-f FILE` (llama.cpp's `--file`), or stdin when it is not a terminal
+(`echo "Once upon a time" | q8rules run model.gguf`); with none of them, an error. The generated
+text alone goes to stdout (`> out.txt` holds only the text; `--echo` puts the prompt first, as
+llama.cpp's `--no-display-prompt` off does); the load's progress (on a terminal only), the model
+line and the rates (prompt tokens/s, generated tokens/s) go to stderr. Sampling follows
+llama.cpp's chain (repetition penalty, top-k, top-p, min-p, temperature:
+`q8rules.llm.sampling`); greedy by default. The compilation cache is on
+(`q8rules.llm.enable_compile_cache`; `Q8RULES_NO_COMPILE_CACHE=1` turns it off).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 from typing import Any
 
 from q8rules.cli import errors as E
+from q8rules.cli.progress import bars
+from q8rules.cli.threads import add_threads
 
 NAME = "run"
 HELP = "generate text from a GGUF model"
@@ -27,15 +32,23 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "-n", "--max-new-tokens", type=E.positive_int, default=32, help="tokens to generate"
   )
+  p.add_argument("-c", "--ctx", type=E.positive_int, default=None,
+                 help="the context: the most tokens the prompt and the generated text may take"
+                 " together (None: the model's context length)")  # fmt: skip
   p.add_argument("--temp", "--temperature", dest="temperature", type=E.non_negative_float,
-                 default=0.0, help="0: greedy")  # fmt: skip
-  p.add_argument("--top-k", type=E.non_negative_int, default=0, help="0: off")
-  p.add_argument("--top-p", type=E.unit_open_closed, default=1.0, help="1.0: off")
-  p.add_argument("--min-p", type=E.unit_closed, default=0.0, help="0: off")
-  p.add_argument("--repeat-penalty", type=E.positive_float, default=1.0, help="1.0: off")
-  p.add_argument("--repeat-last-n", type=E.non_negative_int, default=64)
-  p.add_argument("-s", "--seed", type=int, default=0)
-  p.add_argument("-t", "--threads", type=E.positive_int, default=None, help="CPUs to run on")
+                 default=0.0, help="the sampling temperature; 0: greedy")  # fmt: skip
+  p.add_argument("--top-k", type=E.non_negative_int, default=0,
+                 help="sample among the k most likely tokens; 0: off")  # fmt: skip
+  p.add_argument("--top-p", type=E.unit_open_closed, default=1.0,
+                 help="sample among the most likely tokens up to this probability; 1.0: off")  # fmt: skip
+  p.add_argument("--min-p", type=E.unit_closed, default=0.0,
+                 help="drop tokens below this fraction of the most likely's probability; 0: off")  # fmt: skip
+  p.add_argument("--repeat-penalty", type=E.positive_float, default=1.0,
+                 help="divide the logits of recently seen tokens by this; 1.0: off")  # fmt: skip
+  p.add_argument("--repeat-last-n", type=E.non_negative_int, default=64,
+                 help="how many of the last tokens the repeat penalty looks at")  # fmt: skip
+  p.add_argument("-s", "--seed", type=int, default=0, help="the sampling's seed")
+  add_threads(p)
   p.add_argument("--bf16", action="store_true",
                  help="bfloat16 activations (default float32, as llama.cpp: on a small model"
                  " bfloat16 moves the logits by a few percent)")  # fmt: skip
@@ -44,24 +57,31 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     "--quantize",
     choices=["q8_0"],
     default=None,
-    help="quantize the file's float weight matrices (F16 / BF16 / F32) to Q8_0 at load",
+    help="quantize the file's float weight matrices (F16 / BF16 / F32) to Q8_0 at load"
+    " (None: they keep their type)",
   )
   p.add_argument("--dequantize-other", action="store_true",
                  help="hold Q4_0, Q4_K, ... as float32 instead of requantizing them to Q8_0")  # fmt: skip
   p.add_argument("--act-qtype", choices=["q8_0"], default=None,
-                 help="Q8_0 activations too, as llama.cpp (int8 block dots)")  # fmt: skip
-  p.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+                 help="Q8_0 activations too, as llama.cpp (int8 block dots; None: float)")  # fmt: skip
+  p.add_argument("--no-progress", action="store_true",
+                 help="no loading progress bar (it shows only on a terminal anyway)")  # fmt: skip
   p.add_argument("--lora", action="append", default=None, metavar="FILE",
-                 help="a llama.cpp LoRA adapter file, applied unmerged (repeatable)")  # fmt: skip
+                 help="a llama.cpp LoRA adapter file, applied unmerged (repeatable; None: no"
+                 " adapter)")  # fmt: skip
   p.add_argument("--lora-scale", type=E.finite_float, default=1.0,
                  help="the adapters' lora_scale (llama.cpp's --lora-scaled)")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   add_sampling(p)
-  p.add_argument("-p", "--prompt", default="Hello", help="the prompt text")
-  p.add_argument("--ids", "--prompt-ids", dest="prompt_ids", default=None,
-                 help="comma-separated token ids instead of text")  # fmt: skip
+  prompt = p.add_mutually_exclusive_group()
+  prompt.add_argument("-p", "--prompt", default=None,
+                      help="the prompt text (None: -f, --ids, or stdin when it is not a terminal)")  # fmt: skip
+  prompt.add_argument("-f", "--file", default=None, metavar="FILE",
+                      help="read the prompt from this file (None: -p, --ids or stdin)")  # fmt: skip
+  prompt.add_argument("--ids", "--prompt-ids", dest="prompt_ids", default=None,
+                      help="comma-separated token ids instead of text (None: the text)")  # fmt: skip
   p.add_argument("--echo", action="store_true", help="print the prompt to stdout first")
 
 
@@ -94,7 +114,7 @@ def load(args: argparse.Namespace) -> tuple[Any, float]:
     dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
     dequantize_other=args.dequantize_other,
     quantize=args.quantize,
-    progress=not args.no_progress,
+    progress=bars(args.no_progress),
     act_qtype=args.act_qtype,
     lora=args.lora,
     lora_scale=args.lora_scale,
@@ -117,21 +137,73 @@ def load(args: argparse.Namespace) -> tuple[Any, float]:
   return m, load_s
 
 
-def check_ids(m: Any, ids: list[int], new: int) -> None:
-  """UsageError unless `ids` are in the vocabulary and fit the context with `new` more."""
-  vocab, context = m.config.vocab, m.config.context_length
+def context_of(m: Any, args: argparse.Namespace) -> int:
+  """The context of -c/--ctx (the model's context length without it).
+
+  Raises:
+    UsageError: a --ctx beyond the model's context length.
+  """
+  if args.ctx is None:
+    return m.config.context_length
+  if args.ctx > m.config.context_length:
+    raise E.UsageError(f"--ctx {args.ctx}: the model's context is {m.config.context_length}")
+  return args.ctx
+
+
+def check_ids(m: Any, ids: list[int], new: int, context: int | None = None) -> None:
+  """UsageError unless `ids` are in the vocabulary and fit the context (`context`, else the
+  model's) with `new` more."""
+  vocab = m.config.vocab
+  context = m.config.context_length if context is None else context
   bad = [i for i in ids if not 0 <= i < vocab]
   if bad:
     raise E.UsageError(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
   if len(ids) + new > context:
     raise E.UsageError(
-      f"the prompt's {len(ids)} tokens and {new} new ones exceed the model's context of {context}"
+      f"the prompt's {len(ids)} tokens and {new} new ones exceed the context of {context}"
+      " (-c/--ctx, the model's context length at most)"
     )
 
 
-def prompt_ids(m: Any, args: argparse.Namespace) -> list[int]:
-  """The prompt's ids: --ids, or the text tokenized (an empty text: BOS, as llama.cpp)."""
+def prompt_text(args: argparse.Namespace) -> str | None:
+  """The prompt's text: -p, the file of -f, or stdin when it is not a terminal; None with
+  --ids.
+
+  Raises:
+    UsageError: an unreadable -f, or no prompt given at all (stdin a terminal).
+  """
+  if args.prompt_ids is not None or args.prompt is not None:
+    return args.prompt
+  if args.file is not None:
+    try:
+      with open(args.file, encoding="utf-8") as f:
+        return f.read()
+    except OSError as e:
+      raise E.UsageError(f"-f {args.file}: {e.strerror}") from None
+  if not no_prompt(args):
+    try:
+      return sys.stdin.read()
+    except (OSError, ValueError):  # a closed stdin, or one that cannot be read
+      pass
+  raise E.UsageError(NO_PROMPT)
+
+
+NO_PROMPT = "no prompt: give -p TEXT, -f FILE or --ids, or pipe the prompt to stdin"
+
+
+def no_prompt(args: argparse.Namespace) -> bool:
+  """No -p, -f or --ids, and stdin a terminal (or none): nothing to start from."""
+  if args.prompt is not None or args.file is not None or args.prompt_ids is not None:
+    return False
+  isatty = getattr(sys.stdin, "isatty", None)
+  return sys.stdin is None or isatty is None or isatty()
+
+
+def prompt_ids(m: Any, args: argparse.Namespace, text: str | None = None) -> list[int]:
+  """The prompt's ids: --ids, or `text` (-p's when None) tokenized (an empty text: BOS, as
+  llama.cpp)."""
   tok = m.tokenizer
+  text = args.prompt if text is None else text
   if args.prompt_ids is not None:
     try:
       ids = [int(i) for i in args.prompt_ids.split(",") if i.strip()]
@@ -145,7 +217,7 @@ def prompt_ids(m: Any, args: argparse.Namespace) -> list[int]:
       f"{args.model}: its tokenizer could not be built (the warning above says why): pass"
       " token ids with --ids 1,2,3"
     )
-  ids = tok.encode(args.prompt)
+  ids = tok.encode(text)
   if not ids:
     if tok.bos_id is None:
       raise E.UsageError("an empty prompt, and the vocabulary has no BOS token to start from")
@@ -193,10 +265,12 @@ def execute(args: argparse.Namespace) -> dict:
   from q8rules.cli.rates import decode_rate, prefill_rate
   from q8rules.llm.generate import CHUNK
 
+  if no_prompt(args):
+    raise E.UsageError(NO_PROMPT)
   t0 = time.perf_counter()
   m, load_s = load(args)
-  ids = prompt_ids(m, args)
-  check_ids(m, ids, args.max_new_tokens)
+  ids = prompt_ids(m, args, prompt_text(args))
+  check_ids(m, ids, args.max_new_tokens, context_of(m, args))
   tok = m.tokenizer
   if args.echo:
     sys.stdout.write(tok.decode(ids) if tok is not None else " ".join(map(str, ids)))
@@ -210,8 +284,9 @@ def execute(args: argparse.Namespace) -> dict:
     else ""
   )
   print(
-    f"prefill: {len(ids)} tokens, {prefill_tps:.1f} tokens/s (with its compilation);"
-    f" generated {len(out['new_ids'])} tokens{stopped}; decode: {decode.describe()}",
+    f"prefill: {len(ids)} prompt tokens, {prefill_tps:.1f} prompt tokens/s (with its"
+    f" compilation); generated {len(out['new_ids'])} tokens{stopped}; decode:"
+    f" {decode.describe()}",
     file=sys.stderr,
   )
   first_token_s = out["stamps"][0] - t0
