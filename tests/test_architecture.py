@@ -4,9 +4,11 @@ kernel, Qwix behind one shim."""
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "q8rules"
@@ -442,6 +444,112 @@ def test_no_copied_python_code():
 def test_no_copied_cpp_code():
   """No run of six or more lines of code stands twice in q8rules/'s C++."""
   assert copies(sources(".cc", ".h")) == []
+
+
+CPU_SOURCES = PACKAGE / "kernels" / "cpu"
+SIMD_LAYER = "simd.h"
+"""The one C++ header that may include an intrinsics header or name an intrinsic or its types."""
+
+_INTRINSICS = re.compile(
+  r"#\s*include\s*[<\"]\w*intrin\.h[>\"]|\b(_mm\w*|_MM_\w+|__m(128|256|512)\w*|__mmask\w*"
+  r"|_cvt(ss_sh|sh_ss)|__builtin_ia32_\w+)"
+)
+_CPP_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def intrinsics_outside_simd(paths: list[Path]) -> list[str]:
+  """'file:line: name' for each intrinsics include or intrinsic name in the code (comments
+  left out) of `paths`, but simd.h's."""
+  found = []
+  for path in paths:
+    if path.name == SIMD_LAYER:
+      continue
+    code = _CPP_COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text())
+    for i, line in enumerate(code.splitlines(), 1):
+      found += [f"{path.name}:{i}: {m.group(0)}" for m in _INTRINSICS.finditer(line)]
+  return found
+
+
+def test_intrinsics_check_catches_a_bypass(tmp_path):
+  header = tmp_path / "bypass.h"
+  header.write_text(
+    "// _mm_pause() in a comment is fine\n#include <immintrin.h>\n"
+    "inline void Wait() { _mm_pause(); }\n__m512 v;\n"
+  )
+  layer = tmp_path / SIMD_LAYER
+  layer.write_text("#include <immintrin.h>\n")
+  assert intrinsics_outside_simd([header, layer]) == [
+    "bypass.h:2: #include <immintrin.h>",
+    "bypass.h:3: _mm_pause",
+    "bypass.h:4: __m512",
+  ]
+
+
+def test_every_header_goes_through_simd_h():
+  """Only simd.h includes <immintrin.h> or uses intrinsics (`_mm*`, `__m128`/`__m256`/`__m512`,
+  masks): every other source of the native library reaches SIMD through its wrappers."""
+  sources = sorted(p for p in CPU_SOURCES.iterdir() if p.suffix in (".h", ".cc"))
+  assert (CPU_SOURCES / SIMD_LAYER) in sources
+  assert intrinsics_outside_simd(sources) == []
+
+
+REPO = PACKAGE.parent
+_REPO_PATH = re.compile(
+  r"(?<![\w./-])((?:q8rules|kernels|docs|benchmarks|tests|scripts)/[\w./-]*[\w/])"
+)
+"""A path of this repository in prose: it starts at one of these folders (not inside a longer
+path or a URL) and ends before punctuation."""
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+  """(line, text) of each docstring (any string statement) and comment of a Python or C++
+  source."""
+  src = path.read_text()
+  if path.suffix != ".py":
+    return [(src.count("\n", 0, m.start()) + 1, m.group(0)) for m in _CPP_COMMENT.finditer(src)]
+  found = [
+    (node.lineno, node.value.value)
+    for node in ast.walk(ast.parse(src))
+    if isinstance(node, ast.Expr)
+    and isinstance(node.value, ast.Constant)
+    and isinstance(node.value.value, str)
+  ]
+  tokens = tokenize.generate_tokens(io.StringIO(src).readline)
+  return found + [(t.start[0], t.string) for t in tokens if t.type == tokenize.COMMENT]
+
+
+def dead_paths(paths: list[Path]) -> list[str]:
+  """'file:line: path' for each repository path named in the prose of `paths` that exists
+  neither from the repository's root nor from q8rules/."""
+  found = []
+  for path in paths:
+    for line, text in prose(path):
+      for m in _REPO_PATH.finditer(text):
+        if not (REPO / m.group(1)).exists() and not (PACKAGE / m.group(1)).exists():
+          found.append(f"{path.relative_to(REPO)}:{line}: {m.group(1)}")
+  return found
+
+
+def test_dead_path_check_catches_a_dead_path():
+  module = PACKAGE / "_dead_path.py"
+  try:
+    module.write_text(
+      '"""Built by `kernels/cpu/library.cc` (docs/kernels.md), not kernels/gone.py."""\n\n'
+      "X = 1  # see q8rules/kernels/native/ and scripts/nothing_here.py\n"
+      'Y = "tests/not_prose.py"\n'
+    )
+    assert dead_paths([module]) == [
+      "q8rules/_dead_path.py:1: kernels/gone.py",
+      "q8rules/_dead_path.py:3: scripts/nothing_here.py",
+    ]
+  finally:
+    module.unlink()
+
+
+def test_paths_in_docstrings_and_comments_exist():
+  """Every path like `kernels/...`, `docs/...` or `tests/...` that a docstring or comment of
+  q8rules/ names exists (from the repository's root or from q8rules/)."""
+  assert dead_paths(sources(".py", ".h", ".cc")) == []
 
 
 NAMED_TUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make"})
