@@ -9,7 +9,9 @@ since that chunk: q8rules/cli/rates.py). Every setting runs once before the roun
 compilation is timed. The settings: greedy; `--temp 0.8 --top-k 40 --top-p 0.95` (top-k
 picks 40 candidates with `lax.top_k`, the chain and the draw work on those 40); `--temp 0.8
 --top-p 0.95` alone, which sorts the whole vocabulary every step (the cost top-k avoids); plain
-temperature 0.8 (a draw over the whole vocabulary, no sort).
+temperature 0.8 (a draw over the whole vocabulary, no sort). Beside the ratio of the medians,
+the median of each round's ratio to that round's greedy run (the runs of a round are seconds
+apart, so a machine shared with other work slows them alike).
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ def main() -> None:
     print(f"round {r}: " + ", ".join(f"{runs[n][-1]:.1f}" for n in names), flush=True)
   greedy = statistics.median(runs["greedy"])
   rows = [
-    "| setting | generated tokens/s, median (runs) | x greedy |",
-    "|---|---|---|",
+    "| setting | generated tokens/s, median (runs) | x greedy (medians) | x greedy (median of"
+    " each round's ratio) |",
+    "|---|---|---|---|",
   ]
   for name in names:
     med = statistics.median(runs[name])
     each = ", ".join(f"{x:.1f}" for x in runs[name])
-    rows.append(f"| `{name}` | {med:.1f} ({each}) | {med / greedy:.2f} |")
+    paired = statistics.median(x / g for x, g in zip(runs[name], runs["greedy"], strict=True))
+    rows.append(f"| `{name}` | {med:.1f} ({each}) | {med / greedy:.2f} | {paired:.2f} |")
   table = "\n".join(rows)
   print(table)
   if args.write:
@@ -96,11 +100,16 @@ def main() -> None:
       f" float32 activations, {args.new} tokens a run ({args.new - 17} counted, after the first"
       f" chunk), {args.rounds} interleaved rounds, threads: {args.threads or 'all'}."
     )
-    cmd = "python benchmarks/bench_sampling.py" + (
+    cmd = f"python benchmarks/bench_sampling.py --rounds {args.rounds} --new {args.new}" + (
       f" --threads {args.threads}" if args.threads else ""
     )
+    note = (
+      "Each round's ratio compares runs seconds apart; on a machine shared with other work the"
+      " medians of the runs (taken at different moments) move with its load, that ratio less."
+    )
     heading = "## Decode with top-k / top-p sampling against greedy"
-    write_section("sampling", section("sampling", heading, header, cmd + " --write", [table]))
+    blocks = [table, note]
+    write_section("sampling", section("sampling", heading, header, cmd + " --write", blocks))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ reference implementation, and one module per implementation.
   decode_attention/  one new token's attention over a KV cache layer: 'cpu', 'xla'
   ragged_matmul/     the grouped Q8_0 product of experts (`jax.lax.ragged_dot`'s contract):
                      `q8_ragged_matmul(x, w, group_sizes)`; 'pallas' (Mosaic TPU, Triton GPU),
-                     'xla', 'reference'
+                     'cpu' (native), 'xla', 'reference'
   native/            the native CPU library, one C++ source per op
 
 `registry.py` holds what an op and an implementation are and `resolve(op, problem,
