@@ -14,6 +14,7 @@ import pytest
 from jax import export
 
 from q8rules.kernels.matmul._pallas_compat import MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL
+from q8rules.kernels.native.library import available, unavailable_reason
 from q8rules.kernels.ragged_matmul import api
 from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul, resolve_ragged
 from q8rules.kernels.ragged_matmul.groups import work_items
@@ -52,10 +53,16 @@ def random_x(rng, m: int, k: int, dtype=jnp.float32) -> jax.Array:
   return jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
 
 
+def skip_unless_runs(name: str) -> None:
+  if name == "cpu" and not available():
+    pytest.skip(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+
+
 # Every implementation; the Pallas kernels' two forms in interpret mode.
 RUNNERS = {
   "reference": lambda x, w, gs: q8_ragged_matmul(x, w, gs, implementation="reference"),
   "xla": lambda x, w, gs: q8_ragged_matmul(x, w, gs, implementation="xla"),
+  "cpu": lambda x, w, gs: q8_ragged_matmul(x, w, gs, implementation="cpu"),
   "pallas_tpu": lambda x, w, gs: q8_ragged_matmul(x, w, gs, implementation="pallas"),
   "pallas_gpu": lambda x, w, gs: ragged_pallas(
     jnp.pad(x, ((0, 0), (0, w.shape[1] - x.shape[1]))), w.q, w.scale, gs, form="gpu",
@@ -68,6 +75,7 @@ RUNNERS = {
 @pytest.mark.parametrize("sizes,k,n", CASES)
 def test_matches_float64(rng, name, sizes, k, n):
   """float32 x: within 1e-5 of float64, relative."""
+  skip_unless_runs(name)
   e, m = len(sizes), sum(sizes)
   w = experts(rng, e, -(-k // BLOCK) * BLOCK, n)
   x = random_x(rng, m, k)
@@ -79,6 +87,7 @@ def test_matches_float64(rng, name, sizes, k, n):
 
 @pytest.mark.parametrize("name", RUNNERS)
 def test_bf16_x_and_float16_scales(rng, name):
+  skip_unless_runs(name)
   sizes, k, n = (4, 0, 7), 64, 48
   w = experts(rng, 3, k, n, np.float16)
   x = random_x(rng, sum(sizes), k, jnp.bfloat16)
@@ -88,10 +97,11 @@ def test_bf16_x_and_float16_scales(rng, name):
   assert rel_err(y, reference64(x, w, sizes)) <= 4e-3
 
 
-@pytest.mark.parametrize("name", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("name", ["reference", "xla", "pallas", "cpu"])
 def test_gradient_matches_float64(rng, name):
   """d/dx and d/dscale of <out, c> against float64: dx[m] = c[m] @ W[g(m)]^T, dscale[e, b, n] =
   sum over e's rows of c[m, n] * sum_i x[m, 32b + i] q[e, 32b + i, n]."""
+  skip_unless_runs(name)
   sizes, k, n = (3, 0, 6, 2), 64, 24
   e, m = len(sizes), sum(sizes)
   w = experts(rng, e, k, n)
@@ -179,7 +189,8 @@ def test_bad_weight_and_dtypes(rng):
 def test_default_order_per_platform():
   assert resolve_ragged(8, 2048, 768, 128, jnp.bfloat16, "tpu") == "pallas"
   assert resolve_ragged(8, 2048, 768, 128, jnp.bfloat16, "gpu") == "pallas"
-  assert resolve_ragged(8, 2048, 768, 128, jnp.bfloat16, "cpu") in api.DEFAULT_ORDER["cpu"]
+  assert resolve_ragged(8, 2048, 768, 128, jnp.bfloat16, "cpu") == ("cpu" if available() else "xla")
+  assert api.DEFAULT_ORDER["cpu"] == ("cpu", "xla")
   assert resolve_ragged(4096, 2048, 768, 128, jnp.float32, "cpu") == "xla"
 
 
@@ -247,3 +258,64 @@ def test_export_carries_each_platforms_kernel(rng):
   assert MOSAIC_CUSTOM_CALL in text and TRITON_CUSTOM_CALL in text
   if jax.default_backend() == "cpu":
     assert rel_err(exp.call(x, w.q, w.scale, gs), reference64(x, w, sizes)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", RUNNERS)
+def test_experts_without_rows_are_never_read(rng, name):
+  """Experts that get no rows hold NaN scales: the output is still every routed row's product."""
+  skip_unless_runs(name)
+  sizes, k, n = (0, 6, 0, 3, 0), 64, 40
+  w = experts(rng, len(sizes), k, n)
+  nan = jnp.asarray([s == 0 for s in sizes])[:, None, None]
+  w = Q8Array(w.q, jnp.where(nan, jnp.nan, w.scale), axis=1)
+  x = random_x(rng, sum(sizes), k)
+  y = RUNNERS[name](x, w, jnp.asarray(sizes, jnp.int32))
+  assert rel_err(y, reference64(x, w, sizes)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_cpu_kernel_paths_match_float64(rng, monkeypatch, isa):
+  """Each SIMD path of the native kernel ($Q8RULES_CPU_ISA caps it, read on every call), with
+  an expert of more than 16 rows (two passes of its rows over its weight)."""
+  skip_unless_runs("cpu")
+  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+  sizes, k, n = (2, 0, 19, 1), 96, 72
+  w = experts(rng, len(sizes), k, n, np.float16)
+  x = random_x(rng, sum(sizes), k)
+  y = q8_ragged_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="cpu")
+  assert rel_err(y, reference64(x, w, sizes)) <= 1e-5
+
+
+def test_cpu_kernel_refuses_group_sizes_past_the_rows(rng):
+  """Traced group sizes are checked by the kernel: summing past M fails the call."""
+  skip_unless_runs("cpu")
+  w = experts(rng, 2, 32, 8)
+  f = jax.jit(lambda x, gs: q8_ragged_matmul(x, w, gs, implementation="cpu"))
+  with pytest.raises(Exception, match="group 1 has 5 rows, past the 4 rows of x"):
+    f(jnp.ones((4, 32)), jnp.asarray([2, 5], jnp.int32)).block_until_ready()
+
+
+def test_cpu_kernel_is_each_experts_product_bit_for_bit(rng):
+  """The native grouped product gives each expert's rows the native weight-only product's bits
+  (the same units of K, added in the same order), on one thread and on two."""
+  import q8rules
+  from q8rules.kernels import q8_matmul
+
+  skip_unless_runs("cpu")
+  sizes, k, n = (1, 0, 3, 2), 2048, 96  # K long enough to be cut into units
+  w = experts(rng, len(sizes), k, n, np.float16)
+  x = random_x(rng, sum(sizes), k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  bounds = np.cumsum((0, *sizes))
+  each = [
+    q8_matmul(x[a:b], Q8Array(w.q[e], w.scale[e]), implementation="cpu")
+    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+    if b > a
+  ]
+  try:
+    for threads in (1, 2):
+      q8rules.set_cpu_threads(threads)
+      y = q8_ragged_matmul(x, w, gs, implementation="cpu")
+      np.testing.assert_array_equal(np.asarray(y), np.concatenate(each))
+  finally:
+    q8rules.set_cpu_threads(None)

@@ -29,6 +29,7 @@ from q8rules.kernels.native.library import (
   TARGET_DECODE_ATTENTION,
   TARGET_LAYER,
   TARGET_MATMUL_T,
+  TARGET_RAGGED,
 )
 
 CUSTOM_CALL_TARGETS = (
@@ -38,12 +39,13 @@ CUSTOM_CALL_TARGETS = (
   TARGET_ACT_Q8_LAYER,
   TARGET_MATMUL_T,
   TARGET_DECODE_ATTENTION,
+  TARGET_RAGGED,
   TRITON_CUSTOM_CALL,
   MOSAIC_CUSTOM_CALL,
 )
 """The custom-call targets q8rules' kernels lower to: native CPU (the product, on a stacked
 layer in place, and both with Q8_0 activations; the transposed product, the gradient with
-respect to x; one decode token's attention), Triton (GPU),
+respect to x; one decode token's attention; the grouped product of experts), Triton (GPU),
 Mosaic (TPU)."""
 
 

@@ -178,6 +178,20 @@ class Helpers {
   std::mutex grow_;
 };
 
+// Waits until `done` reaches `count` (the units a caller posted, of which its helpers still run
+// at most one each): spinning a while, then yielding the core.
+inline void WaitFor(const std::atomic<int64_t>& done, int64_t count) {
+  for (int spins = 0; done.load(std::memory_order_acquire) < count; ++spins) {
+#if Q8_X86
+    if (spins < 4096) {
+      q8simd::Pause();
+      continue;
+    }
+#endif
+    std::this_thread::yield();
+  }
+}
+
 }  // namespace
 }  // namespace q8helpers
 

@@ -3,7 +3,8 @@
 // own header: q8_matmul.h (with q8_tiles.h) the weight-only product, q8_matmul_t.h its
 // transpose (the gradient with respect to x), q8_act_int8.h the Q8_0-activation product,
 // decode_attention.h one new token's attention, repack.h the GGUF repack, requant.h GGUF's
-// other tensor types as float32 and as Q8_0, requant_repack.h both in one pass. The products'
+// other tensor types as float32 and as Q8_0, requant_repack.h both in one pass, q8_ragged.h
+// the grouped product of experts (one weight-only product per routed expert). The products'
 // helper threads are helper_threads.h's. Every header reaches the SIMD instructions through
 // simd.h, the one SIMD layer. The handlers' signatures are declared once each (ffi_bind.h).
 
@@ -24,6 +25,7 @@
 #include "q8_act_int8.h"
 #include "q8_matmul.h"
 #include "q8_matmul_t.h"
+#include "q8_ragged.h"
 #include "repack.h"
 #include "requant.h"
 #include "requant_repack.h"
@@ -93,6 +95,10 @@ Q8_LAYER_PRODUCT_HANDLER(Q8GemvActQ8Layer, q8mm::Q8GemvLayerImpl<true>);
 // The transposed product, y (M, K) = dy (M, N) @ W^T (q8_matmul_t.h): the product's operands
 // with dy in x's place.
 Q8_PRODUCT_HANDLER(Q8MatmulT, q8mmt::Q8MatmulTImpl);
+
+// The grouped product of experts (q8_ragged.h): a layer product's operands, the int32 operand
+// being the group sizes (E) and q, scale the experts' (E, K, N) and (E, K/32, N).
+Q8_LAYER_PRODUCT_HANDLER(Q8RaggedMatmul, q8ragged::Q8RaggedImpl);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

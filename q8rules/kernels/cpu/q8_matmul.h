@@ -370,15 +370,7 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   }
   shared->Run();
   // Wait for the units the helpers claimed (at most one each is still running).
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->units; ++spins) {
-#if Q8_X86
-    if (spins < 4096) {
-      q8simd::Pause();
-      continue;
-    }
-#endif
-    std::this_thread::yield();
-  }
+  q8helpers::WaitFor(shared->done, shared->units);
   helpers.Retract(shared);
   for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
   shared->Release();

@@ -42,6 +42,9 @@ TARGET_MATMUL_T = "q8rules_q8_matmul_t"
 """The FFI target of the transposed product dy @ W^T, the gradient of x @ W with respect to x
 (`q8rules.kernels.matmul_t`)."""
 
+TARGET_RAGGED = "q8rules_q8_ragged_matmul"
+"""The FFI target of the grouped product of experts (`q8rules.kernels.ragged_matmul`)."""
+
 TARGET_DECODE_ATTENTION = "q8rules_decode_attention"
 """The FFI target of one new token's attention over a layer of the KV cache
 (`q8rules.kernels.decode_attention`)."""
@@ -131,6 +134,7 @@ def _load() -> ctypes.CDLL | None:
         (TARGET_ACT_Q8_LAYER, lib.Q8GemvActQ8Layer),
         (TARGET_MATMUL_T, lib.Q8MatmulT),
         (TARGET_DECODE_ATTENTION, lib.Q8DecodeAttention),
+        (TARGET_RAGGED, lib.Q8RaggedMatmul),
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
       lib.Q8SetThreadLimit(ctypes.c_int(settings.thread_limit() or 0))

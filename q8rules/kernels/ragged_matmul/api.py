@@ -20,24 +20,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching
 
-from q8rules.kernels import registry
-from q8rules.kernels.problem import PLATFORM_OF
-from q8rules.kernels.ragged_matmul import pallas, reference, xla
+from q8rules.kernels import lowering, registry
+from q8rules.kernels.ragged_matmul import cpu, pallas, reference, xla
 from q8rules.kernels.ragged_matmul.problem import RaggedProblem, check_ragged_operands
 from q8rules.kernels.registry import ImplementationArg
 from q8rules.q8_0 import Q8Array
 
-_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-
-MODULES = (pallas, xla, reference)
+MODULES = (pallas, cpu, xla, reference)
 """The implementation modules, each with `NAME`, `SUMMARY`, `cannot`, `slower` and
 `run(x2d, q, scale, group_sizes, platform, interpret)` -> (m, N) float32."""
 
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-  "cpu": ("xla",),
+  "cpu": ("cpu", "xla"),
   "gpu": ("pallas", "xla"),
   "tpu": ("pallas", "xla"),
 }
@@ -73,25 +69,11 @@ def _run_on(platform: str, x2d, q, scale, group_sizes, *, implementation, interp
   return OP.implementations[name].run(x2d, q, scale, group_sizes, platform, interpret)
 
 
-q8_ragged_product_p = Primitive("q8_ragged_product")
+q8_ragged_product_p = lowering.float32_primitive(
+  "q8_ragged_product", lambda x2d, q, scale, group_sizes: (x2d.shape[0], q.shape[2]), _run_on
+)
 """x2d (m, K), q (E, K, N) int8, scale (E, K/32, N), group_sizes (E,) int32 -> (m, N) float32;
 lowered per platform by `resolve`."""
-
-
-@q8_ragged_product_p.def_abstract_eval
-def _abstract_eval(x2d, q, scale, group_sizes, **params):
-  del scale, group_sizes, params
-  return jax.core.ShapedArray((x2d.shape[0], q.shape[2]), jnp.float32)
-
-
-q8_ragged_product_p.def_impl(registry.jit_impl(q8_ragged_product_p))
-
-for _lp in _LOWERING_PLATFORMS:
-  mlir.register_lowering(
-    q8_ragged_product_p,
-    mlir.lower_fun(functools.partial(_run_on, PLATFORM_OF[_lp]), multiple_results=False),
-    platform=_lp,
-  )
 
 
 def _batch(args, dims, **params):
@@ -201,21 +183,13 @@ def q8_ragged_matmul(
     TypeError, ValueError: the operands do not fit (`check_ragged_operands` names what is
       wrong), or no named implementation can run the product (each one's reason).
   """
-  y, _ = run_ragged(
-    x,
-    w,
-    group_sizes,
-    implementation=implementation,
-    interpret=interpret,
-    preferred_element_type=preferred_element_type,
-  )
-  return y
+  options = {"implementation": implementation, "interpret": interpret}
+  return run_ragged(x, w, group_sizes, preferred_element_type=preferred_element_type, **options)[0]
 
 
 __all__ = [
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
-  "MODULES",
   "OP",
   "q8_ragged_matmul",
   "q8_ragged_product_p",

@@ -23,14 +23,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def ragged_reference(
   x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array
 ) -> jax.Array:
-  """`out[m] = x[m] @ (q[g(m)] * scale[g(m)])`, (M, N) float32.
-
-  Args:
-    x: (M, K) float32, bfloat16 or float16 (converted to float32, exactly), K a multiple of 32.
-    q: (E, K, N) int8.
-    scale: (E, K/32, N) float32 or float16.
-    group_sizes: (E,) int32, rows per expert in order (rows past their sum get zeros).
-  """
+  """`out[m] = x[m] @ (q[g(m)] * scale[g(m)])`, (M, N) float32, for x (M, K) float32, bfloat16
+  or float16 (exactly float32), q (E, K, N) int8, scale (E, K/32, N) float32 or float16 and
+  group_sizes (E,) int32 rows per expert in order (rows past their sum get zeros)."""
   m = x.shape[0]
   experts, _, n = q.shape
   x = x.astype(jnp.float32)

@@ -1,0 +1,163 @@
+// The grouped (ragged) Q8_0 product on the CPU (op 'ragged_matmul'):
+//   y[m] (N) f32 = x[m] (K) f32 @ W[g(m)],  W[e][k, n] = q[e, k, n] * scale[e, k / 32, n],
+// rows of x sorted by group, group_sizes (E) int32 the rows of each expert. Each expert that
+// received rows is one weight-only product (q8_matmul.h: its int8 rows streamed once for up to
+// 16 of its rows, converted in registers) on its own run of rows of x and y, and all of them
+// are one piece of work for the caller and the library's helper threads; an expert with no
+// rows is never touched. The numerics are the weight-only product's, per expert, bit for bit.
+
+#ifndef Q8RULES_Q8_RAGGED_H_
+#define Q8RULES_Q8_RAGGED_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "helper_threads.h"
+#include "q8_matmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace q8ragged {
+namespace {
+
+namespace ffi = xla::ffi;
+
+// The routed experts' products as one piece of work shared by the caller and its helpers
+// (helper_threads.h, else XLA's pool): each expert's K is cut into units as its own product's
+// (q8_matmul.h: BlocksPerUnit, a function of that product alone), and every unit of every
+// routed expert is claimed from one counter, so a decode step's experts cost one hand-off, not
+// one each. Unit 0 of an expert writes into that expert's own rows of y (no two experts share
+// a row); unit i > 0 into its own zeroed buffer, added into the expert's rows in unit order
+// once every unit is done. The sums, and so y, are each expert's weight-only product bit for
+// bit, whatever the threads.
+struct Experts final : q8helpers::Task {
+  struct Unit {
+    int32_t expert;  // into products
+    int32_t index;   // the unit within that expert's product
+  };
+  std::vector<q8mm::Problem> products;  // one per routed expert
+  std::vector<int64_t> blocks_per_unit;  // per routed expert
+  std::vector<Unit> units;
+  std::vector<std::vector<float>> partial;  // per unit (empty for an expert's unit 0)
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() override {
+    const int64_t count = static_cast<int64_t>(units.size());
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      const Unit u = units[static_cast<size_t>(i)];
+      const q8mm::Problem& p = products[static_cast<size_t>(u.expert)];
+      float* acc = p.y;
+      if (u.index > 0) {
+        auto& buf = partial[static_cast<size_t>(i)];
+        buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
+        acc = buf.data();
+      }
+      q8mm::RunUnit(p, blocks_per_unit[static_cast<size_t>(u.expert)], u.index, acc);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // Every unit on the caller and up to threads - 1 helpers, then the partial sums into y.
+  void Compute(ffi::ThreadPool& pool, int64_t threads) {
+    auto& helpers = q8helpers::Helpers::Get();
+    const int want = static_cast<int>(threads - 1);
+    for (int t = want > 0 ? helpers.Post(this, want) : 0; t < want; ++t) {
+      Hold();
+      pool.Schedule([this] {
+        Run();
+        Release();
+      });
+    }
+    Run();
+    q8helpers::WaitFor(done, static_cast<int64_t>(units.size()));
+    if (want > 0) helpers.Retract(this);
+    for (size_t i = 0; i < units.size(); ++i) {  // each expert's units in order
+      if (units[i].index == 0) continue;
+      const q8mm::Problem& p = products[static_cast<size_t>(units[i].expert)];
+      q8mm::AddInto(p.y, partial[i]);
+    }
+  }
+};
+
+// x (M, K) f32, q (E, K, N) int8, scale (E, K/32, N) f32 or f16, group_sizes (E) int32 summing
+// to at most M (rows past their sum get zeros), y (M, N) f32.
+inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scale,
+                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  const auto gd = group_sizes.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || gd.size() != 1 || yd.size() != 2 ||
+      qd[1] != xd[1] || xd[1] % q8mm::kBlock != 0 || sd[0] != qd[0] ||
+      sd[1] != qd[1] / q8mm::kBlock || sd[2] != qd[2] || gd[0] != qd[0] || yd[0] != xd[0] ||
+      yd[1] != qd[2]) {
+    return ffi::Error::InvalidArgument(
+        "q8_ragged_matmul: expected x (M, K), q (E, K, N), scale (E, K/32, N), group_sizes (E), "
+        "y (M, N), K a multiple of 32");
+  }
+  if (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("q8_ragged_matmul: scale must be float32 or float16");
+  }
+  q8mm::Problem base;
+  if (!q8mm::SelectIsa(&base.isa)) {
+    return ffi::Error::InvalidArgument(
+        "q8_ragged_matmul: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
+  }
+  q8mm::g_last_isa.store(base.isa, std::memory_order_relaxed);
+  const int64_t m = xd[0], k = xd[1], experts = qd[0], n = qd[2];
+  base.scale_f16 = scale.element_type() == ffi::DataType::F16;
+  base.k = k;
+  base.n = n;
+  base.ldx = k;
+  float* out = y->typed_data();
+  std::fill(out, out + m * n, 0.0f);
+  const int32_t* sizes = group_sizes.typed_data();
+  const int64_t scale_bytes = base.scale_f16 ? 2 : 4;
+  auto* work = new Experts;  // reference counted: helpers that start late hold it
+  int64_t start = 0, total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = sizes[e];
+    if (rows < 0 || rows > m - start) {
+      work->Release();
+      return ffi::Error::InvalidArgument(
+          "q8_ragged_matmul: group " + std::to_string(e) + " has " + std::to_string(rows) +
+          " rows, past the " + std::to_string(m) + " rows of x (sizes must be >= 0 and sum to M)");
+    }
+    if (rows > 0 && n > 0 && k > 0) {  // an expert without rows is never read
+      q8mm::Problem p = base;
+      p.m = rows;
+      p.x = x.typed_data() + start * k;
+      p.q = q.typed_data() + e * k * n;
+      p.scale = static_cast<const char*>(scale.untyped_data()) +
+                e * (k / q8mm::kBlock) * n * scale_bytes;
+      p.y = out + start * n;
+      const int64_t per_unit = q8mm::BlocksPerUnit(p);
+      const int64_t count = (k / q8mm::kBlock + per_unit - 1) / per_unit;
+      const auto expert = static_cast<int32_t>(work->products.size());
+      for (int64_t i = 0; i < count; ++i) {
+        work->units.push_back({expert, static_cast<int32_t>(i)});
+      }
+      work->products.push_back(p);
+      work->blocks_per_unit.push_back(per_unit);
+      total += q8mm::WorkOf(p);
+    }
+    start += rows;
+  }
+  const int64_t count = static_cast<int64_t>(work->units.size());
+  int64_t threads = std::max<int64_t>(1, total / q8mm::kWorkPerThread);
+  threads = std::min<int64_t>({threads, count, pool.num_threads() + 1});
+  if (threads > 1) threads = std::min<int64_t>(threads, q8mm::UsableCpus());
+  threads = std::max<int64_t>(threads, 1);
+  q8mm::g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
+  work->partial.resize(work->units.size());
+  if (count > 0) work->Compute(pool, threads);
+  work->Release();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace q8ragged
+
+#endif  // Q8RULES_Q8_RAGGED_H_
