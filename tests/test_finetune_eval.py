@@ -5,6 +5,7 @@ in a row and writes the best adapter; the command's errors come before any train
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -195,3 +196,29 @@ def test_adapter_file_follows_the_umask(tmp_path):
   assert (tmp_path / "a.gguf").stat().st_mode & 0o777 == 0o644
   assert (tmp_path / "b.gguf").stat().st_mode & 0o777 == 0o640
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf"]  # no temporary left
+
+
+class Terminal(io.StringIO):
+  """A stderr that says it is a terminal, so the bars draw on it."""
+
+  def isatty(self) -> bool:
+    return True
+
+
+def test_on_a_terminal_no_log_line_shares_a_bar_line(tmp_path, monkeypatch):
+  """With bars up (stderr a terminal), each log line starts a line of its own as the terminal
+  shows it (the text after a line's last carriage return)."""
+  notes = tmp_path / "notes.txt"
+  notes.write_text(TEXT)
+  term = Terminal()
+  monkeypatch.setattr(sys, "stderr", term)
+  argv = ["finetune", str(QWEN2), "--text", str(notes), "--out", str(tmp_path / "a.gguf")]
+  assert main([*argv, "--rank", "2", "--batch", "2", "--length", "32", "--steps", "4"]) == 0
+  raw = term.getvalue()
+  assert "\r" in raw and "finetune:" in raw  # the bar was drawn
+  shown = [line.rsplit("\r", 1)[-1] for line in raw.split("\n")]
+  logs = [line for line in shown if ("loss" in line or "tokens" in line) and "|" not in line]
+  starts = r"(step \d+|before training|training:|wrote |.*notes\.txt:|\d+ steps of)"
+  glued = [line for line in logs if not re.match(starts, line)]
+  glued += [line for line in shown if re.search(r"\|.*(step \d+: |eval loss|training:)", line)]
+  assert logs and not glued, glued
