@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 
 import nbclient
 import nbformat
@@ -57,3 +58,19 @@ def test_notebook_executes(path: pathlib.Path):
   client.execute()  # raises CellExecutionError naming the cell on any error
   errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
   assert not errors
+
+
+@pytest.mark.slow
+def test_readme_command_runs_a_notebook_headless():
+  """The README's headless command, run as written from the repository root: it executes the
+  notebook and exits 0 (a failing cell would make it exit 1)."""
+  import re
+  import shlex
+  import subprocess
+
+  root = pathlib.Path(__file__).parent.parent
+  (line,) = re.findall(r"^\.venv/bin/jupyter execute .*$", (root / "README.md").read_text(), re.M)
+  argv = shlex.split(line)
+  argv[0] = str(pathlib.Path(sys.executable).parent / "jupyter")
+  proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
