@@ -13,6 +13,12 @@ slot p % R (R its length). A chunk of T new tokens at `pos` attends over the rin
 chunk's last min(T, R) entries are written into the ring, so memory stays R
 whatever the number of tokens decoded. A global layer's cache holds every position:
 the chunk is written at `pos`, then read back whole, masked causally.
+
+`pos` is one position for the whole batch (a scalar), or one per row (int32 (B,)): each row
+then writes, masks and rotates at its own position (a batch of independent sequences, as a
+server decodes them). One new token per row attends through `hooks.attend_one_token` once per
+row, on the cache viewed as (layers * B, 1, length, ...) (a reshape, no copy), so each row's
+attention is the same computation whatever the others hold.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ sliding-window layers, {'global': (k, v), 'local': (k, v)} (see the module docst
 def rope_angles(
   config: TransformerConfig, positions: jax.Array, freq_factors: Any, local: bool = False
 ) -> jax.Array:
-  """Angles (T, head_dim / 2) float32 for integer positions (T,), as llama.cpp's rope.
+  """Angles (*P, head_dim / 2) float32 for integer positions (*P,) ((T,), or (B, T) per row),
+  as llama.cpp's rope.
 
   Pair i at position p turns by `p * scale * base**(-2i / head_dim) / f_i`; base and
   scale are the local layers' when `local`; f_i from `freq_factors` (head_dim / 2,) or 1.
@@ -49,14 +56,14 @@ def rope_angles(
     scale = 1.0 / c.rope_factor_local
   else:
     scale = 1.0 / c.rope_factor if c.rope_scaling is not None else 1.0
-  return positions.astype(jnp.float32)[:, None] * scale * inv_freq[None, :]
+  return positions.astype(jnp.float32)[..., None] * scale * inv_freq
 
 
 def apply_rope(x: jax.Array, angles: jax.Array, style: RopeStyle, mscale: float = 1.0) -> jax.Array:
-  """Rotate x (B, T, N, H) by angles (T, H / 2), in float32, cos and sin times `mscale`;
-  returns x's dtype."""
-  cos = jnp.cos(angles)[None, :, None, :]
-  sin = jnp.sin(angles)[None, :, None, :]
+  """Rotate x (B, T, N, H) by angles (T, H / 2) (or (B, T, H / 2), per row), in float32, cos
+  and sin times `mscale`; returns x's dtype."""
+  cos = jnp.cos(angles)[..., None, :]
+  sin = jnp.sin(angles)[..., None, :]
   if mscale != 1.0:
     cos, sin = cos * mscale, sin * mscale
   xf = x.astype(jnp.float32)
@@ -149,7 +156,7 @@ def _attend(
   c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
 ) -> jax.Array:
   """Softmax attention of q (B, T, heads, H) over keys / values (B, S, kv_heads, H) where
-  visible (T, S); float32 inside, returns (B, T, heads * H) in the config's dtype."""
+  visible (T, S) (or (B, T, S), per row); float32 inside, returns (B, T, heads * H) in the config's dtype."""
   return _attend_f32(c, q, keys, values, visible).astype(c.dtype)
 
 
@@ -164,7 +171,8 @@ def _attend_f32(
   scores = scores * _scale(c)
   if c.attn_softcap:
     scores = jnp.tanh(scores / c.attn_softcap) * c.attn_softcap
-  scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
+  visible = visible[None, None, None] if visible.ndim == 2 else visible[:, None, None]
+  scores = jnp.where(visible, scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
   return out.reshape(b, t, c.heads * c.head_dim)
@@ -217,8 +225,29 @@ def _written(cache: jax.Array, new: jax.Array, write: Any) -> jax.Array:
   return jax.lax.bitcast_convert_type(out, cache.dtype) if out.dtype != cache.dtype else out
 
 
+def _per_row(pos: Any) -> bool:
+  """Whether `pos` holds one position per row ((B,)) rather than one for the batch."""
+  return jnp.ndim(pos) == 1
+
+
+def _row_write(pair, k, v, slot, cols, keep: Any = False):
+  """Write k / v (B, n, KV, H) at columns `cols` (B, n) of each row of layer `slot` (a scatter;
+  with `keep` traced, a no-op where it holds)."""
+  rows = jnp.arange(k.shape[0])[:, None]
+  out = []
+  for cache, new in zip(pair, (k, v), strict=True):
+    new = new.astype(cache.dtype)
+    if keep is not False:
+      new = _keep(cache[slot, rows, cols], new, keep)
+    out.append(_written(cache, new, lambda c, n: c.at[slot, rows, cols].set(n)))
+  return tuple(out)
+
+
 def _global_write(pair, k, v, slot, pos, keep: Any = False):
-  """Write the chunk k / v (B, T, KV, H) at `pos` of layer `slot` of a full cache."""
+  """Write the chunk k / v (B, T, KV, H) at `pos` (a scalar, or (B,) per row) of layer `slot`
+  of a full cache."""
+  if _per_row(pos):
+    return _row_write(pair, k, v, slot, pos[:, None] + jnp.arange(k.shape[1]), keep)
   out = []
   at = (slot, 0, pos, 0, 0)
   for cache, new in zip(pair, (k, v), strict=True):
@@ -237,38 +266,52 @@ def _global_read(c, q, pair, slot, pos):
   def xla(q, cache_k, cache_v, slot, pos):
     keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
     values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
-    positions = pos + jnp.arange(q.shape[1])
-    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # (T, S)
+    positions = jnp.asarray(pos)[..., None] + jnp.arange(q.shape[1])  # (T,) or (B, T)
+    visible = jnp.arange(keys.shape[1]) <= positions[..., None]  # (T, S) or (B, T, S)
     return _attend_f32(c, q, keys, values, visible)
 
   if q.shape[1] != 1:
     return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
-  out = hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how)
-  return out.astype(c.dtype)
+  if not _per_row(pos):
+    return hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how).astype(c.dtype)
+  # one row at a time, each over its own (layer, row) of the cache seen as (L * B, 1, S, ...)
+  layers, b = pair[0].shape[:2]
+  flat_k, flat_v = (a.reshape(layers * b, 1, *a.shape[2:]) for a in pair)
+  rows = [
+    hooks.attend_one_token(q[i : i + 1], flat_k, flat_v, slot * b + i, pos[i], how)
+    for i in range(b)
+  ]
+  return jnp.concatenate(rows, axis=0).astype(c.dtype)
 
 
 def _local_read(c, q, k, v, pair, slot, pos):
-  """Attend over layer `slot`'s ring (positions < pos) and the chunk, within the window."""
+  """Attend over layer `slot`'s ring (positions < pos) and the chunk, within the window (`pos`
+  a scalar, or (B,) per row: then the masks are (B, T, R + T))."""
   ring_k = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, R, KV, H)
   ring_v = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
   t, ring = k.shape[1], ring_k.shape[1]
+  p = jnp.asarray(pos)[..., None]  # (1,) or (B, 1)
   # slot j holds the latest position < pos congruent to j mod R (negative: never written)
-  ring_pos = pos - 1 - jnp.mod(pos - 1 - jnp.arange(ring), ring)
-  positions = pos + jnp.arange(t)
-  key_pos = jnp.concatenate([ring_pos, positions])
-  written = jnp.concatenate([ring_pos >= 0, jnp.ones((t,), bool)])
-  diff = positions[:, None] - key_pos[None, :]
-  visible = written[None, :] & (diff >= 0) & (diff < c.sliding_window)
+  ring_pos = p - 1 - jnp.mod(p - 1 - jnp.arange(ring), ring)
+  positions = p + jnp.arange(t)
+  key_pos = jnp.concatenate([ring_pos, positions], axis=-1)
+  written = jnp.concatenate([ring_pos >= 0, jnp.ones(positions.shape, bool)], axis=-1)
+  diff = positions[..., :, None] - key_pos[..., None, :]
+  visible = written[..., None, :] & (diff >= 0) & (diff < c.sliding_window)
   keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
   values = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
   return _attend(c, q, keys, values, visible)
 
 
 def _local_write(pair, k, v, slot, pos, keep: Any = False):
-  """Write the chunk's last min(T, R) entries into layer `slot`'s ring (position p at p % R)."""
+  """Write the chunk's last min(T, R) entries into layer `slot`'s ring (position p at p % R;
+  `pos` a scalar, or (B,) per row)."""
   t, ring = k.shape[1], pair[0].shape[2]
   n = min(t, ring)
+  if _per_row(pos):
+    cols = jnp.mod(pos[:, None] + t - n + jnp.arange(n), ring)
+    return _row_write(pair, k[:, t - n :], v[:, t - n :], slot, cols, keep)
   slots = jnp.mod(pos + t - n + jnp.arange(n), ring)
   out = []
   for cache, new in zip(pair, (k, v), strict=True):

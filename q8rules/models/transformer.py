@@ -235,8 +235,8 @@ def cache_length(cache: Any) -> int:
 class Transformer(nn.Module):
   """tokens (B, T) int32, cache, pos -> logits (B, T, vocab) float32, the updated cache.
 
-  `pos` is the position of tokens[:, 0]; the cache holds positions [0, pos)
-  already and gets [pos, pos + T) written. With `last_only` the logits are those of the
+  `pos` is the position of tokens[:, 0] (a scalar, or int32 (B,): each row its own); the cache
+  holds positions [0, pos) already and gets [pos, pos + T) written. With `last_only` the logits are those of the
   last position only, (B, 1, vocab): what a prefill needs, and the final norm and the output
   head then run on one row per sequence instead of T.
   """
@@ -261,7 +261,7 @@ class Transformer(nn.Module):
     check_cache(c, cache, tokens.shape[0])
     cache = cache_on_mesh(cache)
     factors = self._freq_factors(cache)
-    positions = pos + jnp.arange(tokens.shape[1])
+    positions = jnp.asarray(pos)[..., None] + jnp.arange(tokens.shape[1])  # (T,) or (B, T)
     angles = {k: rope_angles(c, positions, factors, k == "local") for k in c.layer_kinds}
     embed = Embed(c.vocab, c.dim, c.dtype, name="embed")
     x = embed(tokens)
