@@ -31,6 +31,7 @@ _LAZY = {
   "save_lora": ("q8rules.lora.safetensors_file", "save_lora"),
   "load_lora": ("q8rules.lora.safetensors_file", "load_lora"),
   "set_cpu_threads": ("q8rules.kernels.native.threads", "set_threads"),
+  "serve": ("q8rules.serve", None),  # the package, callable as its `serve`
 }
 """Application names resolved on first use (module, attribute)."""
 

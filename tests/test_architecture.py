@@ -51,7 +51,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
       "q8rules.lora.gguf_file",
     ),
   ),
-  ("applications", ("q8rules.llm", "q8rules.cli", "q8rules.demo", "q8rules.__main__")),
+  (
+    "applications",
+    ("q8rules.llm", "q8rules.cli", "q8rules.demo", "q8rules.__main__", "q8rules.serve"),
+  ),
 ]
 """The floors, lowest first: a module imports only modules on its own floor or below (lazily
 or not). A name covers the module and everything under it (`q8rules`, the package's

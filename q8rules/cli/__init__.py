@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from q8rules.cli import chat, demo, finetune, run
+from q8rules.cli import chat, demo, finetune, run, serve
 from q8rules.cli.errors import PROG, OneLineParser, guarded
 
-COMMANDS: list[ModuleType] = [demo, run, chat, finetune]
+COMMANDS: list[ModuleType] = [demo, run, chat, finetune, serve]
 """The subcommands, in the order `--help` lists them."""
 
 

@@ -1,0 +1,336 @@
+"""The engine: a queue of requests, one slot of the batched cache per running request, and the
+loop that interleaves prompt chunks with decode steps.
+
+One thread runs the loop (`Scheduler.start`); the API's handlers `submit` requests and read
+each request's events from its own queue. Each turn of the loop:
+
+  1. takes in what was submitted, drops what was cancelled (a cancelled request frees its slot
+     at once) and gives each free slot to the oldest waiting request;
+  2. prefills one chunk (`runner.CHUNK` tokens at most) of the oldest request still in its
+     prompt, so a long prompt never stalls the running streams for more than a chunk;
+  3. runs one decode step for all slots, and hands each decoding request its token.
+
+A request ends at an end-of-generation id or a stop string ('stop'), after `max_tokens` or at
+the end of its slot's context ('length'), when cancelled, or when the engine stops (its stream
+gets a final error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from q8rules.serve.output import TextStream
+from q8rules.serve.runner import BatchRunner, Sampled, chunks
+from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams, history_of
+
+
+@dataclasses.dataclass
+class TokenEvent:
+  """New output of a request: text (possibly empty, held back at a partial character or a
+  possible stop string) and the tokens behind it.
+
+  Attributes:
+    text: the new text.
+    token_ids: the new tokens.
+    logprobs: per new token (token id, its log-probability, [(id, log-probability)] of the
+      most likely `top_logprobs`), when the request asked for them.
+  """
+
+  text: str
+  token_ids: list[int]
+  logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+@dataclasses.dataclass
+class DoneEvent:
+  """A request's end: `finish_reason` 'stop' or 'length' (or 'cancelled', 'shutdown'), the
+  text not yet sent, and the counts for `usage`."""
+
+  finish_reason: str
+  text: str
+  prompt_tokens: int
+  completion_tokens: int
+
+
+@dataclasses.dataclass
+class ErrorEvent:
+  """The engine failed on this request (or stopped under it): the message, and the HTTP status
+  it stands for."""
+
+  message: str
+  status: int = 500
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@dataclasses.dataclass
+class Request:
+  """One completion request as the engine runs it.
+
+  Attributes:
+    prompt_ids: the prompt's token ids (at least one; fits the context with `max_tokens`).
+    max_tokens: the most tokens to generate (>= 1).
+    params: its sampling settings.
+    stop: stop strings (the text ends before the first one found).
+    stop_ids: ids that end it (the vocabulary's end-of-generation ids); not part of the text.
+    emit: called (from the engine's thread) with each event; `Request.for_loop` makes one that
+      feeds an asyncio queue.
+  """
+
+  prompt_ids: list[int]
+  max_tokens: int
+  params: SamplingParams
+  stop: list[str]
+  stop_ids: frozenset[int]
+  emit: Callable[[Event], None]
+  id: int = dataclasses.field(default_factory=itertools.count().__next__)
+  submitted: float = dataclasses.field(default_factory=time.perf_counter)
+  cancelled: bool = False
+  slot: int | None = None
+  prefilled: int = 0
+  generated: list[int] = dataclasses.field(default_factory=list)
+  text: TextStream | None = None
+  plan: list[int] = dataclasses.field(default_factory=list)
+  key: np.ndarray | None = None
+  history: np.ndarray | None = None
+  first_token_at: float | None = None
+
+  @staticmethod
+  def queue_for(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[Event], None]]:
+    """An asyncio queue on `loop` and an `emit` that puts events on it from any thread."""
+    queue: asyncio.Queue = asyncio.Queue()
+    return queue, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+  def cancel(self) -> None:
+    """Ask the engine to drop this request (its slot is freed at the loop's next turn)."""
+    self.cancelled = True
+
+
+@dataclasses.dataclass
+class Metrics:
+  """Counters for `/metrics` (Prometheus): totals since start, and the state now."""
+
+  requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  decode_steps: int = 0
+  recent_decode: collections.deque = dataclasses.field(
+    default_factory=lambda: collections.deque(maxlen=64)
+  )
+
+  def decode_rate(self) -> float:
+    """Tokens/s of the recent decode steps (each: (end time, tokens, seconds))."""
+    steps = list(self.recent_decode)
+    seconds = sum(s for _, _, s in steps)
+    return sum(n for _, n, _ in steps) / seconds if seconds > 0 else 0.0
+
+
+class Scheduler:
+  """The engine over a `BatchRunner`: `submit` a `Request`, read its events.
+
+  Args:
+    runner: the batched cache and programs.
+    tokenizer: the model's `GGUFTokenizer` (for the text and the stop strings), or None.
+  """
+
+  def __init__(self, runner: BatchRunner, tokenizer: Any):
+    self.runner = runner
+    self.tokenizer = tokenizer
+    self.metrics = Metrics()
+    self.slots: list[Request | None] = [None] * runner.slots
+    self.waiting: collections.deque[Request] = collections.deque()
+    self._incoming: collections.deque[Request] = collections.deque()
+    self._wake = threading.Condition()
+    self._stop = False
+    self._thread: threading.Thread | None = None
+    p = runner.slots
+    self._tokens = np.zeros((p,), np.int32)
+    self._positions = np.zeros((p,), np.int32)
+    self._keys = np.zeros((p, 2), np.uint32)
+    self._history = np.full((p, HISTORY), -1, np.int32)
+    self._settings = RowSettings.empty(p)
+
+  # --- the API's side -------------------------------------------------------------------------
+
+  def submit(self, request: Request) -> None:
+    """Queue `request` (from any thread)."""
+    with self._wake:
+      if self._stop:
+        raise RuntimeError("the engine is stopping")
+      self._incoming.append(request)
+      self._wake.notify()
+
+  def wake(self) -> None:
+    """Make the loop look again (after a `Request.cancel`)."""
+    with self._wake:
+      self._wake.notify()
+
+  @property
+  def running(self) -> int:
+    return sum(r is not None for r in self.slots)
+
+  @property
+  def queued(self) -> int:
+    return len(self.waiting) + len(self._incoming)
+
+  def start(self) -> None:
+    """Run the loop in a daemon thread."""
+    self._thread = threading.Thread(target=self._run, name="q8rules-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self, timeout: float = 30.0) -> None:
+    """End the loop: every running and waiting request gets a final `ErrorEvent` (503)."""
+    with self._wake:
+      self._stop = True
+      self._wake.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # --- the loop -------------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      while self._turn():
+        pass
+    except Exception as e:  # the engine is dead: tell everyone, then re-raise for the log
+      self._end_all(f"the engine failed: {type(e).__name__}: {e}", 500)
+      raise
+    self._end_all("the server is shutting down", 503)
+
+  def _end_all(self, message: str, status: int) -> None:
+    with self._wake:
+      everyone = [*self.waiting, *self._incoming, *(r for r in self.slots if r is not None)]
+      self.waiting.clear()
+      self._incoming.clear()
+      self.slots = [None] * len(self.slots)
+    for r in everyone:
+      self.metrics.requests["aborted"] += 1
+      r.emit(ErrorEvent(message, status))
+
+  def _turn(self) -> bool:
+    """One turn of the loop; False once stopped."""
+    with self._wake:
+      while not self._stop and not self._incoming and not self._busy():
+        self._wake.wait(timeout=0.5)
+      if self._stop:
+        return False
+      self.waiting.extend(self._incoming)
+      self._incoming.clear()
+    self._drop_cancelled()
+    self._admit()
+    prefilling = [r for r in self.slots if r is not None and r.plan]
+    if prefilling:
+      self._prefill(min(prefilling, key=lambda r: r.submitted))
+    if any(r is not None and not r.plan for r in self.slots):
+      self._decode()
+    return True
+
+  def _busy(self) -> bool:
+    return bool(self.waiting) or any(r is not None for r in self.slots)
+
+  def _drop_cancelled(self) -> None:
+    for r in [r for r in self.waiting if r.cancelled]:
+      self.waiting.remove(r)
+      self._finish(r, "cancelled")
+    for r in self.slots:
+      if r is not None and r.cancelled:
+        self._finish(r, "cancelled")
+
+  def _admit(self) -> None:
+    for i, r in enumerate(self.slots):
+      if r is None and self.waiting:
+        nxt = self.waiting.popleft()
+        nxt.slot = i
+        nxt.plan = chunks(len(nxt.prompt_ids), self.runner.chunk)
+        nxt.key = nxt.params.key()
+        nxt.history = history_of(nxt.prompt_ids)
+        nxt.text = TextStream(self.tokenizer, nxt.stop)
+        self.slots[i] = nxt
+        self._settings.set(i, nxt.params)
+        self._positions[i] = 0  # the dummy write of a decode step goes where the prompt will
+        self.metrics.prompt_tokens += len(nxt.prompt_ids)
+
+  def _prefill(self, r: Request) -> None:
+    t = r.plan.pop(0)
+    ids = np.asarray(r.prompt_ids[r.prefilled : r.prefilled + t], np.int32)
+    one = RowSettings.of([r.params])
+    out = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one)
+    r.prefilled += t
+    self._positions[r.slot] = r.prefilled
+    if r.plan:
+      return
+    r.first_token_at = time.perf_counter()
+    self._accept(r, out, 0)
+
+  def _decode(self) -> None:
+    for i, r in enumerate(self.slots):
+      if r is None or r.plan:
+        self._tokens[i] = 0  # a dummy token at the slot's next position
+    start = time.perf_counter()
+    out = self.runner.decode(
+      self._tokens, self._positions, self._keys, self._history, self._settings
+    )
+    decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
+    seconds = time.perf_counter() - start
+    self.metrics.decode_steps += 1
+    self.metrics.recent_decode.append((time.perf_counter(), len(decoding), seconds))
+    for i, r in decoding:
+      self._accept(r, out, i)
+
+  def _accept(self, r: Request, out: Sampled, row: int) -> None:
+    """Request `r` gets its next token from row `row` of `out` (its slot's state advances)."""
+    tok = int(out.tokens[row])
+    r.key, r.history = out.keys[row].copy(), out.history[row].copy()
+    i = r.slot
+    self._tokens[i], self._keys[i], self._history[i] = tok, r.key, r.history
+    self._positions[i] = len(r.prompt_ids) + len(r.generated)
+    self.metrics.generated_tokens += 1
+    if tok in r.stop_ids:
+      self._finish(r, "stop")
+      return
+    r.generated.append(tok)
+    logprobs = None
+    if r.params.logprobs:
+      n = r.params.top_logprobs
+      top = [
+        (int(a), float(b))
+        for a, b in zip(out.top_ids[row, :n], out.top_logprobs[row, :n], strict=True)
+      ]
+      logprobs = [(tok, float(out.logprobs[row]), top)]
+    text, stopped = r.text.add(tok)
+    if text or logprobs:
+      r.emit(TokenEvent(text, [tok], logprobs))
+    if stopped:
+      self._finish(r, "stop")
+    elif len(r.generated) >= r.max_tokens or self._positions[i] >= self.runner.context:
+      self._finish(r, "length")
+
+  def _finish(self, r: Request, reason: str) -> None:
+    if r.slot is not None and self.slots[r.slot] is r:
+      self.slots[r.slot] = None
+      self._settings.set(r.slot, SamplingParams(temperature=0.0))
+      self._positions[r.slot] = 0
+    self.metrics.requests[reason] += 1
+    rest = r.text.flush() if r.text is not None and reason != "cancelled" else ""
+    r.emit(DoneEvent(reason, rest, len(r.prompt_ids), len(r.generated)))
+
+
+__all__ = [
+  "DoneEvent",
+  "ErrorEvent",
+  "Event",
+  "Metrics",
+  "Request",
+  "Scheduler",
+  "TokenEvent",
+]

@@ -1,0 +1,271 @@
+"""`q8rules serve` on the tiny qwen2 GGUF file with a ChatML template: the `openai` client,
+the docs' curl examples, bad input, cancellation, the queue, batch invariance.
+
+One server for the module (3 slots, 128 positions each, prompt chunks of 8, an API key),
+started in a thread on a free loopback port. Every request loop here is bounded in count and
+in time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jax.numpy as jnp
+import pytest
+from gguf import GGUFValueType as V
+
+import q8rules
+from q8rules.serve import Server
+from q8rules.serve.sampling import SamplingParams
+from q8rules.serve.scheduler import DoneEvent, ErrorEvent, Request, TokenEvent
+from tests.test_llm_gguf_errors import rewrite_to
+
+openai = pytest.importorskip("openai")
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+DOCS = Path(__file__).parent.parent / "docs" / "serve.md"
+KEY = "sk-test-key"
+NAME = "tiny-chat.gguf"
+SLOTS, CTX = 3, 128
+TEMPLATE = (
+  "{% for message in messages %}"
+  "{% if message['content'] == 'please fail' %}{{ raise_exception('this template refuses') }}"
+  "{% endif %}"
+  "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("serve")
+  path = rewrite_to(
+    tmp, NAME, src=DATA / "tiny-qwen2-q8_0.gguf",
+    typed_meta={"tokenizer.chat_template": (TEMPLATE, V.STRING, None)},
+  )  # fmt: skip
+  return q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+  with Server(model, parallel=SLOTS, ctx=CTX, chunk=8, api_key=KEY, max_body=1 << 16) as s:
+    yield s
+
+
+@pytest.fixture
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def auth() -> dict[str, str]:
+  return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_openai_client_chat_and_completions(client):
+  messages = [{"role": "user", "content": "Hello"}]
+  r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+  assert r.object == "chat.completion" and r.model == NAME
+  assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
+  assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+  streamed = client.chat.completions.create(
+    model=NAME, messages=messages, max_tokens=6, temperature=0, stream=True,
+    stream_options={"include_usage": True},
+  )  # fmt: skip
+  chunks = list(streamed)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == r.choices[0].message.content
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+  assert chunks[-1].usage.completion_tokens == 6
+
+  c = client.completions.create(model=NAME, prompt="Once upon", max_tokens=5, temperature=0)
+  assert c.object == "text_completion" and c.usage.completion_tokens == 5
+  parts = list(client.completions.create(model=NAME, prompt="Once upon", max_tokens=5,
+                                         temperature=0, stream=True))  # fmt: skip
+  assert "".join(p.choices[0].text for p in parts) == c.choices[0].text
+  assert [m.id for m in client.models.list()] == [NAME]
+
+
+def test_logprobs_seed_and_stop(client):
+  messages = [{"role": "user", "content": "Hi"}]
+  kw = dict(model=NAME, messages=messages, max_tokens=5, temperature=0.9, seed=3)
+  a = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+  b = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+  assert a.choices[0].message.content == b.choices[0].message.content
+  content = a.choices[0].logprobs.content
+  assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+  assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob for t in content)
+  text = client.completions.create(model=NAME, prompt="a b", max_tokens=12, temperature=0)
+  full = text.choices[0].text
+  stop = full[3:5]
+  cut = client.completions.create(model=NAME, prompt="a b", max_tokens=12, temperature=0, stop=stop)
+  assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_detokenize_health_metrics(server, model):
+  r = httpx.post(server.url + "/tokenize", json={"content": "hello world"}, headers=auth())
+  ids = r.json()["tokens"]
+  assert ids == model.tokenizer.encode("hello world", add_special=False)
+  r = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=auth())
+  assert r.json()["content"] == "hello world"
+  assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+  text = httpx.get(server.url + "/metrics", headers=auth()).text
+  for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total",
+               "requests_waiting", "decode_tokens_per_second"):  # fmt: skip
+    assert f"# TYPE q8rules_{name} " in text
+
+
+CHAT = "/v1/chat/completions"
+GOOD = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+BAD = [
+  ("malformed JSON", CHAT, b'{"messages": [', {}, 400),
+  ("missing field", CHAT, {"max_tokens": 2}, {}, 400),
+  ("wrong type", CHAT, {"messages": "hi"}, {}, 400),
+  ("wrong type of a number", CHAT, {**GOOD, "max_tokens": "many"}, {}, 400),
+  ("max_tokens 0", CHAT, {**GOOD, "max_tokens": 0}, {}, 400),
+  ("max_tokens < 0", "/v1/completions", {"prompt": "a", "max_tokens": -3}, {}, 400),
+  ("max_tokens past the context", CHAT, {**GOOD, "max_tokens": CTX}, {}, 400),
+  ("prompt past the context", "/v1/completions", {"prompt": list(range(CTX))}, {}, 400),
+  ("temperature < 0", CHAT, {**GOOD, "temperature": -0.5}, {}, 400),
+  ("top_p 0", CHAT, {**GOOD, "top_p": 0}, {}, 400),
+  ("top_p > 1", CHAT, {**GOOD, "top_p": 1.5}, {}, 400),
+  ("unknown model", CHAT, {**GOOD, "model": "gpt-4"}, {}, 404),
+  ("body over the limit", CHAT, {**GOOD, "pad": "x" * (1 << 17)}, {}, 413),
+  ("no API key", CHAT, GOOD, {"Authorization": ""}, 401),
+  ("wrong API key", CHAT, GOOD, {"Authorization": "Bearer nope"}, 401),
+  ("template fails", CHAT, {"messages": [{"role": "user", "content": "please fail"}]}, {}, 400),
+]
+
+
+@pytest.mark.parametrize("what, path, body, headers, status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
+  server, what, path, body, headers, status
+):
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  with httpx.Client(timeout=30) as http:
+    r = http.post(server.url + path, content=content, headers={**auth(), **headers})
+    assert r.status_code == status, (what, r.text)
+    error = r.json()["error"]
+    assert error["message"] and error["type"], error
+    ok = http.post(server.url + CHAT, json=GOOD, headers=auth())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def slots_busy(server) -> int:
+  return httpx.get(server.url + "/health").json()["slots_processing"]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+  body = {"prompt": [5] * 8, "max_tokens": CTX - 8, "stream": True, "repeat_penalty": 1.5}
+  before = server.scheduler.metrics.requests["cancelled"]
+  with httpx.Client(timeout=30) as http:
+    with http.stream("POST", server.url + "/v1/completions", json=body, headers=auth()) as r:
+      first = next(line for line in r.iter_lines() if line)
+      assert json.loads(first[6:])["choices"][0]["finish_reason"] is None, first
+  deadline = time.monotonic() + 20
+  while server.scheduler.metrics.requests["cancelled"] == before:
+    assert time.monotonic() < deadline, "the request was not cancelled"
+    time.sleep(0.05)
+  assert slots_busy(server) == 0
+
+
+def engine_request(model, ids, n, events, done, **params):
+  def emit(event):
+    events.append(event)
+    if not isinstance(event, TokenEvent):
+      done.set()
+
+  eog = frozenset(model.tokenizer.eog_ids)
+  return Request(list(ids), n, SamplingParams(**params), [], eog, emit)
+
+
+def run_together(server, model, specs):
+  """Submit each (ids, n, delay, params) after its delay; wait for all; per request its
+  (tokens, logprobs, finish reason, slot)."""
+  out = []
+  for ids, n, delay, params in specs:
+    time.sleep(delay)
+    events, done = [], threading.Event()
+    r = engine_request(model, ids, n, events, done, **params)
+    server.scheduler.submit(r)
+    out.append((r, events, done))
+  results = []
+  for r, events, done in out:
+    assert done.wait(60)
+    tokens = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+    logprobs = [lp for e in events if isinstance(e, TokenEvent) for lp in (e.logprobs or [])]
+    assert isinstance(events[-1], DoneEvent), events[-1]
+    results.append((tokens, logprobs, events[-1].finish_reason, r.slot))
+  return results
+
+
+def test_batch_invariance_alone_and_beside_others(server, model):
+  """Greedy and seeded-sampled requests: the same tokens and log-probabilities (bits) alone and
+  in a batch of 3, at other slots and start times."""
+  tok = model.tokenizer
+  greedy = (tok.encode("the cat sat on"), 24, dict(temperature=0.0, logprobs=True, top_logprobs=2))
+  sampled = (tok.encode("once upon a time there"), 24,
+             dict(temperature=0.9, top_k=40, top_p=0.95, seed=11, logprobs=True, top_logprobs=2))  # fmt: skip
+  other = ([5] * 8 + list(range(3, 40)), 60, dict(temperature=0.0, repeat_penalty=1.5))
+  alone_g = run_together(server, model, [(*greedy[:2], 0, greedy[2])])[0]
+  alone_s = run_together(server, model, [(*sampled[:2], 0, sampled[2])])[0]
+  both = run_together(
+    server, model,
+    [(*other[:2], 0, other[2]), (*sampled[:2], 0.01, sampled[2]), (*greedy[:2], 0.03, greedy[2])],
+  )  # fmt: skip
+  assert alone_g[3] == alone_s[3] == 0 and {b[3] for b in both} == {0, 1, 2}
+  assert both[2][:3] == alone_g[:3]
+  assert both[1][:3] == alone_s[:3]
+  assert len(alone_g[1]) == 24
+
+
+def test_requests_beyond_parallel_wait_in_the_queue(server, model):
+  out, events = [], []
+  for _ in range(SLOTS + 2):
+    ev, done = [], threading.Event()
+    r = engine_request(model, [5] * 8, 20, ev, done, temperature=0.0, repeat_penalty=1.5)
+    out.append((r, ev, done))
+  for r, _, _ in out:
+    server.scheduler.submit(r)
+  queued, running = server.scheduler.queued, server.scheduler.running
+  assert running <= SLOTS and queued >= 2, (queued, running)
+  for _, ev, done in out:
+    assert done.wait(60)
+    events.append([t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids])
+  assert all(e == events[0] for e in events) and events[0]
+  assert server.scheduler.running == 0 and server.scheduler.queued == 0
+  assert not any(isinstance(e, ErrorEvent) for _, ev, _ in out for e in ev)
+
+
+def curl_examples() -> list[str]:
+  """The curl commands of docs/serve.md's ```bash blocks (continuation lines joined)."""
+  blocks = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), re.S)
+  commands = []
+  for block in blocks:
+    for cmd in block.replace("\\\n", " ").splitlines():
+      if cmd.strip().startswith("curl "):
+        commands.append(cmd.strip())
+  return commands
+
+
+def test_the_docs_curl_examples_work(server):
+  commands = curl_examples()
+  assert len(commands) >= 4
+  for cmd in commands:
+    cmd = cmd.replace("http://127.0.0.1:8080", server.url).replace("$Q8RULES_API_KEY", KEY)
+    cmd = cmd.replace("SmolLM2-135M-Instruct-Q8_0.gguf", NAME)
+    r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (cmd, r.stderr)
+    out = r.stdout.strip()
+    if out.startswith("data: "):
+      events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+      assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+    else:
+      assert "error" not in json.loads(out), (cmd, out)
