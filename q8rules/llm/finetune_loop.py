@@ -64,7 +64,7 @@ class EvalHistory:
       f"warning: the eval loss rose at two evaluations in a row ({a.loss:.4f} at step {a.step},"
       f" {b.loss:.4f} at step {b.step}, {c.loss:.4f} at step {c.step}): the adapter is learning"
       f" the training text by heart; the best so far is step {best.step} (eval perplexity"
-      f" {best.perplexity:.2f}). Fewer steps or a lower learning rate would stop here."
+      f" {best.perplexity:.2f}). Fewer steps or a lower learning rate stop before the rise."
     )
 
 
