@@ -32,7 +32,7 @@ from q8rules.q8_0 import BLOCK
 
 LANES = 128
 MAX_BLOCK_M = 128
-"""The most rows a row tile takes (fewer: M rounded up to 8)."""
+"""The most rows a row tile takes."""
 
 TILE_BYTES = 1 << 20
 """The most bytes of int8 values one step's (K, tn) tile takes (`column_tile`)."""
@@ -41,9 +41,12 @@ MAX_UNROLLED_BLOCKS = 64
 """A step's loop over its K/32 blocks is unrolled (static offsets) up to this many blocks."""
 
 
-def block_rows(m: int) -> int:
-  """Rows per tile: m rounded up to 8, at most `MAX_BLOCK_M`."""
-  return max(8, min(MAX_BLOCK_M, -(-m // 8) * 8))
+def block_rows(m: int, experts: int) -> int:
+  """Rows per tile for m rows over `experts` groups: the rows an expert gets on average,
+  rounded up to 8 (an f32 sublane tile), at most `MAX_BLOCK_M` (an item dots its whole tile,
+  as the XLA path's items do: `xla.block_rows`)."""
+  rows = -(-m // max(experts, 1))
+  return max(8, min(MAX_BLOCK_M, -(-rows // 8) * 8))
 
 
 def column_tile(k: int, n: int) -> int:
@@ -110,7 +113,7 @@ def ragged_tpu(
     q: (E, K, N) int8.
     scale: (E, K/32, N) float32 or float16.
     group_sizes: (E,) int32, rows per expert in order (rows past their sum get zeros).
-    block_m: rows per tile, a multiple of 8 (default `block_rows(M)`).
+    block_m: rows per tile, a multiple of 8 (default `block_rows(M, E)`).
     block_n: the column tile, a multiple of 128 (default `column_tile(K, N)`); N is padded
       to it with zero values and scales.
     interpret: Pallas interpret mode (any backend).
@@ -119,7 +122,7 @@ def ragged_tpu(
   """
   m, k = x2d.shape
   experts, _, n = q.shape
-  bm = block_m or block_rows(m)
+  bm = block_m or block_rows(m, experts)
   if bm % 8:
     raise ValueError(f"ragged_tpu: block_m={bm} is not a multiple of 8")
   tn = block_n or column_tile(k, n)
