@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,18 +30,25 @@ namespace ffi = xla::ffi;
 // (q8_matmul.h: BlocksPerUnit, a function of that product alone), and every unit of every
 // routed expert is claimed from one counter, so a decode step's experts cost one hand-off, not
 // one each. Unit 0 of an expert writes into that expert's own rows of y (no two experts share
-// a row); unit i > 0 into its own zeroed buffer, added into the expert's rows in unit order
-// once every unit is done. The sums, and so y, are each expert's weight-only product bit for
-// bit, whatever the threads.
+// a row); unit i > 0 into its own slice of one buffer, zeroed by the unit; whoever finishes an
+// expert's last unit adds its slices into its rows in unit order. The sums, and so y, are each
+// expert's weight-only product bit for bit, whatever the threads.
 struct Experts final : q8helpers::Task {
   struct Unit {
     int32_t expert;  // into products
     int32_t index;   // the unit within that expert's product
+    int64_t offset;  // of its partial sums in `partial` (unit 0: none)
   };
-  std::vector<q8mm::Problem> products;  // one per routed expert
-  std::vector<int64_t> blocks_per_unit;  // per routed expert
+  struct Expert {
+    q8mm::Problem p;
+    int64_t blocks_per_unit = 1;
+    int64_t first_unit = 0;  // its units are [first_unit, first_unit + units)
+    int64_t units = 0;
+  };
+  std::vector<Expert> experts;  // the routed ones
   std::vector<Unit> units;
-  std::vector<std::vector<float>> partial;  // per unit (empty for an expert's unit 0)
+  std::unique_ptr<float[]> partial;  // every unit i > 0's (M_e, N) sums
+  std::unique_ptr<std::atomic<int64_t>[]> left;  // per routed expert: units not yet done
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -48,19 +56,25 @@ struct Experts final : q8helpers::Task {
     const int64_t count = static_cast<int64_t>(units.size());
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       const Unit u = units[static_cast<size_t>(i)];
-      const q8mm::Problem& p = products[static_cast<size_t>(u.expert)];
-      float* acc = p.y;
+      const Expert& e = experts[static_cast<size_t>(u.expert)];
+      const int64_t size = e.p.m * e.p.n;
+      float* acc = e.p.y;
       if (u.index > 0) {
-        auto& buf = partial[static_cast<size_t>(i)];
-        buf.assign(static_cast<size_t>(p.m * p.n), 0.0f);
-        acc = buf.data();
+        acc = partial.get() + u.offset;
+        std::fill(acc, acc + size, 0.0f);
       }
-      q8mm::RunUnit(p, blocks_per_unit[static_cast<size_t>(u.expert)], u.index, acc);
+      q8mm::RunUnit(e.p, e.blocks_per_unit, u.index, acc);
+      if (left[u.expert].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // its last unit
+        for (int64_t j = e.first_unit + 1; j < e.first_unit + e.units; ++j) {
+          q8mm::AddInto(e.p.y, partial.get() + units[static_cast<size_t>(j)].offset,
+                        static_cast<size_t>(size));
+        }
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
 
-  // Every unit on the caller and up to threads - 1 helpers, then the partial sums into y.
+  // Every unit on the caller and up to threads - 1 helpers.
   void Compute(ffi::ThreadPool& pool, int64_t threads) {
     auto& helpers = q8helpers::Helpers::Get();
     const int want = static_cast<int>(threads - 1);
@@ -74,11 +88,6 @@ struct Experts final : q8helpers::Task {
     Run();
     q8helpers::WaitFor(done, static_cast<int64_t>(units.size()));
     if (want > 0) helpers.Retract(this);
-    for (size_t i = 0; i < units.size(); ++i) {  // each expert's units in order
-      if (units[i].index == 0) continue;
-      const q8mm::Problem& p = products[static_cast<size_t>(units[i].expert)];
-      q8mm::AddInto(p.y, partial[i]);
-    }
   }
 };
 
@@ -116,7 +125,7 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int32_t* sizes = group_sizes.typed_data();
   const int64_t scale_bytes = base.scale_f16 ? 2 : 4;
   auto* work = new Experts;  // reference counted: helpers that start late hold it
-  int64_t start = 0, total = 0;
+  int64_t start = 0, total = 0, partial_size = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = sizes[e];
     if (rows < 0 || rows > m - start) {
@@ -133,14 +142,17 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.scale = static_cast<const char*>(scale.untyped_data()) +
                 e * (k / q8mm::kBlock) * n * scale_bytes;
       p.y = out + start * n;
-      const int64_t per_unit = q8mm::BlocksPerUnit(p);
-      const int64_t count = (k / q8mm::kBlock + per_unit - 1) / per_unit;
-      const auto expert = static_cast<int32_t>(work->products.size());
-      for (int64_t i = 0; i < count; ++i) {
-        work->units.push_back({expert, static_cast<int32_t>(i)});
+      Experts::Expert ex;
+      ex.p = p;
+      ex.blocks_per_unit = q8mm::BlocksPerUnit(p);
+      ex.units = (k / q8mm::kBlock + ex.blocks_per_unit - 1) / ex.blocks_per_unit;
+      ex.first_unit = static_cast<int64_t>(work->units.size());
+      const auto expert = static_cast<int32_t>(work->experts.size());
+      for (int64_t i = 0; i < ex.units; ++i) {
+        work->units.push_back({expert, static_cast<int32_t>(i), i > 0 ? partial_size : 0});
+        if (i > 0) partial_size += rows * n;
       }
-      work->products.push_back(p);
-      work->blocks_per_unit.push_back(per_unit);
+      work->experts.push_back(ex);
       total += q8mm::WorkOf(p);
     }
     start += rows;
@@ -151,7 +163,9 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (threads > 1) threads = std::min<int64_t>(threads, q8mm::UsableCpus());
   threads = std::max<int64_t>(threads, 1);
   q8mm::g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
-  work->partial.resize(work->units.size());
+  work->partial.reset(new float[static_cast<size_t>(std::max<int64_t>(partial_size, 1))]);
+  work->left.reset(new std::atomic<int64_t>[work->experts.size() + 1]);
+  for (size_t e = 0; e < work->experts.size(); ++e) work->left[e].store(work->experts[e].units);
   if (count > 0) work->Compute(pool, threads);
   work->Release();
   return ffi::Error::Success();
