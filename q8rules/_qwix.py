@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
 from qwix import PtqProvider, QuantizationProvider, QuantizationRule, quantize_model
 from qwix._src import interception as _interception
@@ -142,3 +144,23 @@ __all__ = [
   "quantize_model",
   "unbox",
 ]
+
+
+def derives_unchanged(x: Any, param: Any) -> bool:
+  """Whether `x` is the param's value `param` itself, or it through ops that leave its values
+  as they are: traced, a chain of one-operand primitives back to it (Flax's sharding constraint
+  on a partitioned param, which Qwix's `find_param` walks the same way); concrete, equal to it
+  in shape, dtype and every value. Qwix's last resort, a param of the same shape, is not
+  taken."""
+  if x is param:
+    return True
+  if isinstance(x, jax.core.Tracer):
+    while hasattr(x, "parent") and x.parent is not None and len(x.parent.in_tracers) == 1:
+      x = x.parent.in_tracers[0]
+      if x is param:
+        return True
+    return False
+  if isinstance(param, jax.core.Tracer) or not hasattr(x, "shape"):
+    return False
+  same = tuple(x.shape) == tuple(param.shape) and x.dtype == param.dtype
+  return bool(same and np.array_equal(np.asarray(x), np.asarray(param)))

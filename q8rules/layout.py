@@ -27,17 +27,20 @@ from q8rules.q8_0 import BLOCK
 
 @dataclasses.dataclass(frozen=True)
 class WeightLayout:
-  """How a float weight of `shape` is laid out as a (K, N) Q8_0 matrix.
+  """How a float weight of `shape` is laid out as a (K, N) Q8_0 matrix, or as a stack of them.
 
   Attributes:
     shape: the float weight's shape.
     contract: the weight axes flattened into K, in order.
     free: the weight axes flattened into N, in order.
+    batch: the weight axes kept as leading axes of the stored values, in order: a stack of
+      experts (E, K, N), each expert's matrix Q8_0 along its own K (empty: one matrix).
   """
 
   shape: tuple[int, ...]
   contract: tuple[int, ...]
   free: tuple[int, ...]
+  batch: tuple[int, ...] = ()
 
   @property
   def k(self) -> int:
@@ -51,18 +54,46 @@ class WeightLayout:
   def n(self) -> int:
     return math.prod(self.shape[a] for a in self.free)
 
+  @property
+  def batch_shape(self) -> tuple[int, ...]:
+    """The sizes of the batch (expert) axes, in order."""
+    return tuple(self.shape[a] for a in self.batch)
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    """The stored values' shape: (*batch_shape, K_padded, N)."""
+    return (*self.batch_shape, self.k_padded, self.n)
+
+  @property
+  def blocked_axis(self) -> int:
+    """The axis of the stored values blocked in 32s: K's."""
+    return len(self.batch)
+
   def to_matrix(self, w: jax.Array) -> jax.Array:
-    """(shape) -> (K_padded, N): transpose, flatten, zero-pad K."""
-    w2d = jnp.transpose(w, self.contract + self.free).reshape(self.k, self.n)
+    """(shape) -> (*batch_shape, K_padded, N): transpose, flatten, zero-pad K."""
+    w2d = jnp.transpose(w, self.batch + self.contract + self.free)
+    w2d = w2d.reshape(*self.batch_shape, self.k, self.n)
     if self.k_padded != self.k:
-      w2d = jnp.pad(w2d, ((0, self.k_padded - self.k), (0, 0)))
+      pad = [(0, 0)] * len(self.batch) + [(0, self.k_padded - self.k), (0, 0)]
+      w2d = jnp.pad(w2d, pad)
     return w2d
 
   def from_matrix(self, w2d: jax.Array) -> jax.Array:
-    """(K_padded, N) -> (shape): the inverse of `to_matrix`."""
-    order = self.contract + self.free
-    moved = w2d[: self.k].reshape(tuple(self.shape[a] for a in order))
+    """(*batch_shape, K_padded, N) -> (shape): the inverse of `to_matrix`."""
+    order = self.batch + self.contract + self.free
+    moved = w2d[..., : self.k, :].reshape(tuple(self.shape[a] for a in order))
     return jnp.transpose(moved, [order.index(a) for a in range(len(self.shape))])
+
+  def matrix(self) -> WeightLayout:
+    """One matrix of the stack: this layout without its batch axes (itself when it has none)."""
+    if not self.batch:
+      return self
+    keep = [a for a in range(len(self.shape)) if a not in self.batch]
+    return WeightLayout(
+      tuple(self.shape[a] for a in keep),
+      tuple(keep.index(a) for a in self.contract),
+      tuple(keep.index(a) for a in self.free),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +181,18 @@ def from_dot_general(
   lhs_free = tuple(a for a in range(lhs_ndim) if a not in lhs_contract)
   weight = WeightLayout(tuple(int(s) for s in rhs_shape), contract, free)
   return ProductLayout(weight, lhs_contract, lhs_free, tuple(range(len(lhs_free) + len(free))))
+
+
+def from_ragged_dot(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> ProductLayout:
+  """The layout of `jax.lax.ragged_dot(x, w, group_sizes)`: x (M, K) rows sorted by group, w
+  (G, K, N) one (K, N) matrix per group (expert), stored as a stack of G Q8_0 matrices."""
+  if len(lhs_shape) != 2 or len(rhs_shape) != 3:
+    raise UnsupportedProduct(
+      f"ragged_dot of x {tuple(lhs_shape)} and w {tuple(rhs_shape)}: q8rules serves x (M, K)"
+      " and experts w (G, K, N)"
+    )
+  weight = WeightLayout(tuple(int(s) for s in rhs_shape), (1,), (2,), (0,))
+  return ProductLayout(weight, (1,), (0,), (0, 1))
 
 
 def _ellipsis_letters(lhs: str, lhs_ndim: int, used: set[str]) -> str:

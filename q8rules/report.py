@@ -39,12 +39,30 @@ class OpRecord:
   note: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class FloatParam:
+  """A param of two or more axes, under a module a rule matched, that was not served as Q8_0.
+
+  Attributes:
+    path: the param's path ('layers_0/mlp/router/kernel').
+    shape: its float shape.
+    reason: why it stays float (kept float as llama.cpp's quantizer keeps it, an op that is not
+      served, only used outside a product, ...).
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  reason: str
+
+
 @dataclasses.dataclass
 class Report:
-  """Every intercepted op of a model, and the rules that matched nothing."""
+  """Every intercepted op of a model, the rules that matched nothing, and every param of two
+  or more axes under a matched module that stayed float (`float_params`), with why."""
 
   ops: list[OpRecord]
   unused_rules: list
+  float_params: list[FloatParam] = dataclasses.field(default_factory=list)
 
   @property
   def float_bytes(self) -> int:
@@ -86,4 +104,6 @@ class Report:
       )
     for rule in self.unused_rules:
       lines.append(f"rule matched nothing: {describe(rule)}")
+    for p in self.float_params:
+      lines.append(f"left float: {p.path} {'x'.join(map(str, p.shape))}: {p.reason}")
     return "\n".join(lines)

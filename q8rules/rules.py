@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -14,6 +15,19 @@ from q8rules.kernels.matmul_act_q8 import api as act_q8_0
 
 Q8_0 = "q8_0"
 """The `weight_qtype` every Q8Rule carries."""
+
+KEEP_FLOAT: tuple[tuple[str, str], ...] = (
+  (r"(^|/)(router\w*|\w*gate_inp\w*)(/|$)", "a router (llama.cpp's ffn_gate_inp)"),
+  (r"per_layer_model_proj", "Gemma's per-layer model projection (per_layer_model_proj)"),
+  (r"altup", "Gemma's altup"),
+  (r"laurel", "Gemma's laurel"),
+)
+"""What `Q8Rule(keep_float=None)` leaves float, as llama.cpp's quantizer (`src/llama-quant.cpp`)
+leaves these tensors float: (regex searched in the weight's param path, what it is). A router
+is a module or param named `router...` (Tunix's, MaxText's) or `...gate_inp...` (GGUF's); a
+router named plainly `gate` (Hugging Face's Mixtral) is not told from a dense MLP's gate by its
+name: keep it float with `keep_float=(r"block_sparse_moe/gate",)`. Norms and biases are one
+axis, never served."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,12 +47,16 @@ class Q8Rule(QuantizationRule):
       `q8rules.kernels.IMPLEMENTATIONS` ('fold', 'cpu', 'xla', 'xla_dequant', 'reference') or a
       sequence of them tried in order (see `q8rules.kernels.resolve`).
     interpret: run the fold in Pallas interpret mode (None: on CPU only).
+    keep_float: regexes searched in a matched weight's param path ('layers_0/moe/router/kernel')
+      that leave its products float; None: llama.cpp's list (`KEEP_FLOAT`: routers, Gemma's
+      per-layer model projection, altup, laurel); (): serve every matched weight.
   """
 
   weight_qtype: Any = Q8_0
   scale_dtype: Any = jnp.float32
   implementation: ImplementationArg = None
   interpret: bool | None = None
+  keep_float: tuple[str, ...] | None = None
 
   def __post_init__(self) -> None:
     """Refuse, at construction, options Q8_0 cannot honour (the reason first, then the rule)."""
@@ -92,6 +110,16 @@ def rule_problems(rule: QuantizationRule) -> list[str]:
     scale_dtype = None
   if scale_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
     problems.append(f"scale_dtype={rule.scale_dtype!r} (float32 or float16)")
+  keep = getattr(rule, "keep_float", None)
+  if keep is not None:
+    if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
+      problems.append(f"keep_float={keep!r} (None, or a tuple of regexes)")
+    else:
+      for k in keep:
+        try:
+          re.compile(k)
+        except re.error as e:
+          problems.append(f"keep_float regex {k!r} ({e})")
   implementation = getattr(rule, "implementation", None)
   try:
     check_implementation(implementation)
@@ -108,6 +136,25 @@ def rule_problems(rule: QuantizationRule) -> list[str]:
           f" not on {', '.join(map(repr, off))})"
         )
   return problems
+
+
+KEPT = "kept float"
+"""How the reason for a weight a rule keeps float begins (`kept_float`)."""
+
+
+def kept_float(rule: Q8Rule, path: str) -> str | None:
+  """Why `rule` leaves the weight at param path `path` float (its `keep_float`), or None."""
+  if rule.keep_float is None:
+    for pattern, what in KEEP_FLOAT:
+      if re.search(pattern, path):
+        return (
+          f"kept float: {what}, as llama.cpp's quantizer keeps it (Q8Rule(keep_float=()) serves it)"
+        )
+    return None
+  for pattern in rule.keep_float:
+    if re.search(pattern, path):
+      return f"{KEPT}: the rule's keep_float {pattern!r}"
+  return None
 
 
 def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:

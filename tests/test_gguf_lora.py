@@ -22,10 +22,10 @@ import optax
 import pytest
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
 from q8rules.llm import load_gguf
 from q8rules.llm.finetune import LoraTrainer, split_adapters
 from q8rules.llm.lora import DEFAULT_TARGETS
+from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
 from q8rules.q8_0 import quantize
 from tests.gguf_numpy_forward import forward, load_float64
 
@@ -439,8 +439,8 @@ def test_unrolled_layers(tmp_path):
   scanned = random_b(base("qwen2").with_lora(rank=4, alpha=8.0), seed=13)
   scanned.save_lora_gguf(tmp_path / "a.gguf")
   m = load_gguf(tiny("qwen2"), dtype=jnp.float32).unrolled()
-  from q8rules.lora.gguf_file import read_lora_gguf as read
   from q8rules.llm.lora_convert import attach_lora_files
+  from q8rules.lora.gguf_file import read_lora_gguf as read
 
   adapted = attach_lora_files(m, [read(tmp_path / "a.gguf")], [1.0])
   assert "kernel_lora_a" in adapted.params["layers_1"]["attn"]["q"]

@@ -38,7 +38,8 @@ from q8rules.kernels.matmul.fold import fold_applies, q8_fold
 from q8rules.kernels.matmul_act_q8 import api as matmul_act_q8_api
 from q8rules.kernels.matmul_t.api import q8_matmul_t
 from q8rules.kernels.problem import check_operands, platform_of
-from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul
+from q8rules.kernels.ragged_matmul.api import IMPLEMENTATIONS as RAGGED_IMPLEMENTATIONS
+from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul, run_ragged
 from q8rules.kernels.registry import OPS, Implementation, ImplementationArg, Op, resolve
 
 ACT_DEFAULT_ORDER = matmul_act_q8_api.DEFAULT_ORDER
@@ -66,7 +67,9 @@ __all__ = [
   "q8_fold",
   "q8_matmul",
   "q8_matmul_t",
+  "RAGGED_IMPLEMENTATIONS",
   "q8_ragged_matmul",
+  "run_ragged",
   "resolve",
   "resolve_product",
   "run_product",

@@ -41,12 +41,12 @@ from q8rules.checkpoint.gguf import open_gguf
 from q8rules.llm.lora_fuse import unfuse
 from q8rules.llm.lora_tree import KINDS, get_in, kernel_path, layer_roots, set_in
 from q8rules.llm.tensors import q8_rule
-from q8rules.models.transformer import Transformer
+from q8rules.lora.names import LORA_A, LORA_B, adapter_spec
 from q8rules.lora.provider import Q8LoraProvider, Q8LoraRule
+from q8rules.models.transformer import Transformer
 from q8rules.providers.placement import placed_sharding
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
-from q8rules.lora.names import LORA_A, LORA_B, adapter_spec
 
 DEFAULT_TARGETS = (
   "attn_q",

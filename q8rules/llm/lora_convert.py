@@ -27,10 +27,10 @@ from q8rules.llm.lora_fuse import refuse, unfuse
 from q8rules.llm.lora_tree import get_in, set_in
 from q8rules.llm.unstack import rebuilt
 from q8rules.lora.merge import merged_q8
+from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.params import LoraAdapter, placed_like
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
-from q8rules.lora.names import LORA_A, LORA_B
 
 
 def _site(name: str, config: Any, present: set[str], where: str) -> tuple[str, int]:

@@ -48,8 +48,8 @@ from q8rules.checkpoint.gguf.requant import q8_0_blocks
 from q8rules.checkpoint.gguf.split import GGUFSplitCheckpoint
 from q8rules.checkpoint.gguf.write import header_written
 from q8rules.llm.sources import GGUFSource, TensorSource
-from q8rules.q8_0 import BLOCK, Q8Array, quantize
 from q8rules.lora.names import LORA_A, LORA_B
+from q8rules.q8_0 import BLOCK, Q8Array, quantize
 
 F32 = GGMLQuantizationType.F32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -88,7 +88,9 @@ class SavedModel(Protocol):
     ...
 
 
-def save_gguf(model: SavedModel, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
+def save_gguf(
+  model: SavedModel, path: str | os.PathLike[str], *, progress: bool | None = None
+) -> None:
   """Write `model` (a `GGUFModel` from `load_gguf`) as a complete GGUF file (see the module).
 
   Args:
@@ -130,7 +132,13 @@ def save_gguf(model: SavedModel, path: str | os.PathLike[str], *, progress: bool
     ckpt.close()
 
 
-def _save(ckpt: GGUFCheckpoint | GGUFSplitCheckpoint, params: Any, source: GGUFSource, path: Path, progress: bool | None) -> None:
+def _save(
+  ckpt: GGUFCheckpoint | GGUFSplitCheckpoint,
+  params: Any,
+  source: GGUFSource,
+  path: Path,
+  progress: bool | None,
+) -> None:
   parts = ckpt.parts
   if any(p.byteorder != "<" for p in parts):
     raise CheckpointError(f"{source.path}: a big-endian GGUF file; save_gguf writes little-endian")

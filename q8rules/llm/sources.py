@@ -123,7 +123,11 @@ def tensor_sources(
   return out
 
 
-def source_of(ckpt: GGUFCheckpoint | GGUFSplitCheckpoint, slots: Mapping[str, TensorSlot], fused: Mapping[str, Any]) -> GGUFSource:
+def source_of(
+  ckpt: GGUFCheckpoint | GGUFSplitCheckpoint,
+  slots: Mapping[str, TensorSlot],
+  fused: Mapping[str, Any],
+) -> GGUFSource:
   """The `GGUFSource` of a model loaded from `ckpt` (a GGUFCheckpoint or a split set)."""
   parts = ckpt.parts
   policy = parts[0].policy

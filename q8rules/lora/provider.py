@@ -43,7 +43,9 @@ from q8rules._qwix import (
 from q8rules.layout import ProductLayout
 from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.placement import init_like_base
-from q8rules.providers.policy import CurrentRule, Product, op_where
+from q8rules.providers import views
+from q8rules.providers.policy import CurrentRule, op_where
+from q8rules.providers.products import Product
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.providers.serving import Q8Provider, ServePolicy
 from q8rules.rules import Q8Rule, describe
@@ -168,6 +170,14 @@ class LoraPolicy(ServePolicy):
     if not isinstance(rule, Q8LoraRule):
       return y
     where = op_where(product.op_id)
+    experts = product.group_sizes is not None or layout.weight.batch
+    sliced = isinstance(q8, Q8Weight) and any(isinstance(op, views.Index) for op in q8.chain)
+    if experts or sliced:
+      raise NotImplementedError(
+        f"{where}: a LoRA adapter on a stack of expert weights (one adapter per expert) is not"
+        f" served; match the experts with a plain Q8Rule (served as Q8_0 without an adapter)"
+        f" and the dense products with the Q8LoraRule ({describe(rule)})"
+      )
     k, n = layout.weight.k, layout.weight.n
     if rule.rank > min(k, n):
       raise ValueError(

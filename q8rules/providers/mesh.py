@@ -279,6 +279,7 @@ def run_served(
   operand: Any,
   preferred_element_type: Any,
   where: str,
+  group_sizes: jax.Array | None = None,
 ) -> tuple[jax.Array, str]:
   """`lhs` times the Q8 weight `q8` (laid out for this product as `layout`) as serving runs
   it: per shard where a mesh splits the weight (`provider_product`), else whole through
@@ -304,6 +305,8 @@ def run_served(
     "interpret": rule.interpret if rule is not None else None,
     "act_qtype": rule.act_qtype if rule is not None else None,
   }
+  if group_sizes is not None:
+    return _run_grouped(lhs, q8.array, layout, options, group_sizes, preferred_element_type, where)
   try:
     layout.check_lhs(tuple(lhs.shape))
     # split over a mesh (`q8rules.shard_products`, or explicit sharding): per shard, on the
@@ -319,6 +322,41 @@ def run_served(
   except (TypeError, ValueError, NotImplementedError) as e:
     raise type(e)(f"{where}: {e}") from e
   return ran
+
+
+def _run_grouped(
+  lhs: jax.Array,
+  weight: Q8Array,
+  layout: ProductLayout,
+  options: dict[str, Any],
+  group_sizes: jax.Array,
+  preferred_element_type: Any,
+  where: str,
+) -> tuple[jax.Array, str]:
+  """A grouped product (`jax.lax.ragged_dot`) on a stack of Q8_0 experts, through op
+  'ragged_matmul': lhs (M, K) rows sorted by group, weight (G, K_padded, N) blocked along each
+  expert's K; XLA partitions it on a mesh. The rule's `implementation` applies where the op has
+  one of that name; `act_qtype` is refused (the grouped product takes float activations)."""
+  names = options["implementation"]
+  names = (names,) if isinstance(names, str) else tuple(names or ())
+  served = tuple(n for n in names if n in kernels.RAGGED_IMPLEMENTATIONS)
+  try:
+    layout.check_lhs(tuple(lhs.shape))
+    if options["act_qtype"] is not None:
+      raise NotImplementedError(
+        f"act_qtype={options['act_qtype']!r} on a grouped product of experts (float"
+        " activations only)"
+      )
+    return kernels.run_ragged(
+      lhs,
+      weight,
+      group_sizes,
+      implementation=served or None,
+      interpret=options["interpret"],
+      preferred_element_type=preferred_element_type,
+    )
+  except (TypeError, ValueError, NotImplementedError) as e:
+    raise type(e)(f"{where}: {e}") from e
 
 
 __all__ = [

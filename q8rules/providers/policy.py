@@ -34,7 +34,6 @@ more than `product`.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +45,7 @@ import numpy as np
 from q8rules._qwix import (
   current_module_path,
   current_rule_and_op_id,
+  derives_unchanged,
   find_param,
   get_current_module,
   initial_run_complete,
@@ -58,15 +58,15 @@ from q8rules.layout import (
   Q8How,
   UnsupportedProduct,
   WeightLayout,
-  from_dot_general,
-  from_einsum,
 )
 from q8rules.providers import lookup, model_hooks, tracking, views
-from q8rules.providers.placement import annotation, stored_layout
+from q8rules.providers.inventory import ParamInventory
+from q8rules.providers.placement import annotation, param_path, stored_layout
+from q8rules.providers.products import Product, ProductIntercepts
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.providers.tracking import Derived, RunState
-from q8rules.report import OpRecord, Report
-from q8rules.rules import Q8Rule, describe, validate_rule
+from q8rules.report import FloatParam, OpRecord, Report
+from q8rules.rules import KEPT, Q8Rule, describe, kept_float, validate_rule
 
 RunOn = Callable[[Any], jax.Array]
 """`run_on(table)`: the model's own lookup op with `table` for the param's value."""
@@ -79,30 +79,6 @@ or None; its op id, e.g. 'dot_general0')."""
 def op_where(op_id: str) -> str:
   """'module/path/op_id', how error messages name an op."""
   return f"{current_module_path() or '(top module)'}/{op_id}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Product:
-  """One intercepted two-operand product, `lhs` times the (weight) operand `rhs`.
-
-  Attributes:
-    rule, op_id: the matched rule (None: none) and the op's id, e.g. 'dot_general0'.
-    lhs: the activation as the op got it (any rank).
-    rhs: the other operand as the op got it (a float param, a Qwix `WithAux`, or an array).
-    make_layout: the weight's shape -> the product's layout (raises `UnsupportedProduct`).
-    precision, preferred_element_type: the op's own.
-    run: `run(lhs, weight, precision)`, the op itself on `lhs` with `weight` for `rhs` (in
-      float); it closes over no array, so it can run on other operands (a tangent).
-  """
-
-  rule: Q8Rule | None
-  op_id: str
-  lhs: jax.Array
-  rhs: Any
-  make_layout: Callable[[tuple[int, ...]], ProductLayout]
-  precision: Any
-  preferred_element_type: Any
-  run: Callable[[Any, Any, Any], jax.Array]
 
 
 def stored_how(found: Derived, view: WeightLayout, scale_dtype: str) -> Q8How:
@@ -141,6 +117,8 @@ class WeightPolicy(abc.ABC):
     current_rule: the rule and op id of the op being intercepted (`CurrentRule`).
     run: what the current run has seen (reset by `start_run`).
     records: (module path, op id) -> the latest `OpRecord` of each intercepted op.
+    inventory: the weights of the modules that ran an intercepted op, which were served and
+      why the others stayed float (`report().float_params`).
   """
 
   def __init__(self, rules: Sequence[Q8Rule], current_rule: CurrentRule):
@@ -148,6 +126,7 @@ class WeightPolicy(abc.ABC):
     self.current_rule = current_rule
     self.run = RunState()
     self.records: dict[tuple[str, str], OpRecord] = {}
+    self.inventory = ParamInventory()
 
   # ---- what a mode does ------------------------------------------------------
 
@@ -177,6 +156,24 @@ class WeightPolicy(abc.ABC):
     module = current_module_path()
     index = None if rule is None else self.rules.index(rule)
     self.records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
+    try:
+      current = get_current_module()
+    except ValueError:
+      return
+    params = module_params(current).items()
+    self.inventory.take(module, ((param_path(current, n), unbox(b)) for n, b in params))
+
+  def matched_modules(self) -> dict[int, set[str]]:
+    """Rule index -> the modules where the rule matched an intercepted op."""
+    out: dict[int, set[str]] = {}
+    for r in self.records.values():
+      if r.rule is not None:
+        out.setdefault(r.rule, set()).add(r.module)
+    return out
+
+  def float_params(self) -> list[FloatParam]:
+    """`report().float_params`: every weight under a matched module left float, with why."""
+    return self.inventory.float_params(self.rules, self.matched_modules())
 
   def record_lookup(
     self,
@@ -199,17 +196,20 @@ class WeightPolicy(abc.ABC):
     """The param a float operand is (exactly, or through recorded ops; else by Qwix's own
     heuristics), or None and why the product stays float."""
     found = self.run.find(rhs)
-    if found is None:  # Qwix's own search: through any unary op when traced, or by shape
+    if found is None:  # Qwix's own search: through any op when traced, or by shape
       name = find_param(rhs)
       if not name:
         return None, "operand is not a weight"
       module = get_current_module()
-      param = unbox(module_params(module)[name])
-      if tuple(param.shape) != tuple(rhs.shape):  # eagerly it would not be found: the same here
-        return None, (
+      if not derives_unchanged(rhs, unbox(module_params(module)[name])):
+        # derived through an op not carried (tracking's): serving it would store the derived
+        # value in the param's place
+        why = (
           f"derives from {name} through an op q8rules does not carry (astype, .T, transpose,"
-          " reshape and Flax's dtype promotion are carried): left float"
+          " reshape, w[i], w * c and Flax's dtype promotion are carried): left float"
         )
+        self.inventory.float_reasons.setdefault(param_path(module, name), why)
+        return None, why
       found = Derived(module, name, rhs)
     if found.key in self.run.float_lookups:
       return None, (
@@ -233,10 +233,17 @@ class WeightPolicy(abc.ABC):
     if found is None:
       self.record(rule, op_id, "float", note=why_float)
       return None
+    where = param_path(found.module, found.name)
+    kept = kept_float(rule, where)
+    if kept is not None:
+      self.inventory.float_reasons[where] = kept
+      self.record(rule, op_id, "float", weight_shape=tuple(rhs.shape), note=kept)
+      return None
     try:
       layout = product.make_layout(tuple(rhs.shape))
     except UnsupportedProduct as e:
       warnings.warn(f"{op_where(op_id)}: left float: {e}", stacklevel=5)
+      self.inventory.float_reasons[where] = f"an op that is not served: {e}"
       self.record(rule, op_id, "float", note=f"left float: {e}")
       return None
     if not jnp.issubdtype(rhs.dtype, jnp.floating):
@@ -269,11 +276,12 @@ class WeightPolicy(abc.ABC):
   ) -> jax.Array:
     """A lookup left float (recorded with `note`): the param's products stay float this run."""
     self.run.float_lookups.add(found.key)
+    self.inventory.float_reasons.setdefault(param_path(found.module, found.name), note)
     self.record(rule, op_id, "float", weight_shape=tuple(arr.shape), note=note)
     return run_on(arr)
 
 
-class PolicyProvider:
+class PolicyProvider(ProductIntercepts):
   """Mixed into a Qwix provider: intercepts the products (`lax.dot_general`, `jnp.einsum` of two
   operands, `jnp.dot`), the ops on weights and the lookups (`tracking`), and the decoder's
   hooks (`model_hooks`), and hands each to the policy `make_policy` makes; starts a run per
@@ -305,16 +313,9 @@ class PolicyProvider:
     """The interceptions of the Qwix provider this class is mixed into."""
     return super().get_intercept_map()
 
-  def product_intercepts(self) -> dict[str, Callable[..., Any]]:
-    """Qwix name -> the handler of each product this provider intercepts."""
-    return {
-      "jax.lax.dot_general": self.dot_general,
-      "jax.numpy.einsum": self.einsum,
-      "jax.numpy.dot": self.dot,
-    }
-
   def process_model_inputs(self, model: Any, model_args: Any, model_kwargs: Any) -> Any:
     self.policy.start_run()  # a run starts: nothing carried over from the last one
+    self.policy.inventory.take_model(model, model_args)
     return super().process_model_inputs(model, model_args, model_kwargs)
 
   def process_model_output(self, method_name: str, model_output: Any) -> Any:
@@ -324,148 +325,41 @@ class PolicyProvider:
       self._warned_unused = True
       for rule in self.get_unused_rules():
         warnings.warn(f"Q8 rule matched nothing: {describe(rule)}", stacklevel=2)
+      self._warn_served_nothing()
     return out
+
+  def _warn_served_nothing(self) -> None:
+    """Warn once for each module where a rule matched an op but none of the module's own
+    weights was served, naming them and why each stayed float (weights the rule keeps float on
+    purpose, `keep_float`, are in the report only)."""
+    inventory = self.policy.inventory
+    left = {p.path: p for p in self.policy.float_params()}
+    for i, modules in sorted(self.policy.matched_modules().items()):
+      for module in sorted(modules):
+        mine = [w for w, (m, _) in inventory.params.items() if m == module]
+        if not mine or any(w in inventory.served for w in mine):
+          continue
+        named = [left[w] for w in mine if w in left and not left[w].reason.startswith(KEPT)]
+        if named:
+          warnings.warn(
+            f"{describe(self.policy.rules[i])} matched {module or '(top module)'} but served none"
+            " of its weights: " + "; ".join(f"{p.path} {p.shape}: {p.reason}" for p in named),
+            stacklevel=3,
+          )
 
   def report(self) -> Report:
     """Every op intercepted so far (the latest trace of each) and the rules that matched nothing."""
     unused = list(self.get_unused_rules()) if initial_run_complete(self) else []
-    return Report(ops=list(self.policy.records.values()), unused_rules=unused)
-
-  # ---- the intercepted products ------------------------------------------------
-
-  def dot_general(
-    self,
-    lhs: jax.Array,
-    rhs: Any,
-    dimension_numbers: jax.lax.DotDimensionNumbers,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    *,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`lax.dot_general(lhs, rhs, ...)` as the policy serves it."""
-
-    def run(lhs: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jax.lax.dot_general(
-        lhs,
-        weight,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-
-    def make_layout(shape: tuple[int, ...]) -> ProductLayout:
-      return from_dot_general(lhs.ndim, shape, dimension_numbers)
-
-    return self._product(
-      "dot_general", lhs, rhs, make_layout, precision, preferred_element_type, run
-    )
-
-  def dot(
-    self,
-    a: jax.Array,
-    b: Any,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`jnp.dot(a, b)` as the policy serves it; its rules name it 'dot_general'."""
-
-    def run(a: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jnp.dot(
-        a,
-        weight,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-
-    dims = jnp_dot_dimension_numbers(np.ndim(a), len(b.shape))
-
-    def make_layout(shape: tuple[int, ...]) -> ProductLayout:
-      return from_dot_general(np.ndim(a), shape, dims)
-
-    return self._product("dot_general", a, b, make_layout, precision, preferred_element_type, run)
-
-  def einsum(
-    self,
-    einsum_str: str,
-    *operands: Any,
-    precision: jax.lax.PrecisionLike = None,
-    preferred_element_type: jax.typing.DTypeLike | None = None,
-    _dot_general: Callable[..., jax.Array] = jax.lax.dot_general,  # noqa: N803 (jnp's name)
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """`jnp.einsum` of two operands (the second the weight) as the policy serves it; of other
-    counts, in float (recorded)."""
-
-    def run(*ops: Any, precision: Any = precision) -> jax.Array:
-      return jnp.einsum(
-        einsum_str,
-        *ops,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        _dot_general=_dot_general,
-        out_sharding=out_sharding,
-      )
-
-    if len(operands) != 2:
-      rule, op_id = self.current_rule("einsum")
-      self.policy.record(rule, op_id, "float", note=f"{len(operands)}-operand einsum")
-      return run(*operands)
-    lhs, rhs = operands
-
-    def make_layout(shape: tuple[int, ...]) -> ProductLayout:
-      return from_einsum(einsum_str, lhs.ndim, shape)
-
-    return self._product(
-      "einsum",
-      lhs,
-      rhs,
-      make_layout,
-      precision,
-      preferred_element_type,
-      lambda lhs, weight, precision: run(lhs, weight, precision=precision),
-    )
-
-  def _product(
-    self,
-    op: str,
-    lhs: jax.Array,
-    rhs: Any,
-    make_layout: Callable[[tuple[int, ...]], ProductLayout],
-    precision: Any,
-    preferred_element_type: Any,
-    run: Callable[[Any, Any, Any], jax.Array],
-  ) -> jax.Array:
-    """The policy's answer to the product the op `op` ('dot_general', 'einsum': how rules name
-    it) runs."""
-    rule, op_id = self.current_rule(op)
-    return self.policy.product(
-      Product(rule, op_id, lhs, rhs, make_layout, precision, preferred_element_type, run)
-    )
-
-
-def jnp_dot_dimension_numbers(a_ndim: int, b_ndim: int) -> jax.lax.DotDimensionNumbers:
-  """The `lax.dot_general` dimension numbers of `jnp.dot(a, b)`."""
-  if a_ndim == 0 or b_ndim == 0:
-    contract = ((), ())
-  elif b_ndim == 1:
-    contract = ((a_ndim - 1,), (0,))
-  else:
-    contract = ((a_ndim - 1,), (b_ndim - 2,))
-  return (contract, ((), ()))
+    ops = list(self.policy.records.values())
+    return Report(ops=ops, unused_rules=unused, float_params=self.policy.float_params())
 
 
 __all__ = [
   "CurrentRule",
   "PolicyProvider",
-  "Product",
   "RunOn",
   "WeightPolicy",
   "base_layout",
-  "jnp_dot_dimension_numbers",
   "op_where",
   "stored_how",
   "weight_note",

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules._qwix import WithAux, unbox
+from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import ProductLayout, Q8How, UnsupportedProduct
 from q8rules.providers import views
 from q8rules.providers.lookup import (
@@ -92,7 +93,12 @@ class Q8Weight(WithAux):
     except views.ViewError as e:
       raise TypeError(f"{self.what()}: {e}") from None
     dtype = op.dtype if isinstance(op, views.AsType) else self.how.dtype
-    return self.replace(how=Q8How(layout, self.how.scale_dtype, dtype), chain=self.chain + (op,))
+    array = self.array
+    if isinstance(op, views.Index):  # one expert of the stack, read in place by the kernels
+      stacked = dataclasses.replace(array, axis=array.axis - 1)
+      array = LayerSlice(stacked, jnp.asarray(op.index, jnp.int32))
+    how = Q8How(layout, self.how.scale_dtype, dtype)
+    return self.replace(array=array, how=how, chain=self.chain + (op,))
 
   @property
   def T(self) -> Q8Weight:  # noqa: N802 (numpy's name)
@@ -112,6 +118,14 @@ class Q8Weight(WithAux):
       return self
     return self.view(views.AsType(dtype.name))
 
+  def __mul__(self, other: Any) -> Q8Weight:
+    return self.view(views.Scale(_factor(other, self, "*")))
+
+  __rmul__ = __mul__
+
+  def __truediv__(self, other: Any) -> Q8Weight:
+    return self.view(views.Scale(_factor(other, self, "/"), divide=True))
+
   def reshape(self, *shape: Any) -> Q8Weight:
     if len(shape) == 1 and isinstance(shape[0], Sequence):
       shape = tuple(shape[0])
@@ -128,6 +142,8 @@ class Q8Weight(WithAux):
       idx = idx[0]
     if idx is Ellipsis:  # `param[...]`: the whole value (how nnx modules read a param)
       return unbox(self)
+    if isinstance(idx, int | np.integer) and self.how.layout.batch[:1] == (0,):
+      return self.view(views.Index(int(idx) % self.shape[0]))  # an expert of the stack
     if not is_index_array(idx):
       raise TypeError(
         f"{self.what()}: indexing with {idx!r} is not served; a Q8_0 table serves"
@@ -181,9 +197,6 @@ for _name, _op in {
   "__radd__": "+",
   "__sub__": "-",
   "__rsub__": "-",
-  "__mul__": "*",
-  "__rmul__": "*",
-  "__truediv__": "/",
   "__rtruediv__": "/",
   "__matmul__": "@",
   "__rmatmul__": "@",
@@ -191,6 +204,16 @@ for _name, _op in {
   "__pow__": "**",
 }.items():
   setattr(Q8Weight, _name, _refusing(_op))
+
+
+def _factor(other: Any, weight: Q8Weight, op: str) -> float:
+  """`other` as the constant factor of `weight {op} other`; a TypeError, naming the weight, for
+  anything but a Python or numpy number."""
+  if isinstance(other, bool) or not isinstance(other, int | float | np.integer | np.floating):
+    raise weight.refuse(
+      f"the operator {op} with {type(other).__name__} (a constant number is served)"
+    )
+  return float(other)
 
 
 def is_index_array(idx: Any) -> bool:
@@ -241,7 +264,9 @@ def lookup(table: Q8Weight, ids: Any, axis: int, mode: str | None = None) -> jax
 def quantize_weight(
   w: jax.Array, how: Q8How, *, name: str = "weight", check_finite: bool = True
 ) -> Q8Array:
-  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array, blocked along axis 0.
+  """The float weight (how.layout.shape) as a (K_padded, N) Q8Array blocked along axis 0, or,
+  for a stack of experts (`how.layout.batch`), a (*E, K_padded, N) Q8Array blocked along each
+  expert's K.
 
   `check_finite=False` where the caller has already checked `w` (see `quantize`)."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -254,7 +279,7 @@ def quantize_weight(
   return dataclasses.replace(
     quantize(
       how.layout.to_matrix(w),
-      axis=0,
+      axis=how.layout.blocked_axis,
       scale_dtype=how.scale_dtype,
       name=name,
       check_finite=check_finite,
@@ -277,8 +302,8 @@ def served_layout(
   if layout is None:
     wanted = make_layout(how.layout.shape).weight
     problem = f"the Q8 weight was laid out as {how.layout} but this product needs {wanted}"
-  elif tuple(q8.array.shape) != (layout.weight.k_padded, layout.weight.n):
-    want = (layout.weight.k_padded, layout.weight.n)
+  elif tuple(q8.array.shape) != layout.weight.stored_shape:
+    want = layout.weight.stored_shape
     problem = f"Q8 values of shape {tuple(q8.array.shape)} do not match the weight layout {want}"
   else:
     return layout

@@ -32,13 +32,13 @@ from q8rules.providers.placement import param_path
 from q8rules.providers.policy import (
   CurrentRule,
   PolicyProvider,
-  Product,
   RunOn,
   WeightPolicy,
   base_layout,
   op_where,
   stored_how,
 )
+from q8rules.providers.products import Product
 from q8rules.providers.q8_weight import Q8Weight, quantize_weight, served_layout
 from q8rules.providers.tracking import Derived
 from q8rules.q8_0 import BLOCK, dequantize, quantize
@@ -74,7 +74,11 @@ def fake_quant(
     to `dtype`. No gradient (see `fake_quant_ste`).
   """
   q = quantize(
-    layout.to_matrix(w), axis=0, scale_dtype=scale_dtype, name=name, check_finite=check_finite
+    layout.to_matrix(w),
+    axis=layout.blocked_axis,
+    scale_dtype=scale_dtype,
+    name=name,
+    check_finite=check_finite,
   )
   if dtype is not None:
     q = dataclasses.replace(q, dtype=np.dtype(dtype))
@@ -173,9 +177,10 @@ def round_trip(
   values come from the param's own (wider) values (`base`, by default `found.base`): the
   param's round trip, then the ops that move values (the casts left out: `fq` gives the
   values in the dtype serving computes in, and the product's result is cast as serving
-  casts it).
+  casts it). Constant factors (`w * c`) take the same road: serving multiplies the product of
+  the param's own Q8_0 values.
   """
-  if not _narrows(found):
+  if not _narrows(found) and not any(isinstance(op, views.Scale) for op in found.chain):
     return fq(value, view, scale_dtype)
   moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
   base = found.base if base is None else base
@@ -197,6 +202,7 @@ class FakeQuantPolicy(WeightPolicy):
       return product.run(lhs, product.rhs, product.precision)
     found, layout, scale_dtype = matched
     self.run.weights[found.key] = scale_dtype  # a later lookup of the param is fake-quantised
+    self.inventory.served.add(param_path(found.module, found.name))
     rule = forward_rule(product.rule, lhs, layout.weight)
     paths: list[str] = []
     f = qat_product(product, found, layout.weight, scale_dtype, rule, paths)
@@ -263,6 +269,7 @@ class FakeQuantPolicy(WeightPolicy):
     if layout is None:
       return run_on(arr)
     table = round_trip(found, arr, layout, scale_dtype, served_round_trip)
+    self.inventory.served.add(param_path(found.module, found.name))
     note = f"lookup of {found.name}: the entries of its Q8_0 round trip"
     self.record_lookup(rule, op_id, FAKE_QUANT, layout, ids, (scale_dtype, arr.dtype), note)
     return run_on(table).astype(arr.dtype)  # as `take_q8`: the entries in the table's dtype
@@ -356,9 +363,11 @@ def qat_product(
     for op in chain:
       q8 = q8.view(op)
     layout = served_layout(q8, product.make_layout, where)
-    y, path = run_served(lhs, q8, layout, rule, operand, product.preferred_element_type, where)
+    y, path = run_served(
+      lhs, q8, layout, rule, operand, product.preferred_element_type, where, product.group_sizes
+    )
     paths.append(path)
-    return y.astype(out_dtype)
+    return views.scale_output(y, chain).astype(out_dtype)
 
   def f_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[jax.Array, jax.Array]:
     lhs, param = primals

@@ -33,19 +33,19 @@ from q8rules._qwix import (
   unbox,
 )
 from q8rules.layout import ProductLayout, Q8How, WeightLayout
-from q8rules.providers import lookup, q8_weight
+from q8rules.providers import lookup, q8_weight, views
 from q8rules.providers.mesh import run_served
-from q8rules.providers.placement import install
+from q8rules.providers.placement import install, param_path
 from q8rules.providers.policy import (
   CurrentRule,
   PolicyProvider,
-  Product,
   RunOn,
   WeightPolicy,
   op_where,
   stored_how,
   weight_note,
 )
+from q8rules.providers.products import Product
 from q8rules.providers.q8_weight import Q8Weight, as_q8_weight, quantize_weight, served_layout
 from q8rules.providers.tracking import Derived
 from q8rules.q8_0 import BLOCK, Q8Array
@@ -62,13 +62,13 @@ def _quantize_param(value: jax.Array, how: Q8How, name: str) -> Q8Array:
 
 def _shapes_only(value: jax.Array, how: Q8How, name: str) -> Q8Array:
   """What `_quantize_param` returns, in shapes and dtypes only (zeros; nothing traced but
-  two fills): q (K_padded, N) int8, scale (K_padded/32, N) of how.scale_dtype."""
+  two fills): q (*E, K_padded, N) int8, scale (*E, K_padded/32, N) of how.scale_dtype."""
   del value, name
-  k, n = how.layout.k_padded, how.layout.n
+  *experts, k, n = how.layout.stored_shape
   return Q8Array(
-    jnp.zeros((k, n), jnp.int8),
-    jnp.zeros((k // BLOCK, n), how.scale_dtype),
-    axis=0,
+    jnp.zeros((*experts, k, n), jnp.int8),
+    jnp.zeros((*experts, k // BLOCK, n), how.scale_dtype),
+    axis=how.layout.blocked_axis,
     dtype=np.dtype(how.dtype),
   )
 
@@ -97,7 +97,10 @@ class ServePolicy(WeightPolicy):
       return product.run(lhs, rhs, product.precision)
     q8, layout = served
     how, weight = q8.how, q8.array
-    y, path = run_served(lhs, q8, layout, rule, rhs, preferred_element_type, op_where(op_id))
+    where = op_where(op_id)
+    y, path = run_served(
+      lhs, q8, layout, rule, rhs, preferred_element_type, where, product.group_sizes
+    )
     m = math.prod(lhs.shape[a] for a in layout.lhs_free)
     k, k_pad, n = layout.weight.k, layout.weight.k_padded, layout.weight.n
     self.record(
@@ -113,6 +116,8 @@ class ServePolicy(WeightPolicy):
       note=weight_note(q8, k, k_pad),
     )
     y = self.adapted(product, q8, layout, y)
+    if isinstance(q8, Q8Weight):  # the constant factors the model put on the weight
+      y = views.scale_output(y, q8.chain)
     return y.astype(preferred_element_type or lhs.dtype)
 
   def adapted(
@@ -152,6 +157,7 @@ class ServePolicy(WeightPolicy):
       base = found.base
       self.run.derived.setdefault(id(base), (dataclasses.replace(found, chain=(), shapes=()), base))
     self.run.weights[found.key] = weight.how.scale_dtype
+    self.inventory.served.add(param_path(found.module, found.name))
     for op in found.chain:
       weight = weight.view(op)
     return weight

@@ -124,6 +124,15 @@ def _lookup_index(idx: Any) -> Any:
   return idx if is_index_array(idx) and not isinstance(idx, int | np.integer) else None
 
 
+def _expert_index(idx: Any) -> int | None:
+  """The expert of `w[i]` when `idx` is one Python or numpy integer (`i`, `(i,)`), else None."""
+  if isinstance(idx, tuple) and len(idx) == 1:
+    idx = idx[0]
+  if isinstance(idx, bool) or not isinstance(idx, int | np.integer):
+    return None
+  return int(idx)
+
+
 def intercepts(
   run: Callable[[], RunState],
   float_lookup: LookupPolicy,
@@ -204,6 +213,11 @@ def intercepts(
     ids = _lookup_index(idx)
     if (q8 := as_q8_weight(arr)) is not None:
       return q8[idx] if ids is None else q8_lookup(q8, indexing_ids(ids, len(q8)), 0, "clip")
+    expert = _expert_index(idx)
+    if expert is not None and np.ndim(arr) >= 3:  # w[i]: expert i of a stack (E, K, N)
+      out = run_on(arr)
+      run().follow(arr, out, views.Index(expert % arr.shape[0]))
+      return out
     found = run().find(arr) if ids is not None and np.ndim(arr) == 2 else None
     if found is None:
       return run_on(arr)
@@ -226,7 +240,28 @@ def intercepts(
         out.append(y)
     return type(args[0])(out) if nnx_form else out
 
+  def scaled(name: str, divide: bool) -> Callable[..., Any]:
+    """`w * c`, `c * w` (through `__rmul__`) and `w / c` on a param, c a constant number."""
+
+    def op(self: Any, other: Any) -> Any:
+      out = original(name)(self, other)
+      constant = isinstance(other, int | float | np.integer | np.floating)
+      if constant and not isinstance(other, bool):
+        run().follow(self, out, views.Scale(float(other), divide))
+      return out
+
+    return op
+
   handlers = {
+    "jax._src.numpy.array_methods._operator_mul": scaled(
+      "jax._src.numpy.array_methods._operator_mul", False
+    ),
+    "jax._src.numpy.array_methods._operator_rmul": scaled(
+      "jax._src.numpy.array_methods._operator_rmul", False
+    ),
+    "jax._src.numpy.array_methods._operator_truediv": scaled(
+      "jax._src.numpy.array_methods._operator_truediv", True
+    ),
     "flax.linen.dtypes.promote_dtype": promote_dtype,
     "flax.nnx.nn.dtypes.promote_dtype": promote_dtype,
     "jax.numpy.astype": astype,

@@ -44,16 +44,32 @@ def _prefix_with_product(shape: tuple[int, ...], size: int) -> int | None:
 
 
 def reshaped(layout: WeightLayout, shape: Sequence[int]) -> WeightLayout:
-  """The layout of `w.reshape(shape)` with the same (K, N) matrix as `w` of `layout`.
+  """The layout of `w.reshape(shape)` with the same (K, N) matrix (or stack of them) as `w` of
+  `layout`. Batch (expert) axes must lead and be kept as they are.
 
   Raises:
-    ViewError: the reshape does not keep K and N (the matrix would change).
+    ViewError: the reshape does not keep K and N (the matrix would change), or moves a batch
+      axis.
   """
   shape = tuple(int(s) for s in shape)
-  n_axes = len(layout.shape)
-  order = layout.contract + layout.free
   if math.prod(shape) != math.prod(layout.shape):
     raise ViewError(f"reshape {layout.shape} -> {shape} changes the number of elements")
+  nb = len(layout.batch)
+  if nb:
+    if layout.batch != tuple(range(nb)) or shape[:nb] != layout.shape[:nb]:
+      raise ViewError(
+        f"reshape {layout.shape} -> {shape} does not keep the leading expert axes"
+        f" {layout.batch} as they are"
+      )
+    inner = reshaped(layout.matrix(), shape[nb:])
+    return WeightLayout(
+      shape,
+      tuple(a + nb for a in inner.contract),
+      tuple(a + nb for a in inner.free),
+      layout.batch,
+    )
+  n_axes = len(layout.shape)
+  order = layout.contract + layout.free
   if order == tuple(range(n_axes)):  # row-major (K, N)
     p = _prefix_with_product(shape, layout.k)
     if p is not None and (p < len(shape) or layout.n == 1):
@@ -77,6 +93,7 @@ def transposed(layout: WeightLayout, perm: Sequence[int]) -> WeightLayout:
     tuple(layout.shape[p] for p in perm),
     tuple(perm.index(a) for a in layout.contract),
     tuple(perm.index(a) for a in layout.free),
+    tuple(perm.index(a) for a in layout.batch),
   )
 
 
@@ -137,7 +154,73 @@ class AsType:
     return f"astype({self.dtype})"
 
 
-Op = Transpose | Reshape | AsType
+@dataclasses.dataclass(frozen=True)
+class Index:
+  """`w[i]` on a stack of experts (E, ...): expert i's own matrix (`index`, a Python int); the
+  stack's leading axis must be a batch axis."""
+
+  index: int
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    if layout.batch[:1] != (0,):
+      raise ViewError(
+        f"w[i] of a weight {layout.shape} whose leading axis is not a stack of experts"
+        f" (contraction axes {layout.contract}, other axes {layout.free})"
+      )
+    drop = lambda axes: tuple(a - 1 for a in axes)  # noqa: E731
+    return WeightLayout(
+      layout.shape[1:], drop(layout.contract), drop(layout.free), drop(layout.batch[1:])
+    )
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    lift = lambda axes: tuple(a + 1 for a in axes)  # noqa: E731
+    return WeightLayout(
+      (int(base_shape[0]), *layout.shape),
+      lift(layout.contract),
+      lift(layout.free),
+      (0, *lift(layout.batch)),
+    )
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return w[self.index]
+
+  def __str__(self) -> str:
+    return f"[{self.index}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """`w * factor` (`factor * w`), or `w / factor` with `divide`: a constant factor (a Python
+  number) on the weight. The Q8_0 values stay those of `w`; the product's output takes the
+  factor (`scale_output`), as x @ (w * c) = (x @ w) * c."""
+
+  factor: float
+  divide: bool = False
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    return layout
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    return layout
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return w / self.factor if self.divide else w * self.factor
+
+  def __str__(self) -> str:
+    return f"{'/' if self.divide else '*'} {self.factor:g}"
+
+
+Op = Transpose | Reshape | AsType | Index | Scale
+
+
+def scale_output(y: jax.Array, chain: Chain) -> jax.Array:
+  """A product's output `y` (float32) times the constant factors of `chain`, in its order."""
+  for op in chain:
+    if isinstance(op, Scale):
+      y = op.array(y).astype(y.dtype)
+  return y
+
+
 Chain = tuple[Op, ...]
 
 
@@ -181,6 +264,7 @@ def conform(product: ProductLayout, stored: WeightLayout) -> ProductLayout | Non
     return product
   if (
     have.shape != stored.shape
+    or have.batch != stored.batch
     or have.contract != stored.contract
     or sorted(have.free) != sorted(stored.free)
   ):
@@ -210,8 +294,10 @@ def free_order_for(layout: WeightLayout, entries: Sequence[Any]) -> WeightLayout
 __all__ = [
   "AsType",
   "Chain",
+  "Index",
   "Op",
   "Reshape",
+  "Scale",
   "Transpose",
   "ViewError",
   "apply",
@@ -221,5 +307,6 @@ __all__ = [
   "forward_layout",
   "free_order_for",
   "reshaped",
+  "scale_output",
   "transposed",
 ]

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import WithAux
 from q8rules.layout import Q8How
-from q8rules.q8_0 import Q8Array
 from q8rules.lora.names import adapter_of, adapter_spec
+from q8rules.q8_0 import Q8Array
 from q8rules.sharding.specs import (
   AnyMesh,
   SpecKey,

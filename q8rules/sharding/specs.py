@@ -164,7 +164,9 @@ def q8_spec_for_layout(layout: WeightLayout, spec: Any, *, what: str = "weight")
   so that the split is a contiguous range of K (or N) on each device. A
   spec splitting a contraction axis splits K (row-parallel); one splitting a
   free axis splits N (column-parallel). E.g. attention's `(D, heads, H)`
-  weight `P(None, 'tp', None)` -> `(D, heads*H)` `P(None, 'tp')`.
+  weight `P(None, 'tp', None)` -> `(D, heads*H)` `P(None, 'tp')`. A stack of experts
+  (`layout.batch`) keeps its expert axes' entries in front: `(E, D, F)` `P('ep', None, 'tp')`
+  -> `(E, D, F)` `P('ep', None, 'tp')` (expert parallel).
   """
   entries = spec_entries(spec, len(layout.shape), f"{what} {layout.shape}")
   check_spec_axes(entries, f"{what} {layout.shape}")
@@ -194,7 +196,7 @@ def q8_spec_for_layout(layout: WeightLayout, spec: Any, *, what: str = "weight")
       f"{what}: cannot split K={layout.k} of the float weight {layout.shape}: it is not"
       f" a multiple of {BLOCK} (the Q8_0 weight is padded to {layout.k_padded} rows)"
     )
-  return P(k_entry, group(layout.free, "N"))
+  return P(*(entries[a] for a in layout.batch), k_entry, group(layout.free, "N"))
 
 
 __all__ = [

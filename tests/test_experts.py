@@ -1,0 +1,276 @@
+"""Expert weights under the rules: a stack of experts (E, K, N) served as Q8_0, each expert's
+matrix blocked along its own K, through `jax.lax.ragged_dot` (Gemma 4's MoE form: a transposed,
+reshaped gating weight) and through `w[i]` slices in a loop of einsums (Qwen 3 MoE's CPU form);
+against float64 forwards of the same Q8_0 values with the routing fixed, QAT against serving."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+import q8rules
+from q8rules.q8_0 import BLOCK
+from tests._utils import rel_err, weights
+
+pytestmark = pytest.mark.usefixtures("float32_matmuls")
+
+E, D, H, F = 4, 64, 32, 48
+GROUPS = np.array([2, 0, 3, 2], np.int32)
+"""Rows per expert (one expert gets none): 7 routed rows."""
+
+
+class RaggedExperts(nnx.Module):
+  """Gemma 4's MoE experts: gating (E, 2, H, D) transposed and reshaped to (E, D, 2H), and
+  linear (E, H, D), both through `jax.lax.ragged_dot`."""
+
+  def __init__(self, rng: np.random.Generator, dtype=jnp.float32):
+    self.gating = nnx.Param(jnp.asarray(weights(rng, E, 2, H, D), dtype))
+    self.linear = nnx.Param(jnp.asarray(weights(rng, E, H, D), dtype))
+
+  def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    w_gate = jnp.transpose(self.gating[...], (0, 3, 1, 2)).reshape(E, D, 2 * H)
+    g = jax.lax.ragged_dot(x, w_gate.astype(x.dtype), group_sizes)
+    a = jax.nn.gelu(g[:, :H]) * g[:, H:]
+    return jax.lax.ragged_dot(a, self.linear[...].astype(x.dtype), group_sizes)
+
+
+class LoopExperts(nnx.Module):
+  """Qwen 3 MoE's CPU path: a loop over experts, einsums on `gate_proj[i]` etc."""
+
+  def __init__(self, rng: np.random.Generator, dtype=jnp.float32):
+    self.gate_proj = nnx.Param(jnp.asarray(weights(rng, E, D, F), dtype))
+    self.up_proj = nnx.Param(jnp.asarray(weights(rng, E, D, F), dtype))
+    self.down_proj = nnx.Param(jnp.asarray(weights(rng, E, F, D), dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    outs = []
+    for i in range(E):
+      gate = jnp.astype(self.gate_proj.value[i], x.dtype)
+      up = jnp.astype(self.up_proj.value[i], x.dtype)
+      a = jax.nn.silu(jnp.einsum("TD,DF->TF", x, gate)) * jnp.einsum("TD,DF->TF", x, up)
+      outs.append(jnp.einsum("TF,FD->TD", a, jnp.astype(self.down_proj.value[i], x.dtype)))
+    return jnp.stack(outs)
+
+
+def experts_f64(w) -> np.ndarray:
+  """A served stack of experts back in its float shape (E, ...), in float64 (numpy only)."""
+  layout = w.how.layout
+  q = np.asarray(w.array.q, np.float64)  # (E, K_pad, N)
+  d = np.repeat(np.asarray(w.array.scale, np.float64), BLOCK, axis=1)
+  order = layout.batch + layout.contract + layout.free
+  moved = (q * d)[:, : layout.k].reshape([layout.shape[a] for a in order])
+  return np.transpose(moved, np.argsort(order))
+
+
+def gelu64(x: np.ndarray) -> np.ndarray:
+  return np.asarray(jax.nn.gelu(jnp.asarray(x, jnp.float64 if jax.config.x64_enabled else None)))
+
+
+def ragged_f64(x: np.ndarray, w: np.ndarray, groups: np.ndarray) -> np.ndarray:
+  """ragged_dot in float64: rows of x sorted by group, w (G, K, N)."""
+  out, start = [], 0
+  for g, size in enumerate(groups):
+    out.append(x[start : start + size] @ w[g])
+    start += size
+  return np.concatenate(out)
+
+
+def provider() -> q8rules.Q8Provider:
+  return q8rules.Q8Provider([q8rules.Q8Rule(module_path=".*")])
+
+
+def test_ragged_dot_experts_are_served_as_q8_0():
+  rng = np.random.default_rng(0)
+  model = RaggedExperts(rng)
+  x = jnp.asarray(rng.standard_normal((int(GROUPS.sum()), D)), jnp.float32)
+  gs = jnp.asarray(GROUPS)
+  p = provider()
+  served = qwix.quantize_model(model, p, x, gs)
+  for name, shape in (("gating", (E, D, 2 * H)), ("linear", (E, H, D))):
+    w = getattr(served, name)
+    w = w.value if isinstance(w, nnx.Variable) else w
+    assert np.dtype(w.array.q.dtype) == np.int8
+    assert tuple(w.array.q.shape) == (E, -(-shape[1] // BLOCK) * BLOCK, shape[2]), name
+  floats = [
+    (path, leaf.shape)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(served))
+    if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2 and leaf.shape[-2] > BLOCK
+  ]
+  assert floats == []  # no float copy of an expert weight stays resident
+  out = served(x, gs)
+  gate = np.transpose(experts_f64(served.gating.value), (0, 3, 1, 2)).reshape(E, D, 2 * H)
+  g = ragged_f64(np.asarray(x, np.float64), gate, GROUPS)
+  a = np.asarray(jax.nn.gelu(jnp.asarray(g[:, :H], jnp.float32)), np.float64) * g[:, H:]
+  # the gelu in float32 on the float64 pre-activations: the product is what is checked here
+  ref = ragged_f64(a, experts_f64(served.linear.value), GROUPS)
+  assert rel_err(out, ref) <= 1e-5
+  paths = {r.op: r.path for r in p.report().ops}
+  assert all(path in q8rules.kernels.RAGGED_IMPLEMENTATIONS for path in paths.values()), paths
+  assert jnp.allclose(jax.jit(lambda x: served(x, gs))(x), out, rtol=1e-6, atol=1e-6)
+
+
+def test_expert_slices_are_served_as_q8_0():
+  rng = np.random.default_rng(1)
+  model = LoopExperts(rng)
+  x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+  p = provider()
+  served = qwix.quantize_model(model, p, x)
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    assert np.dtype(getattr(served, name).value.array.q.dtype) == np.int8
+  out = np.asarray(served(x), np.float64)
+  gate = experts_f64(served.gate_proj.value)
+  up = experts_f64(served.up_proj.value)
+  down = experts_f64(served.down_proj.value)
+  x64 = np.asarray(x, np.float64)
+  for i in range(E):
+    h1, h2 = x64 @ gate[i], x64 @ up[i]
+    a = np.asarray(jax.nn.silu(jnp.asarray(h1, jnp.float32)), np.float64) * h2
+    assert rel_err(out[i], a @ down[i]) <= 1e-5, i
+  report = p.report()
+  assert len(report.ops) == 3 * E
+  assert all(r.q8_bytes for r in report.ops)
+
+
+@pytest.mark.parametrize("model_type", [RaggedExperts, LoopExperts])
+def test_qat_on_experts_is_the_served_model(model_type):
+  rng = np.random.default_rng(2)
+  float_model = model_type(np.random.default_rng(3))
+  if model_type is RaggedExperts:
+    x = jnp.asarray(rng.standard_normal((int(GROUPS.sum()), D)), jnp.float32)
+    args = (x, jnp.asarray(GROUPS))
+  else:
+    args = (jnp.asarray(rng.standard_normal((3, D)), jnp.float32),)
+  served = qwix.quantize_model(model_type(np.random.default_rng(3)), provider(), *args)
+  qat = qwix.quantize_model(
+    float_model, q8rules.Q8QatProvider([q8rules.Q8Rule(module_path=".*")]), *args
+  )
+  assert np.array_equal(np.asarray(qat(*args)), np.asarray(served(*args)))
+
+  def loss(m, *a):
+    return jnp.sum(m(*a) ** 2)
+
+  grads = nnx.grad(loss)(qat, *args)
+  for name, g in nnx.to_flat_state(grads):
+    assert np.all(np.isfinite(np.asarray(g[...]))), name
+    assert np.abs(np.asarray(g[...])).sum() > 0, name
+
+
+class OneRagged(nnx.Module):
+  """One grouped product on experts stored (E, N, K) and used transposed: y = ragged_dot(x, w^T)."""
+
+  def __init__(self, rng: np.random.Generator):
+    self.w = nnx.Param(jnp.asarray(weights(rng, E, F, D)))
+
+  def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, jnp.transpose(self.w[...], (0, 2, 1)), group_sizes)
+
+
+def test_qat_gradients_on_experts_against_float64():
+  """d/dx and d/dw of sum(c * ragged_dot(x, fake_quant(w)^T)) with the straight-through
+  estimator, against float64."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((int(GROUPS.sum()), D)), jnp.float32)
+  c = rng.standard_normal((int(GROUPS.sum()), F))
+  gs = jnp.asarray(GROUPS)
+  qat = qwix.quantize_model(
+    OneRagged(np.random.default_rng(6)), q8rules.Q8QatProvider([q8rules.Q8Rule()]), x, gs
+  )
+  served = qwix.quantize_model(OneRagged(np.random.default_rng(6)), provider(), x, gs)
+  wq = np.transpose(experts_f64(served.w[...]), (0, 2, 1))  # (E, D, F): the values QAT uses
+
+  def loss(m, x):
+    return jnp.sum(jnp.asarray(c, jnp.float32) * m(x, gs))
+
+  dm, dx = nnx.grad(loss, argnums=(0, 1))(qat, x)
+  x64, start = np.asarray(x, np.float64), 0
+  dx_ref, dw_ref = np.zeros_like(x64), np.zeros((E, F, D))
+  for g, size in enumerate(GROUPS):
+    rows = slice(start, start + size)
+    dx_ref[rows] = c[rows] @ wq[g].T
+    dw_ref[g] = (x64[rows].T @ c[rows]).T
+    start += size
+  assert rel_err(dx, dx_ref) <= 1e-5
+  assert rel_err(dm.w[...], dw_ref) <= 1e-5
+
+
+def test_group_sizes_that_do_not_sum_to_the_rows_are_refused():
+  rng = np.random.default_rng(4)
+  model = RaggedExperts(rng)
+  x = jnp.asarray(rng.standard_normal((7, D)), jnp.float32)
+  served = qwix.quantize_model(model, provider(), x, jnp.asarray(GROUPS))
+  with pytest.raises(ValueError, match=r"group_sizes sum to 6, but x has M=7"):
+    served(x, jnp.asarray([2, 0, 2, 2], jnp.int32))
+
+
+class Side(nnx.Module):
+  """A module whose one weight is used outside any product (added), beside a product of two
+  activations."""
+
+  def __init__(self, rng: np.random.Generator):
+    self.offset = nnx.Param(jnp.asarray(weights(rng, 3, D)))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = x + self.offset[...].sum(0)
+    return jnp.einsum("TD,SD->TS", y, y)
+
+
+class Routed(nnx.Module):
+  """A router (float, as llama.cpp keeps `ffn_gate_inp`), a projection scaled by a constant
+  (Gemma 4's per-layer projection: `w * c` before its einsum) and a module whose weight is used
+  outside any product."""
+
+  def __init__(self, rng: np.random.Generator):
+    self.router = nnx.Linear(D, E, use_bias=False, rngs=nnx.Rngs(0))
+    self.router.kernel[...] = jnp.asarray(weights(rng, D, E))
+    self.proj = nnx.Param(jnp.asarray(weights(rng, D, F)))
+    self.side = Side(rng)
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits = self.router(x) + self.side(x).sum()
+    return logits, jnp.einsum("TD,DF->TF", x, self.proj[...] * 0.125)
+
+
+def test_router_stays_float_and_every_float_weight_is_reported():
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+  p = provider()
+  with pytest.warns(UserWarning, match=r"matched side but served none of its weights") as w:
+    served = qwix.quantize_model(Routed(rng), p, x)
+  assert not any("router" in str(m.message) for m in w)  # kept float on purpose: reported only
+  assert isinstance(served.router.kernel[...], jax.Array)  # float, as llama.cpp keeps routers
+  reasons = {f.path: f.reason for f in p.report().float_params}
+  assert set(reasons) == {"router/kernel", "side/offset"}, reasons
+  assert "router" in reasons["router/kernel"] and "llama.cpp" in reasons["router/kernel"]
+  assert "through an op q8rules does not carry" in reasons["side/offset"]
+  assert "left float: side/offset 3x64" in str(p.report())
+
+
+def test_keep_float_empty_serves_routers_and_constant_factors():
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+  p = q8rules.Q8Provider([q8rules.Q8Rule(module_path=".*", keep_float=())])
+  model = Routed(np.random.default_rng(10))
+  served = qwix.quantize_model(model, p, x)
+  router = served.router.kernel[...]
+  assert np.dtype(router.array.q.dtype) == np.int8
+  logits, y = served(x)
+  proj = served.proj[...]
+  q = np.asarray(proj.array.q, np.float64) * np.repeat(np.asarray(proj.array.scale), BLOCK, 0)
+  assert rel_err(y, np.asarray(x, np.float64) @ q[:D] * 0.125) <= 1e-5
+  qat = qwix.quantize_model(
+    Routed(np.random.default_rng(10)),
+    q8rules.Q8QatProvider([q8rules.Q8Rule(module_path=".*", keep_float=())]),
+    x,
+  )
+  assert np.array_equal(np.asarray(qat(x)[1]), np.asarray(y))
+
+
+def test_keep_float_is_validated():
+  with pytest.raises(ValueError, match=r"keep_float regex '\('"):
+    q8rules.Q8Rule(keep_float=("(",))
+  with pytest.raises(ValueError, match=r"keep_float='router'"):
+    q8rules.Q8Rule(keep_float="router")
