@@ -24,11 +24,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
       "q8rules.timing",
       "q8rules._qwix",
       "q8rules.attention_params",
+      "q8rules.lora",
     ),
   ),
   ("kernels", ("q8rules.kernels",)),
   ("layout", ("q8rules.layout",)),
-      "q8rules.lora",
   ("sharding", ("q8rules.sharding", "q8rules.lora.names")),
   ("rules", ("q8rules.rules", "q8rules.report")),
   (
@@ -168,10 +168,6 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
-def test_graph_sees_imports():
-  edges = graph()
-  assert "q8rules.kernels" in edges["q8rules.providers.mesh"]
-  assert "q8rules.q8_0" in edges["q8rules.layout"]
 def test_no_upward_import():
   """Each module imports only its own floor or lower ones; every module is on a floor."""
   assert upward_imports(direct_imports()) == []
@@ -239,6 +235,10 @@ def test_star_import_loads_no_application():
   assert out.stdout.strip() == "", out.stdout
 
 
+def test_graph_sees_imports():
+  edges = graph()
+  assert "q8rules.kernels" in edges["q8rules.providers.mesh"]
+  assert "q8rules.q8_0" in edges["q8rules.layout"]
   assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 
 
@@ -553,6 +553,49 @@ def test_paths_in_docstrings_and_comments_exist():
   """Every path like `kernels/...`, `docs/...` or `tests/...` that a docstring or comment of
   q8rules/ names exists (from the repository's root or from q8rules/)."""
   assert dead_paths(sources(".py", ".h", ".cc")) == []
+
+
+_ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+|\(#\d+\)", re.I)
+"""An issue cited by its number: 'issue' (any case), then a space, '#' or '-' and digits; or
+'#' and digits in parentheses. Another repository's issue (owner/name#N) is no citation."""
+
+
+def issue_numbers(paths: list[Path]) -> list[str]:
+  """'file:line: citation' for each issue number cited in a docstring or comment of `paths`."""
+  return [
+    f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0)}"
+    for path in paths
+    for line, text in prose(path)
+    for m in _ISSUE_NUMBER.finditer(text)
+  ]
+
+
+def test_issue_number_check_catches_a_citation():
+  module = PACKAGE / "_issue_number.py"
+  try:
+    module.write_text(
+      '"""Fast (Issue #12), see jax-ml/jax#26799."""\n\n'
+      'X = 1  # as issue-3 asked (#45)\nY = "issue 6, a string that is no comment"\n'
+    )
+    assert issue_numbers([module]) == [
+      "q8rules/_issue_number.py:1: Issue #12",
+      "q8rules/_issue_number.py:3: issue-3",
+      "q8rules/_issue_number.py:3: (#45)",
+    ]
+  finally:
+    module.unlink()
+
+
+def test_no_issue_number_in_docstrings_or_comments():
+  """No docstring or comment of q8rules/, benchmarks/, scripts/ or tests/ cites an issue by its
+  number: it says what the code does and why instead."""
+  paths = sources(".py", ".h", ".cc") + sorted(
+    p
+    for folder in (BENCHMARKS, SCRIPTS, PACKAGE.parent / "tests")
+    for p in folder.rglob("*")
+    if p.suffix in (".py", ".c", ".cc")
+  )
+  assert issue_numbers(paths) == []
 
 
 NAMED_TUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make"})
