@@ -25,6 +25,7 @@ import q8rules
 from q8rules.serve import Server
 from q8rules.serve.sampling import SamplingParams
 from q8rules.serve.scheduler import DoneEvent, ErrorEvent, Request, TokenEvent
+from tests._chromium import CHROMIUM, chat_once
 from tests.test_llm_gguf_errors import rewrite_to
 
 openai = pytest.importorskip("openai")
@@ -187,13 +188,19 @@ def engine_request(model, ids, n, events, done, **params):
 
 
 def run_together(server, model, specs):
-  """Submit each (ids, n, delay, params) after its delay; wait for all; per request its
-  (tokens, logprobs, finish reason, slot)."""
+  """Submit each (ids, n, params) once the one before has its first token (so each starts at
+  another step and, all running to `n` tokens, takes the next slot); wait for all; per request
+  its (tokens, logprobs, finish reason, slot)."""
   out = []
-  for ids, n, delay, params in specs:
-    time.sleep(delay)
+  for ids, n, params in specs:
+    if out:
+      deadline = time.monotonic() + 30
+      while not out[-1][1]:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     events, done = [], threading.Event()
     r = engine_request(model, ids, n, events, done, **params)
+    r.stop_ids = frozenset()  # to n tokens: no end-of-generation id
     server.scheduler.submit(r)
     out.append((r, events, done))
   results = []
@@ -214,12 +221,9 @@ def test_batch_invariance_alone_and_beside_others(server, model):
   sampled = (tok.encode("once upon a time there"), 24,
              dict(temperature=0.9, top_k=40, top_p=0.95, seed=11, logprobs=True, top_logprobs=2))  # fmt: skip
   other = ([5] * 8 + list(range(3, 40)), 60, dict(temperature=0.0, repeat_penalty=1.5))
-  alone_g = run_together(server, model, [(*greedy[:2], 0, greedy[2])])[0]
-  alone_s = run_together(server, model, [(*sampled[:2], 0, sampled[2])])[0]
-  both = run_together(
-    server, model,
-    [(*other[:2], 0, other[2]), (*sampled[:2], 0.01, sampled[2]), (*greedy[:2], 0.03, greedy[2])],
-  )  # fmt: skip
+  alone_g = run_together(server, model, [greedy])[0]
+  alone_s = run_together(server, model, [sampled])[0]
+  both = run_together(server, model, [other, sampled, greedy])
   assert alone_g[3] == alone_s[3] == 0 and {b[3] for b in both} == {0, 1, 2}
   assert both[2][:3] == alone_g[:3]
   assert both[1][:3] == alone_s[:3]
@@ -269,3 +273,15 @@ def test_the_docs_curl_examples_work(server):
       assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
     else:
       assert "error" not in json.loads(out), (cmd, out)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+def test_the_chat_page_streams_a_reply(server, tmp_path):
+  """Type a message on the page at / in headless Chromium: the reply streams in (seen growing),
+  then the page shows its stats."""
+  shot = tmp_path / "chat.png"
+  out = chat_once(server.url + "/", "Hello there", screenshot=str(shot), key=KEY)
+  assert out["user"] == "Hello there"
+  assert out["reply"] and not out["reply"].startswith("Error"), out
+  assert "finish: " in out["stats"] and out["stats"].split()[0].isdigit(), out
+  assert shot.stat().st_size > 1000
