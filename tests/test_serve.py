@@ -285,3 +285,59 @@ def test_the_chat_page_streams_a_reply(server, tmp_path):
   assert out["reply"] and not out["reply"].startswith("Error"), out
   assert "finish: " in out["stats"] and out["stats"].split()[0].isdigit(), out
   assert shot.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_server_cleanly(model):
+  """`q8rules serve` in a subprocess: SIGTERM mid-stream gives the running stream and the
+  queued one a final event, the process ends (uvicorn re-raises SIGTERM once shut down) and
+  the port is free again."""
+  import signal
+  import socket
+  import sys
+
+  from q8rules.serve import free_port
+
+  port = free_port()
+  url = f"http://127.0.0.1:{port}"
+  cmd = [sys.executable, "-m", "q8rules", "serve", str(model.path), "--port", str(port),
+         "--parallel", "1", "--ctx", "256", "--chunk", "8", "--no-progress"]  # fmt: skip
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 180
+    while True:
+      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+      try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except httpx.HTTPError:
+        time.sleep(0.5)
+    body = {"prompt": [5] * 8, "max_tokens": 240, "stream": True, "repeat_penalty": 1.5}
+    finals: list[list[str]] = [[], [], []]
+    started = threading.Event()
+
+    def read(i: int) -> None:
+      with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+          if line:
+            finals[i].append(line)
+            started.set()
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in readers:
+      t.start()
+    assert started.wait(60)  # one is streaming, the others wait for the one slot
+    proc.send_signal(signal.SIGTERM)
+    for t in readers:
+      t.join(60)
+    assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once done
+    for lines in finals:
+      assert lines[-1] == "data: [DONE]", lines[-3:]
+      last = json.loads(lines[-2][6:])
+      assert "error" in last or last["choices"][0]["finish_reason"] in ("stop", "length"), last
+    assert any("error" in json.loads(lines[-2][6:]) for lines in finals)  # one was cut short
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", port))  # the port is free
+  finally:
+    if proc.poll() is None:
+      proc.kill()
