@@ -50,7 +50,7 @@ OURS = r"""
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
 import q8rules
-from q8rules.llm.finetune import split_adapters
+from q8rules.lora.trainer import split_adapters
 from benchmarks.finetune_gguf import text_ids, perplexity, train
 
 path, out = sys.argv[1], json.loads(sys.argv[2])
@@ -89,7 +89,7 @@ FLOAT32 = r"""
 import dataclasses, json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax, qwix
 import q8rules
-from q8rules.llm.lora import LoraSpec, adapter_sites, with_adapters, DEFAULT_TARGETS
+from q8rules.lora.gguf_model import LoraSpec, adapter_sites, with_adapters, DEFAULT_TARGETS
 from q8rules.models.transformer import Transformer
 from benchmarks.finetune_gguf import text_ids, train
 
@@ -148,8 +148,8 @@ def train(m, ids: np.ndarray, out: dict) -> tuple:
 
   import optax
 
-  from q8rules.llm.datasets import text_windows
-  from q8rules.llm.finetune import LoraTrainer
+  from q8rules.lora.datasets import text_windows
+  from q8rules.lora.trainer import LoraTrainer
 
   trainer = LoraTrainer(m, optax.adamw(out["lr"]))
   state = trainer.init()

@@ -53,7 +53,21 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
   ),
   (
     "applications",
-    ("q8rules.llm", "q8rules.cli", "q8rules.demo", "q8rules.__main__", "q8rules.serve"),
+    (
+      "q8rules.llm",
+      "q8rules.cli",
+      "q8rules.demo",
+      "q8rules.__main__",
+      "q8rules.serve",
+      "q8rules.lora.gguf_model",
+      "q8rules.lora.convert",
+      "q8rules.lora.fuse",
+      "q8rules.lora.tree",
+      "q8rules.lora.trainer",
+      "q8rules.lora.fit",
+      "q8rules.lora.heldout",
+      "q8rules.lora.datasets",
+    ),
   ),
 ]
 """The floors, lowest first: a module imports only modules on its own floor or below (lazily

@@ -1,4 +1,4 @@
-"""Fine-tuning with a held-out evaluation (q8rules/llm/heldout.py, finetune_loop.py and `q8rules
+"""Fine-tuning with a held-out evaluation (q8rules/lora/heldout.py, finetune_loop.py and `q8rules
 finetune`): the held-out tokens are never trained on, the eval loss is the token-weighted mean
 over them, the run says the token count and epochs first, warns when the eval loss rises twice
 in a row and writes the best adapter; the command's errors come before any training."""
@@ -17,11 +17,12 @@ import optax
 import pytest
 
 from q8rules.cli import main
-from q8rules.llm import heldout, load_gguf
-from q8rules.llm.datasets import text_windows
-from q8rules.llm.finetune import LoraTrainer
-from q8rules.llm.finetune_loop import EvalHistory
+from q8rules.llm import load_gguf
+from q8rules.lora import heldout
+from q8rules.lora.datasets import text_windows
+from q8rules.lora.fit import EvalHistory
 from q8rules.lora.gguf_file import read_lora_gguf
+from q8rules.lora.trainer import LoraTrainer
 
 QWEN2 = Path(__file__).parent / "data" / "gguf_models" / "tiny-qwen2-q8_0.gguf"
 TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun. " * 20

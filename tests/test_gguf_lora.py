@@ -23,9 +23,9 @@ import pytest
 
 from q8rules.checkpoint import CheckpointError
 from q8rules.llm import load_gguf
-from q8rules.llm.finetune import LoraTrainer, split_adapters
-from q8rules.llm.lora import DEFAULT_TARGETS
 from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
+from q8rules.lora.gguf_model import DEFAULT_TARGETS
+from q8rules.lora.trainer import LoraTrainer, split_adapters
 from q8rules.q8_0 import quantize
 from tests.gguf_numpy_forward import forward, load_float64
 
@@ -61,7 +61,7 @@ def random_b(m, seed: int, size: float = 0.05):
   adapters = jax.tree_util.tree_map_with_path(fill, adapters)
   import dataclasses
 
-  from q8rules.llm.finetune import join_adapters
+  from q8rules.lora.trainer import join_adapters
 
   return dataclasses.replace(m, params=join_adapters(base_params, adapters))
 
@@ -377,7 +377,7 @@ def test_run_lora_errors(extra, status, message, capsys):
 
 
 def test_chat_data_counts_the_replies_only(tmp_path):
-  from q8rules.llm.datasets import chat_batches, conversation_ids, read_conversations
+  from q8rules.lora.datasets import chat_batches, conversation_ids, read_conversations
   from tests.test_chat import chat_model
 
   m = chat_model(tmp_path)
@@ -439,7 +439,7 @@ def test_unrolled_layers(tmp_path):
   scanned = random_b(base("qwen2").with_lora(rank=4, alpha=8.0), seed=13)
   scanned.save_lora_gguf(tmp_path / "a.gguf")
   m = load_gguf(tiny("qwen2"), dtype=jnp.float32).unrolled()
-  from q8rules.llm.lora_convert import attach_lora_files
+  from q8rules.lora.convert import attach_lora_files
   from q8rules.lora.gguf_file import read_lora_gguf as read
 
   adapted = attach_lora_files(m, [read(tmp_path / "a.gguf")], [1.0])

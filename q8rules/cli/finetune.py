@@ -3,7 +3,7 @@ text it does not train on.
 
 The model's Q8_0 weights stay frozen (requantized from other types at load, as `run` loads
 them); LoRA adapters of `--rank` on the `--targets` (GGUF tensor kinds, default all seven block
-matrices) train with AdamW (`q8rules.llm.finetune.LoraTrainer`). The data: `--text`, a plain
+matrices) train with AdamW (`q8rules.lora.trainer.LoraTrainer`). The data: `--text`, a plain
 text file (random windows of `--length` tokens), or `--chat`, a JSON-lines file of conversations
 ({"messages": [{"role": ..., "content": ...}, ...]} per line) rendered through the file's own
 chat template, only the assistant replies counted in the loss.
@@ -105,8 +105,8 @@ def execute(args: argparse.Namespace) -> dict:
 
   from q8rules.cli.finetune_data import data_of
   from q8rules.llm import compile_cache
-  from q8rules.llm.finetune import LoraTrainer
   from q8rules.llm.load import load_gguf
+  from q8rules.lora.trainer import LoraTrainer
 
   compile_cache.enable()
   m = load_gguf(args.model, dtype=jnp.float32, progress=bars(args.no_progress))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from q8rules.cli import errors as E
+from q8rules.llm.model import GGUFModel
 
 EPOCHS = 2
 """--steps None: the steps that read the training data this many times (docs/lora.md: the
@@ -55,9 +56,9 @@ def read_text(path: str, flag: str) -> str:
   return text
 
 
-def _eval_text(m: Any, args: argparse.Namespace) -> tuple[list, str]:
+def _eval_text(m: GGUFModel, args: argparse.Namespace) -> tuple[list, str]:
   """The --eval-text batches and the line describing them."""
-  from q8rules.llm import heldout
+  from q8rules.lora import heldout
 
   ids = m.tokenizer.encode(read_text(args.eval_text, "--eval-text"))
   spans = heldout.windows_of(ids, args.length)
@@ -83,9 +84,9 @@ def _schedule(
   return steps, every, line
 
 
-def text_data(m: Any, args: argparse.Namespace) -> Data:
+def text_data(m: GGUFModel, args: argparse.Namespace) -> Data:
   """--text: random windows of the text, clear of the held-out windows."""
-  from q8rules.llm import datasets, heldout
+  from q8rules.lora import datasets, heldout
 
   ids = m.tokenizer.encode(read_text(args.text, "--text"))
   n = len(ids)
@@ -115,9 +116,9 @@ def text_data(m: Any, args: argparse.Namespace) -> Data:
   return Data(draw, batches, plan, length, steps, every)
 
 
-def chat_data(m: Any, args: argparse.Namespace) -> Data:
+def chat_data(m: GGUFModel, args: argparse.Namespace) -> Data:
   """--chat: conversations at random, whole conversations held out."""
-  from q8rules.llm import datasets, heldout
+  from q8rules.lora import datasets, heldout
 
   try:
     conversations = datasets.read_conversations(args.chat)
@@ -146,7 +147,7 @@ def chat_data(m: Any, args: argparse.Namespace) -> Data:
   return Data(draw, batches, plan, args.length, steps, every)
 
 
-def data_of(m: Any, args: argparse.Namespace) -> Data:
+def data_of(m: GGUFModel, args: argparse.Namespace) -> Data:
   """The data of --text or --chat, with its held-out part."""
   if m.tokenizer is None:
     raise E.ModelError(f"{args.model}: its tokenizer could not be built, so no text to train on")

@@ -20,6 +20,7 @@ from typing import Any
 from q8rules.cli import errors as E
 from q8rules.cli.progress import bars
 from q8rules.cli.threads import add_threads
+from q8rules.llm.model import GGUFModel
 
 NAME = "run"
 HELP = "generate text from a GGUF model"
@@ -137,7 +138,7 @@ def load(args: argparse.Namespace) -> tuple[Any, float]:
   return m, load_s
 
 
-def context_of(m: Any, args: argparse.Namespace) -> int:
+def context_of(m: GGUFModel, args: argparse.Namespace) -> int:
   """The context of -c/--ctx (the model's context length without it).
 
   Raises:
@@ -150,7 +151,7 @@ def context_of(m: Any, args: argparse.Namespace) -> int:
   return args.ctx
 
 
-def check_ids(m: Any, ids: list[int], new: int, context: int | None = None) -> None:
+def check_ids(m: GGUFModel, ids: list[int], new: int, context: int | None = None) -> None:
   """UsageError unless `ids` are in the vocabulary and fit the context (`context`, else the
   model's) with `new` more."""
   vocab = m.config.vocab
@@ -199,7 +200,7 @@ def no_prompt(args: argparse.Namespace) -> bool:
   return sys.stdin is None or isatty is None or isatty()
 
 
-def prompt_ids(m: Any, args: argparse.Namespace, text: str | None = None) -> list[int]:
+def prompt_ids(m: GGUFModel, args: argparse.Namespace, text: str | None = None) -> list[int]:
   """The prompt's ids: --ids, or `text` (-p's when None) tokenized (an empty text: BOS, as
   llama.cpp)."""
   tok = m.tokenizer
@@ -225,7 +226,7 @@ def prompt_ids(m: Any, args: argparse.Namespace, text: str | None = None) -> lis
   return ids
 
 
-def stream_text(m: Any, ids: list[int], args: argparse.Namespace, stop: list[int]) -> dict:
+def stream_text(m: GGUFModel, ids: list[int], args: argparse.Namespace, stop: list[int]) -> dict:
   """Generate after `ids`, writing the text to stdout as it comes; the ids and the times."""
   from q8rules.llm import compile_cache
 

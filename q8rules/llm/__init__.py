@@ -1,8 +1,36 @@
-"""Run llama.cpp GGUF models (archs llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3) in JAX with their Q8_0 weights as stored."""
+"""Run llama.cpp GGUF models (archs llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3) in JAX with
+their Q8_0 weights as stored.
 
-from q8rules.llm.compile_cache import enable as enable_compile_cache
-from q8rules.llm.config import SUPPORTED_ARCHS
-from q8rules.llm.load import load_gguf
-from q8rules.llm.model import GGUFModel
+`load_gguf`, `GGUFModel`, `SUPPORTED_ARCHS` and `enable_compile_cache` load on first use, so
+importing one module of the package (`q8rules.llm.unstack` from `q8rules.lora`) does not load
+the loader and the model with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+  "SUPPORTED_ARCHS": ("q8rules.llm.config", "SUPPORTED_ARCHS"),
+  "GGUFModel": ("q8rules.llm.model", "GGUFModel"),
+  "enable_compile_cache": ("q8rules.llm.compile_cache", "enable"),
+  "load_gguf": ("q8rules.llm.load", "load_gguf"),
+}
+"""Name -> (module, attribute), resolved on first use."""
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _LAZY:
+    raise AttributeError(f"module 'q8rules.llm' has no attribute {name!r}")
+  module, attr = _LAZY[name]
+  value = getattr(importlib.import_module(module), attr)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["SUPPORTED_ARCHS", "GGUFModel", "enable_compile_cache", "load_gguf"]

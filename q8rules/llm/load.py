@@ -135,7 +135,7 @@ def load_gguf(
       int8 block dots (`q8rules.kernels.matmul_act_q8`; AVX-512 VNNI on the CPU).
     lora: a llama.cpp LoRA adapter file (ours, `GGUFModel.save_lora_gguf`, or one
       `convert_lora_to_gguf.py` wrote), or a list of them: applied unmerged, as llama.cpp's
-      `--lora` applies them (`q8rules.llm.lora_convert.attach_lora_files`); `GGUFModel.lora` says so.
+      `--lora` applies them (`q8rules.lora.convert.attach_lora_files`); `GGUFModel.lora` says so.
     lora_scale: each file's `lora_scale` (one for all, or one per file): its delta is scaled
       by lora_scale * alpha / rank, as llama.cpp's `--lora-scaled`.
     trainable: None (served: Q8_0 params), or 'qat': for full fine-tuning with fake quant
@@ -178,7 +178,7 @@ def load_gguf(
   finally:
     ckpt.close()
   if files:
-    from q8rules.llm.lora_convert import attach_lora_files
+    from q8rules.lora.convert import attach_lora_files
 
     m = attach_lora_files(m, files, scales)
   return m

@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from q8rules.llm import distributed
 from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token
-from q8rules.llm.lora import LoraSpec
 from q8rules.llm.sampling import Sampler
 from q8rules.llm.sources import GGUFSource
+from q8rules.lora.gguf_model import LoraSpec
 from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
@@ -74,7 +74,7 @@ class GGUFModel:
       over several processes, its own shards' and the replicated tensors').
     requantized: how many tensors of each file type were requantized to Q8_0 at load
       (e.g. `Counter({'Q5_0': 81, 'Q4_K': 27, 'Q6_K': 9})`; empty for a Q8_0 file).
-    lora: the LoRA adapters' `q8rules.llm.lora.LoraSpec` (rank, alpha, targets) when
+    lora: the LoRA adapters' `q8rules.lora.gguf_model.LoraSpec` (rank, alpha, targets) when
       `with_lora` or `load_gguf(lora=...)` added them, else None.
     source: the file(s) loaded and where each of their tensors is in `params`
       (`q8rules.llm.sources.GGUFSource`; None for a model not made by `load_gguf`).
@@ -126,7 +126,7 @@ class GGUFModel:
     dropout: float = 0.0,
     seed: int = 0,
   ) -> GGUFModel:
-    """This model with trainable LoRA adapters on its Q8_0 weights (`q8rules.llm.lora`).
+    """This model with trainable LoRA adapters on its Q8_0 weights (`q8rules.lora.gguf_model`).
 
     Args:
       rank: r of each adapter: A (K, r), B (r, N); at most min(K, N) of every target.
@@ -134,7 +134,7 @@ class GGUFModel:
       targets: GGUF tensor kinds to adapt ('attn_q', 'attn_k', 'attn_v', 'attn_output',
         'ffn_gate', 'ffn_up', 'ffn_down'; 'attn_qkv' where the file fuses q | k | v); default
         all seven the file has.
-      dropout: dropout rate on x before A while training (`q8rules.llm.finetune`).
+      dropout: dropout rate on x before A while training (`q8rules.lora.trainer`).
       seed: seed of A's He-uniform init (B starts at zero: the model's outputs do not change).
 
     Returns:
@@ -145,20 +145,20 @@ class GGUFModel:
       ValueError naming the file or tensor: an unknown target, one the file lacks, a target
       that is not Q8_0, a rank above min(K, N), alpha <= 0, adapters already there.
     """
-    from q8rules.llm.lora import with_lora
+    from q8rules.lora.gguf_model import with_lora
 
     return with_lora(self, rank=rank, alpha=alpha, targets=targets, dropout=dropout, seed=seed)
 
   def adapters(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The adapters per GGUF tensor: 'blk.3.attn_q.weight' -> (A (K, r), B (r, N)) float32."""
-    from q8rules.llm.lora import adapters_of
+    from q8rules.lora.gguf_model import adapters_of
 
     return adapters_of(self)
 
   def merged(self) -> GGUFModel:
     """This model with its adapters merged into their Q8_0 weights (requantized; see
-    `q8rules.llm.lora_convert.merged`), served as a plain Q8_0 model."""
-    from q8rules.llm.lora_convert import merged
+    `q8rules.lora.convert.merged`), served as a plain Q8_0 model."""
+    from q8rules.lora.convert import merged
 
     return merged(self)
 
@@ -177,8 +177,8 @@ class GGUFModel:
   ) -> float:
     """Mean next-token cross-entropy of token_ids ((T,) or (B, T)), counted where `mask`
     ((T,) or (B, T), True for a target) is set at the predicted position; all when None
-    (`q8rules.llm.finetune.next_token_loss`)."""
-    from q8rules.llm.finetune import check_batch, model_loss
+    (`q8rules.lora.trainer.next_token_loss`)."""
+    from q8rules.lora.trainer import check_batch, model_loss
 
     tokens, m = check_batch(token_ids, mask, self.config.vocab)
     if not hasattr(self, "_loss_fn"):

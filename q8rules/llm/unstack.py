@@ -27,6 +27,7 @@ import jax
 import qwix
 
 from q8rules._qwix import is_with_aux
+from q8rules.llm.loaded import LoadedModel
 from q8rules.llm.tensors import q8_rule
 from q8rules.models.transformer import Transformer
 from q8rules.providers import Q8Provider, Q8QatProvider
@@ -54,7 +55,7 @@ def _scanned_module_path(param_path: tuple[str, ...]) -> str:
   return "/".join(re.sub(r"^layers_\d+$", "layers", k) for k in param_path[:-1])
 
 
-def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
+def rebuilt(m: LoadedModel, config: Any, params: Any = None) -> Any:
   """`m` (a GGUFModel) with `config` and `params` (default: m's), its model quantized again as
   `m`'s was: the same provider type (`m.provider_type`: served Q8_0, or fake quant for a
   `trainable='qat'` model) and rule fields (`m.rule`: scale dtype, `act_qtype`), matching the
@@ -86,7 +87,7 @@ def rebuilt(m: Any, config: Any, params: Any = None) -> Any:
   )
 
 
-def unrolled(m: Any) -> Any:
+def unrolled(m: LoadedModel) -> Any:
   """`m` with `scan_layers=False`: the same weights as per-layer arrays (`layers_0`, ...), the
   model quantized by a rule matching the same modules. `m` itself is returned when its layers
   are not scanned already."""

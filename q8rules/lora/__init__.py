@@ -13,4 +13,10 @@ applications' part loads on first use.
   merge.py            `merge_lora`: adapters folded into the base's Q8_0 values
   safetensors_file.py `save_lora` / `load_lora`: adapters as a safetensors file
   gguf_file.py        llama.cpp's LoRA adapter files (GGUF)
+  gguf_model.py       adapters on a model loaded from a GGUF file (`GGUFModel.with_lora`)
+  tree.py, fuse.py    where a loaded model's adapters sit; fused q|k|v and gate|up split back
+  convert.py          llama.cpp LoRA files put on a model, and merged into its Q8_0 weights
+  datasets.py         text and conversations as training batches
+  heldout.py          the held-out windows an evaluation reads
+  trainer.py, fit.py  `LoraTrainer`: steps, evaluation, the best adapters kept
 """

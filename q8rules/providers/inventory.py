@@ -19,8 +19,9 @@ from q8rules.rules import Q8Rule
 NOT_SERVED = "used by no served product (outside a product, or by an op q8rules does not serve)"
 """The reason given for a weight no intercepted product or lookup of it stayed float on."""
 
-NOT_WEIGHTS = re.compile(r"(^|/)\w*(bias|scale)$")
-"""Param names that are never a product's weight (biases, norm scales): not listed."""
+NOT_WEIGHTS = re.compile(r"(^|/)\w*(bias|scale|_lora_a|_lora_b)$")
+"""Param names that are never a served product's weight (biases, norm scales, LoRA adapters,
+which stay float by design): not listed."""
 
 
 class ParamInventory:

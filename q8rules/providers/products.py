@@ -96,15 +96,12 @@ class ProductIntercepts:
   ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, ...)` as the policy serves it."""
 
-    def run(lhs: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jax.lax.dot_general(
-        lhs,
-        weight,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
+    run = _op(
+      jax.lax.dot_general,
+      dimension_numbers,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    )
 
     def make_layout(shape: tuple[int, ...]) -> ProductLayout:
       return from_dot_general(lhs.ndim, shape, dimension_numbers)
@@ -123,15 +120,7 @@ class ProductIntercepts:
   ) -> jax.Array:
     """`jnp.dot(a, b)` as the policy serves it; its rules name it 'dot_general'."""
 
-    def run(a: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jnp.dot(
-        a,
-        weight,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-      )
-
+    run = _op(jnp.dot, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
     dims = jnp_dot_dimension_numbers(np.ndim(a), len(b.shape))
 
     def make_layout(shape: tuple[int, ...]) -> ProductLayout:
@@ -192,15 +181,12 @@ class ProductIntercepts:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)`, experts `rhs` (G, K, N), as the policy
     serves it (a grouped product; its rules name it 'ragged_dot')."""
 
-    def run(lhs: jax.Array, weight: Any, precision: Any) -> jax.Array:
-      return jax.lax.ragged_dot(
-        lhs,
-        weight,
-        group_sizes,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        group_offset=group_offset,
-      )
+    run = _op(
+      jax.lax.ragged_dot,
+      group_sizes,
+      preferred_element_type=preferred_element_type,
+      group_offset=group_offset,
+    )
 
     def make_layout(shape: tuple[int, ...]) -> ProductLayout:
       if group_offset is not None:
@@ -230,6 +216,18 @@ class ProductIntercepts:
     return self.policy.product(
       Product(rule, op_id, lhs, rhs, make_layout, precision, preferred_element_type, run)
     )
+
+
+def _op(
+  op: Callable[..., jax.Array], *rest: Any, **options: Any
+) -> Callable[[Any, Any, Any], jax.Array]:
+  """`run(lhs, weight, precision)`: the op itself, `op(lhs, weight, *rest, precision=precision,
+  **options)` (a `Product`'s `run`; it closes over no array but the op's own operands)."""
+
+  def run(lhs: Any, weight: Any, precision: Any) -> jax.Array:
+    return op(lhs, weight, *rest, precision=precision, **options)
+
+  return run
 
 
 def jnp_dot_dimension_numbers(a_ndim: int, b_ndim: int) -> jax.lax.DotDimensionNumbers:

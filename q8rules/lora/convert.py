@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm.lora import (
+from q8rules.llm.loaded import LoadedModel
+from q8rules.llm.unstack import rebuilt
+from q8rules.lora.fuse import refuse, unfuse
+from q8rules.lora.gguf_model import (
   KINDS,
   LoraSpec,
   adapter_sites,
@@ -23,12 +26,10 @@ from q8rules.llm.lora import (
   tensor_name,
   with_adapters,
 )
-from q8rules.llm.lora_fuse import refuse, unfuse
-from q8rules.llm.lora_tree import get_in, set_in
-from q8rules.llm.unstack import rebuilt
 from q8rules.lora.merge import merged_q8
 from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.params import LoraAdapter, placed_like
+from q8rules.lora.tree import get_in, set_in
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
 
@@ -58,7 +59,7 @@ def _site(name: str, config: Any, present: set[str], where: str) -> tuple[str, i
   return kind, layer
 
 
-def attach_lora_files(m: Any, files: Sequence[Any], scales: Sequence[float]) -> Any:
+def attach_lora_files(m: LoadedModel, files: Sequence[Any], scales: Sequence[float]) -> Any:
   """`m` with the adapters of llama.cpp LoRA files (`q8rules.lora.gguf_file.LoraFile`)
   applied unmerged, each delta scaled as llama.cpp scales it (`LoraFile.scale`).
 
@@ -151,7 +152,7 @@ def attach_lora_files(m: Any, files: Sequence[Any], scales: Sequence[float]) -> 
   return dataclasses.replace(m, config=config, model=model, params=params, lora=spec)
 
 
-def merged(m: Any) -> Any:
+def merged(m: LoadedModel) -> Any:
   """`GGUFModel.merged`: each adapter folded into its Q8_0 base, layer by layer, as
   `q8rules.merge_lora` folds one (`W + alpha / rank * A @ B` summed in float64, rounded once to
   float32, requantized to Q8_0 with float16 scales), the load-fused groups fused again, served

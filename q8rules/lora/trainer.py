@@ -10,7 +10,7 @@
     m.save_lora_gguf("adapter.gguf")              # for llama.cpp's --lora
 
 `fit` runs that loop with the held-out evaluation (before, every few steps, at the end) and
-keeps the adapters of the best one (`q8rules.llm.finetune_loop`).
+keeps the adapters of the best one (`q8rules.lora.fit`).
 
 Only the adapters are arguments of the gradient: the Q8_0 base goes into the step as a
 separate, non-donated argument and comes out untouched (its bytes are the file's). The adapters
@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.llm.lora import lora_model
+from q8rules.llm.loaded import LoadedModel
+from q8rules.lora.gguf_model import lora_model
 from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.models.attention import init_cache
 from q8rules.providers import shard_products
@@ -138,7 +139,7 @@ class LoraTrainer:
     seed: the dropout key's seed (used when the adapters have dropout).
   """
 
-  m: Any
+  m: LoadedModel
   optimizer: Any
   seed: int = 0
 
@@ -207,16 +208,16 @@ class LoraTrainer:
 
   def evaluate(self, state: TrainState, batches: Any) -> float:
     """The mean loss of `state`'s adapters over every target token of `batches` ((tokens (B, T),
-    mask (B, T)) each; `q8rules.llm.heldout.eval_batches` makes them from held-out text)."""
-    from q8rules.llm.finetune_loop import evaluate
+    mask (B, T)) each; `q8rules.lora.heldout.eval_batches` makes them from held-out text)."""
+    from q8rules.lora.fit import evaluate
 
     return evaluate(self, state, batches)
 
   def fit(self, state: TrainState, draw: Any, steps: int, **kwargs: Any) -> Any:
     """`steps` steps on batches of `draw()`, evaluated on `eval_batches=` before, every
-    `eval_every=` steps and at the end, the best adapters kept: `q8rules.llm.finetune_loop.fit`
+    `eval_every=` steps and at the end, the best adapters kept: `q8rules.lora.fit.fit`
     (its FitResult)."""
-    from q8rules.llm.finetune_loop import fit
+    from q8rules.lora.fit import fit
 
     return fit(self, state, draw, steps, **kwargs)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from q8rules.llm.lora_tree import KINDS, get_in, layer_roots, set_in
+from q8rules.lora.tree import KINDS, get_in, layer_roots, set_in
 from q8rules.providers.q8_weight import Q8Weight
 
 GROUPS = (

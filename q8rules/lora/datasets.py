@@ -2,7 +2,7 @@
 rendered through the model file's own chat template with only the replies as targets.
 
 Both give batches of (tokens (B, T) int32, mask (B, T) bool) for `LoraTrainer.step`, where mask
-marks the tokens the loss counts (`q8rules.llm.finetune.next_token_loss`).
+marks the tokens the loss counts (`q8rules.lora.trainer.next_token_loss`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from q8rules.llm.loaded import LoadedModel
+
 Batch = tuple[np.ndarray, np.ndarray]
 Sampler = Callable[[], Batch]
 
@@ -23,12 +25,12 @@ def text_windows(
 ) -> Sampler:
   """Windows of `length` tokens of the stream `ids` (1-D), `batch` of them at random offsets per
   draw, none overlapping a [start, stop) span of `exclude` (the held-out tokens,
-  `q8rules.llm.heldout.held_out_spans`); every token a target.
+  `q8rules.lora.heldout.held_out_spans`); every token a target.
 
   Raises:
     ValueError: an empty text, or no window of `length` tokens clear of `exclude`.
   """
-  from q8rules.llm.heldout import train_starts
+  from q8rules.lora.heldout import train_starts
 
   ids = np.asarray(ids, np.int32)
   if ids.ndim != 1 or ids.size == 0:
@@ -45,7 +47,9 @@ def text_windows(
   return draw
 
 
-def conversation_ids(m: Any, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
+def conversation_ids(
+  m: LoadedModel, messages: Sequence[Mapping[str, Any]]
+) -> tuple[list[int], list[bool]]:
   """One conversation through `m`'s chat template: (ids, mask) with mask set on the tokens of
   each assistant reply (what the template adds from the prompt of that reply, rendered with
   `add_generation_prompt=True`, to the conversation up to and with it).
@@ -101,7 +105,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, Any]]]:
 
 
 def chat_batches(
-  m: Any,
+  m: LoadedModel,
   conversations: Sequence[Sequence[Mapping[str, Any]]],
   length: int,
   batch: int,

@@ -38,11 +38,12 @@ from jax.sharding import NamedSharding
 
 from q8rules._qwix import unbox
 from q8rules.checkpoint.gguf import open_gguf
-from q8rules.llm.lora_fuse import unfuse
-from q8rules.llm.lora_tree import KINDS, get_in, kernel_path, layer_roots, set_in
+from q8rules.llm.loaded import LoadedModel
 from q8rules.llm.tensors import q8_rule
+from q8rules.lora.fuse import unfuse
 from q8rules.lora.names import LORA_A, LORA_B, adapter_spec
 from q8rules.lora.provider import Q8LoraProvider, Q8LoraRule
+from q8rules.lora.tree import KINDS, get_in, kernel_path, layer_roots, set_in
 from q8rules.models.transformer import Transformer
 from q8rules.providers.placement import placed_sharding
 from q8rules.providers.q8_weight import Q8Weight
@@ -68,7 +69,7 @@ class LoraSpec:
     rank: r of every adapter.
     alpha: the delta's scale is alpha / rank.
     targets: the GGUF tensor kinds adapted, in `KINDS`' order.
-    dropout: the dropout rate on x before A in training (`q8rules.llm.finetune`); serving
+    dropout: the dropout rate on x before A in training (`q8rules.lora.trainer`); serving
       runs without it.
     unfused: the config fields ('fused_qkv', 'fused_gate_up') of the load-fused groups split
       into their members for the adapters (`merged` fuses them again).
@@ -244,7 +245,7 @@ def lora_model(config: Any, params: Any, spec: LoraSpec, *, dropout: float = 0.0
 
 
 def with_lora(
-  m: Any,
+  m: LoadedModel,
   *,
   rank: int = 16,
   alpha: float = 32.0,
@@ -269,7 +270,7 @@ def with_lora(
   return dataclasses.replace(m, config=config, model=model, params=params, lora=spec)
 
 
-def adapters_of(m: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def adapters_of(m: LoadedModel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """The adapters of `m` per GGUF tensor: 'blk.3.attn_q.weight' -> (A (K, rank), B (rank, N)),
   float32 numpy, one layer each (a stacked adapter split by layer)."""
   if m.lora is None:

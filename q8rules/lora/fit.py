@@ -82,7 +82,7 @@ class FitResult:
 
 def evaluate(trainer: Any, state: Any, batches: Sequence[Batch]) -> float:
   """The mean next-token loss of `state`'s adapters over every target token of `batches`
-  ((tokens (B, T), mask (B, T)) each, `q8rules.llm.heldout.eval_batches`): each batch's mean
+  ((tokens (B, T), mask (B, T)) each, `q8rules.lora.heldout.eval_batches`): each batch's mean
   weighted by its target count."""
   total, count = 0.0, 0
   for tokens, mask in batches:
