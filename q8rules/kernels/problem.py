@@ -72,31 +72,52 @@ def check_operands(x: jax.Array, w: Q8Array, *, what: str = "q8_matmul") -> None
     TypeError: a dtype is wrong, or `w` is not a `Q8Array`.
     ValueError: a shape is wrong.
   """
-  if not isinstance(w, Q8Array):
-    raise TypeError(f"{what}: the weight must be a Q8Array, got {type(w).__name__}")
-  if w.ndim != 2 or w.axis != 0:
+  check_q8_weight(w, ndim=2, axis=0, form="2-D (K, N) blocked along axis 0", what=what)
+  k = w.shape[0]
+  check_activation_dtype(x, what=what)
+  if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(
-      f"{what}: the weight must be 2-D (K, N) blocked along axis 0, got shape"
-      f" {w.shape} blocked along axis {w.axis}"
+      f"{what}: activations of shape {tuple(x.shape)} do not contract with a weight of K={k} rows"
+    )
+
+
+def check_q8_weight(
+  w: Any, *, ndim: int, axis: int, form: str, what: str, name: str = "the weight"
+) -> None:
+  """Raise a clear error, naming `what` and `name`, unless `w` is a `Q8Array` of rank `ndim`
+  blocked along `axis` (`form` says so in the message) whose values are int8 and whose scales
+  are float32 or float16 of its blocked shape (the blocked axis a whole number of 32-element
+  blocks, divided by 32).
+
+  Raises:
+    TypeError: `w` is not a `Q8Array`, or its values or scales have the wrong dtype.
+    ValueError: its rank, blocked axis or scales' shape is wrong.
+  """
+  if not isinstance(w, Q8Array):
+    raise TypeError(f"{what}: {name} must be a Q8Array, got {type(w).__name__}")
+  if w.ndim != ndim or w.axis != axis:
+    raise ValueError(
+      f"{what}: {name} must be {form}, got shape {w.shape} blocked along axis {w.axis}"
     )
   if np.dtype(w.q.dtype) != np.dtype(np.int8):
     raise TypeError(f"{what}: Q8_0 values must be int8, got {w.q.dtype}")
   if np.dtype(w.scale.dtype) not in SCALE_DTYPES:
     raise TypeError(f"{what}: Q8_0 scales must be float32 or float16, got {w.scale.dtype}")
-  k, n = w.shape
+  k = w.shape[w.axis]
   if k % BLOCK:
     raise ValueError(f"{what}: K={k} not a multiple of {BLOCK} (whole Q8_0 blocks)")
-  if tuple(w.scale.shape) != (k // BLOCK, n):
+  expected = tuple(d // BLOCK if i == w.axis else d for i, d in enumerate(w.shape))
+  if tuple(w.scale.shape) != expected:
     raise ValueError(
       f"{what}: scale shape {tuple(w.scale.shape)} does not match values {w.shape}"
-      f" (expected {(k // BLOCK, n)})"
+      f" (expected {expected})"
     )
+
+
+def check_activation_dtype(x: Any, *, what: str) -> None:
+  """TypeError, naming `what`, unless `x`'s dtype is float32, bfloat16 or float16."""
   if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
     raise TypeError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
-  if x.ndim < 1 or x.shape[-1] != k:
-    raise ValueError(
-      f"{what}: activations of shape {tuple(x.shape)} do not contract with a weight of K={k} rows"
-    )
 
 
 __all__ = [
@@ -105,6 +126,8 @@ __all__ = [
   "PLATFORM_OF",
   "SCALE_DTYPES",
   "Problem",
+  "check_activation_dtype",
   "check_operands",
+  "check_q8_weight",
   "platform_of",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from q8rules.kernels.problem import ACTIVATION_DTYPES, SCALE_DTYPES, platform_of
+from q8rules.kernels.problem import check_activation_dtype, check_q8_weight, platform_of
 from q8rules.q8_0 import BLOCK, Q8Array
 
 
@@ -78,27 +78,16 @@ def check_ragged_operands(
     TypeError: a dtype is wrong, or `w` is not a `Q8Array`.
     ValueError: a rank, a shape or the group sizes are wrong.
   """
-  if not isinstance(w, Q8Array):
-    raise TypeError(f"{what}: the experts' weight must be a Q8Array, got {type(w).__name__}")
-  if w.ndim != 3 or w.axis != 1:
-    raise ValueError(
-      f"{what}: the experts' weight must be 3-D (E, K, N) blocked along axis 1 (each expert's"
-      f" K), got shape {w.shape} blocked along axis {w.axis}"
-    )
-  if np.dtype(w.q.dtype) != np.dtype(np.int8):
-    raise TypeError(f"{what}: Q8_0 values must be int8, got {w.q.dtype}")
-  if np.dtype(w.scale.dtype) not in SCALE_DTYPES:
-    raise TypeError(f"{what}: Q8_0 scales must be float32 or float16, got {w.scale.dtype}")
-  e, k_pad, n = w.shape
-  if k_pad % BLOCK:
-    raise ValueError(f"{what}: the weight's K={k_pad} is not a multiple of {BLOCK}")
-  if tuple(w.scale.shape) != (e, k_pad // BLOCK, n):
-    raise ValueError(
-      f"{what}: scale shape {tuple(w.scale.shape)} does not match values {w.shape}"
-      f" (expected {(e, k_pad // BLOCK, n)})"
-    )
-  if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
-    raise TypeError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
+  check_q8_weight(
+    w,
+    ndim=3,
+    axis=1,
+    form="3-D (E, K, N) blocked along axis 1 (each expert's K)",
+    what=what,
+    name="the experts' weight",
+  )
+  e, k_pad, _ = w.shape
+  check_activation_dtype(x, what=what)
   if x.ndim != 2:
     raise ValueError(f"{what}: activations must be 2-D (M, K), got shape {tuple(x.shape)}")
   m, k = x.shape
