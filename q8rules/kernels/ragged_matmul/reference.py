@@ -20,40 +20,39 @@ SUMMARY = "each expert dequantised in turn against every row, rows masked (the y
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def _grouped(
+  a: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, transposed: bool
+) -> jax.Array:
+  """`out[m] = a[m] @ W[g(m)]`, or `a[m] @ W[g(m)]^T` when `transposed`: (M, N) or (M, K)
+  float32, every expert against every row, each row keeping its own expert's."""
+  m = a.shape[0]
+  experts, k, n = q.shape
+  a = a.astype(jnp.float32)
+  groups = row_groups(group_sizes, m)[:, None]
+
+  def expert(e, out):
+    w = dequantize_blocks(q[e], scale[e])
+    w = w.T if transposed else w
+    y = jnp.dot(a, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.where(groups == e, y, out)
+
+  return jax.lax.fori_loop(0, experts, expert, jnp.zeros((m, k if transposed else n), jnp.float32))
+
+
 def ragged_reference(
   x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array
 ) -> jax.Array:
   """`out[m] = x[m] @ (q[g(m)] * scale[g(m)])`, (M, N) float32, for x (M, K) float32, bfloat16
   or float16 (exactly float32), q (E, K, N) int8, scale (E, K/32, N) float32 or float16 and
   group_sizes (E,) int32 rows per expert in order (rows past their sum get zeros)."""
-  m = x.shape[0]
-  experts, _, n = q.shape
-  x = x.astype(jnp.float32)
-  groups = row_groups(group_sizes, m)[:, None]
-
-  def expert(e, out):
-    w = dequantize_blocks(q[e], scale[e])
-    y = jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    return jnp.where(groups == e, y, out)
-
-  return jax.lax.fori_loop(0, experts, expert, jnp.zeros((m, n), jnp.float32))
+  return _grouped(x, q, scale, group_sizes, transposed=False)
 
 
 def ragged_reference_t(
   dy: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array
 ) -> jax.Array:
   """The transposed product `dx[m] = dy[m] @ W[g(m)]^T`, (M, K) float32 (the gradient in x)."""
-  m = dy.shape[0]
-  experts, k, _ = q.shape
-  dy = dy.astype(jnp.float32)
-  groups = row_groups(group_sizes, m)[:, None]
-
-  def expert(e, out):
-    w = dequantize_blocks(q[e], scale[e])
-    y = jnp.dot(dy, w.T, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    return jnp.where(groups == e, y, out)
-
-  return jax.lax.fori_loop(0, experts, expert, jnp.zeros((m, k), jnp.float32))
+  return _grouped(dy, q, scale, group_sizes, transposed=True)
 
 
 def cannot(p: RaggedProblem) -> None:

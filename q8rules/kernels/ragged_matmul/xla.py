@@ -41,6 +41,19 @@ def _tiled(a: jax.Array, tiles: int, block_m: int) -> jax.Array:
   return jnp.pad(a.astype(jnp.float32), ((0, tiles * block_m - a.shape[0]), (0, 0)))
 
 
+def _items(group_sizes: jax.Array, m: int, experts: int, block_m: int | None):
+  """(rows per tile, tiles, the work items) of m rows over `experts` groups (`block_m` None:
+  `block_rows(m, experts)`)."""
+  bm = block_m or block_rows(m, experts)
+  return bm, tiles_of(m, bm), work_items(group_sizes, m, bm)
+
+
+def _kept(items: WorkItems, g: jax.Array, t: jax.Array, block_m: int) -> jax.Array:
+  """(block_m, 1) bool: which rows of row tile t belong to group g."""
+  index = t * block_m + jnp.arange(block_m, dtype=jnp.int32)[:, None]
+  return (index >= items.starts[g]) & (index < items.ends[g])
+
+
 def _walk(items: WorkItems, a: jax.Array, block_m: int, width: int, item_out) -> jax.Array:
   """The sum over the items of `item_out(rows, g)`, the rows of group g kept, placed at the
   item's tile: a (tiles * block_m, width) float32 accumulator; rows (block_m, c) of `a`
@@ -49,14 +62,34 @@ def _walk(items: WorkItems, a: jax.Array, block_m: int, width: int, item_out) ->
   def body(i, acc):
     g, t = items.group[i], items.tile[i]
     rows = jax.lax.dynamic_slice_in_dim(a, t * block_m, block_m)
-    index = t * block_m + jnp.arange(block_m, dtype=jnp.int32)[:, None]
-    keep = (index >= items.starts[g]) & (index < items.ends[g])
     old = jax.lax.dynamic_slice_in_dim(acc, t * block_m, block_m)
-    new = old + jnp.where(keep, item_out(rows, g), 0.0)
+    new = old + jnp.where(_kept(items, g, t, block_m), item_out(rows, g), 0.0)
     return jax.lax.dynamic_update_slice_in_dim(acc, new, t * block_m, 0)
 
   acc = jnp.zeros((a.shape[0], width), jnp.float32)
   return jax.lax.fori_loop(0, items.count, body, acc)
+
+
+def _grouped(
+  a: jax.Array,
+  q: jax.Array,
+  scale: jax.Array,
+  group_sizes: jax.Array,
+  block_m: int | None,
+  transposed: bool,
+) -> jax.Array:
+  """`out[m] = a[m] @ W[g(m)]`, or `a[m] @ W[g(m)]^T` when `transposed`: (M, N) or (M, K)
+  float32, for a (M, K) or (M, N) and W[e] = q[e] (K, N) int8 * scale[e] (K/32, N)."""
+  m = a.shape[0]
+  bm, tiles, items = _items(group_sizes, m, q.shape[0], block_m)
+
+  def item_out(rows, g):
+    w = dequantize_blocks(q[g], scale[g])
+    w = w.T if transposed else w
+    return jnp.dot(rows, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+  width = q.shape[1] if transposed else q.shape[2]
+  return _walk(items, _tiled(a, tiles, bm), bm, width, item_out)[:m]
 
 
 def ragged_xla(
@@ -76,17 +109,7 @@ def ragged_xla(
     group_sizes: (E,) int32, rows per expert in order (rows past their sum get zeros).
     block_m: rows per work item (default `block_rows(M, E)`).
   """
-  m = x.shape[0]
-  n = q.shape[2]
-  bm = block_m or block_rows(m, q.shape[0])
-  tiles = tiles_of(m, bm)
-  items = work_items(group_sizes, m, bm)
-
-  def item_out(rows, g):
-    w = dequantize_blocks(q[g], scale[g])
-    return jnp.dot(rows, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-  return _walk(items, _tiled(x, tiles, bm), bm, n, item_out)[:m]
+  return _grouped(x, q, scale, group_sizes, block_m, transposed=False)
 
 
 def ragged_xla_t(
@@ -99,17 +122,7 @@ def ragged_xla_t(
 ) -> jax.Array:
   """The transposed product `dx[m] = dy[m] @ W[g(m)]^T`, (M, K) float32 (the gradient in x),
   dy (M, N); the items and operands as `ragged_xla`'s."""
-  m = dy.shape[0]
-  k = q.shape[1]
-  bm = block_m or block_rows(m, q.shape[0])
-  tiles = tiles_of(m, bm)
-  items = work_items(group_sizes, m, bm)
-
-  def item_out(rows, g):
-    w = dequantize_blocks(q[g], scale[g])
-    return jnp.dot(rows, w.T, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-  return _walk(items, _tiled(dy, tiles, bm), bm, k, item_out)[:m]
+  return _grouped(dy, q, scale, group_sizes, block_m, transposed=True)
 
 
 def ragged_xla_dscale(
@@ -119,16 +132,12 @@ def ragged_xla_dscale(
   q[e, 32b + i, n]`, (E, K/32, N) float32, for x (M, K), q (E, K, N) int8, dy (M, N)."""
   m = x.shape[0]
   experts, k, n = q.shape
-  bm = block_m or block_rows(m, q.shape[0])
-  tiles = tiles_of(m, bm)
-  items = work_items(group_sizes, m, bm)
+  bm, tiles, items = _items(group_sizes, m, experts, block_m)
   xt, dyt = _tiled(x, tiles, bm), _tiled(dy, tiles, bm)
 
   def body(i, ds):
     g, t = items.group[i], items.tile[i]
-    index = t * bm + jnp.arange(bm, dtype=jnp.int32)[:, None]
-    keep = (index >= items.starts[g]) & (index < items.ends[g])
-    rows = jnp.where(keep, jax.lax.dynamic_slice_in_dim(xt, t * bm, bm), 0.0)
+    rows = jnp.where(_kept(items, g, t, bm), jax.lax.dynamic_slice_in_dim(xt, t * bm, bm), 0.0)
     dys = jax.lax.dynamic_slice_in_dim(dyt, t * bm, bm)
     xdy = jnp.dot(rows.T, dys, precision=_HIGHEST, preferred_element_type=jnp.float32)  # (K, N)
     part = (xdy * q[g].astype(jnp.float32)).reshape(k // BLOCK, BLOCK, n).sum(axis=1)
