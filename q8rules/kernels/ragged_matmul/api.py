@@ -150,15 +150,7 @@ def run_ragged(
   return y.astype(preferred_element_type or x.dtype), chosen
 
 
-def q8_ragged_matmul(
-  x: jax.Array,
-  w: Q8Array,
-  group_sizes: jax.Array,
-  *,
-  implementation: ImplementationArg = None,
-  interpret: bool | None = None,
-  preferred_element_type: Any = None,
-) -> jax.Array:
+def q8_ragged_matmul(x: jax.Array, w: Q8Array, group_sizes: jax.Array, **options: Any) -> jax.Array:
   """`out[m] = x[m] @ W[g(m)]` for rows sorted by group: `jax.lax.ragged_dot(x, W,
   group_sizes)` with E experts' Q8_0 weights.
 
@@ -168,11 +160,12 @@ def q8_ragged_matmul(
       blocked along axis 1 (`q8rules.quantize(w, axis=1)` of float experts (E, K_pad, N)); K_pad
       is K rounded up to a multiple of 32 (x is zero-padded to it).
     group_sizes: (E,) int32 rows per expert, in order; checked to sum to M when known now.
-    implementation: None (the best for the platform), 'pallas', 'cpu', 'xla', 'reference', or
-      a sequence of them (the first that can run); checked now for the default backend and
-      resolved again per platform when the program is lowered.
-    interpret: run the Pallas kernels in interpret mode (None: on CPU only).
-    preferred_element_type: the output's dtype (default: x's).
+    **options: `run_ragged`'s keywords (the same defaults):
+      implementation: None (the best for the platform), 'pallas', 'cpu', 'xla', 'reference', or
+        a sequence of them (the first that can run); checked now for the default backend and
+        resolved again per platform when the program is lowered.
+      interpret: run the Pallas kernels in interpret mode (None: on CPU only).
+      preferred_element_type: the output's dtype (default: x's).
 
   Returns:
     (M, N), accumulated in float32, in `preferred_element_type`.
@@ -183,8 +176,7 @@ def q8_ragged_matmul(
     TypeError, ValueError: the operands do not fit (`check_ragged_operands` names what is
       wrong), or no named implementation can run the product (each one's reason).
   """
-  options = {"implementation": implementation, "interpret": interpret}
-  return run_ragged(x, w, group_sizes, preferred_element_type=preferred_element_type, **options)[0]
+  return run_ragged(x, w, group_sizes, **options)[0]
 
 
 __all__ = [
