@@ -82,4 +82,30 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int) -> WorkItems:
   return WorkItems(group, tile, first, count.astype(jnp.int32), starts, ends)
 
 
-__all__ = ["WorkItems", "bounds", "max_items", "row_groups", "tiles_of", "work_items"]
+def pad_columns(q: jax.Array, scale: jax.Array, n_pad: int) -> tuple[jax.Array, jax.Array]:
+  """q (E, K, N) int8 and scale (E, K/32, N) with zero columns appended up to `n_pad` (zero
+  values and zero scales: the pad's sums stay in the pad)."""
+  n = q.shape[2]
+  if n_pad == n:
+    return q, scale
+  pad = ((0, 0), (0, 0), (0, n_pad - n))
+  return jnp.pad(q, pad), jnp.pad(scale, pad)
+
+
+def grouped_rows(out: jax.Array, m: int, n: int, items: WorkItems) -> jax.Array:
+  """A kernel's padded output (tiles * block_m, n_pad) cut to (m, n), the rows past every
+  group's end zeroed."""
+  rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+  return jnp.where(rows < items.ends[-1], out[:m, :n], 0.0)
+
+
+__all__ = [
+  "WorkItems",
+  "bounds",
+  "grouped_rows",
+  "max_items",
+  "pad_columns",
+  "row_groups",
+  "tiles_of",
+  "work_items",
+]

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from q8rules.kernels.matmul._pallas_compat import pl, pltpu, tpu_compiler_params
-from q8rules.kernels.ragged_matmul.groups import tiles_of, work_items
+from q8rules.kernels.ragged_matmul.groups import grouped_rows, pad_columns, tiles_of, work_items
 from q8rules.q8_0 import BLOCK
 
 LANES = 128
@@ -131,9 +131,7 @@ def ragged_tpu(
   tiles = tiles_of(m, bm)
   items = work_items(group_sizes, m, bm)
   n_pad = -(-n // tn) * tn
-  if n_pad != n:  # zero values and zero scales: the pad's sums stay in the pad
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, n_pad - n)))
-    scale = jnp.pad(scale, ((0, 0), (0, 0), (0, n_pad - n)))
+  q, scale = pad_columns(q, scale, n_pad)
   if x2d.dtype == jnp.float16:
     x2d = x2d.astype(jnp.float32)
   xt = jnp.pad(x2d, ((0, tiles * bm - m), (0, 0)))
@@ -167,8 +165,7 @@ def ragged_tpu(
     interpret=interpret,
     name="q8_ragged_tpu",
   )(*prefetch, xb, q, scale.astype(jnp.float32))
-  rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-  return jnp.where(rows < items.ends[-1], out[:m, :n], 0.0)  # rows past every group: zeros
+  return grouped_rows(out, m, n, items)
 
 
 __all__ = ["LANES", "MAX_BLOCK_M", "block_rows", "column_tile", "ragged_tpu"]

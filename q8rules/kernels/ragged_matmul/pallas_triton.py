@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from q8rules.kernels.matmul._pallas_compat import pl, triton_compiler_params
-from q8rules.kernels.ragged_matmul.groups import tiles_of, work_items
+from q8rules.kernels.ragged_matmul.groups import grouped_rows, pad_columns, tiles_of, work_items
 from q8rules.q8_0 import BLOCK
 
 BLOCK_M = 16
@@ -76,10 +76,9 @@ def ragged_gpu(
   """`out[m] = x2d[m] @ (q[g(m)] * scale[g(m)])` with the Triton kernel: (M, N) float32.
 
   Args:
-    x2d: (M, K) float32, bfloat16 or float16, K a multiple of 32.
-    q: (E, K, N) int8.
-    scale: (E, K/32, N) float32 or float16.
-    group_sizes: (E,) int32, rows per expert in order (rows past their sum get zeros).
+    x2d, q, scale, group_sizes: (M, K) float32, bfloat16 or float16 (K a multiple of 32); (E,
+      K, N) int8; (E, K/32, N) float32 or float16; (E,) int32 rows per expert in order (rows
+      past their sum get zeros).
     block_m: rows per tile, a power of two >= 16.
     block_n: the column tile, a power of two >= 16; N is padded to it with zero values and
       scales.
@@ -98,9 +97,7 @@ def ragged_gpu(
   lo = jnp.searchsorted(tile, jnp.arange(tiles), side="left").astype(jnp.int32)
   hi = jnp.searchsorted(tile, jnp.arange(tiles), side="right").astype(jnp.int32)
   n_pad = -(-n // block_n) * block_n
-  if n_pad != n:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, n_pad - n)))
-    scale = jnp.pad(scale, ((0, 0), (0, 0), (0, n_pad - n)))
+  q, scale = pad_columns(q, scale, n_pad)
   xt = jnp.pad(x2d, ((0, tiles * block_m - m), (0, 0)))
   precision = jax.lax.Precision.HIGHEST if xt.dtype == jnp.float32 else None
   experts = q.shape[0]
@@ -124,8 +121,7 @@ def ragged_gpu(
     interpret=interpret,
     name="q8_ragged_gpu",
   )(lo, hi, items.group, items.starts, items.ends, xt, q, scale.astype(jnp.float32))
-  rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-  return jnp.where(rows < items.ends[-1], out[:m, :n], 0.0)
+  return grouped_rows(out, m, n, items)
 
 
 __all__ = ["BLOCK_M", "BLOCK_N", "ragged_gpu"]
