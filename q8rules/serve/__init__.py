@@ -45,7 +45,20 @@ def build(
   max_body: int | None = None,
   warm_up: bool = True,
 ) -> tuple[Any, Any]:
-  """The ASGI app and its engine (started) for `model`; see `serve` for the arguments."""
+  """The ASGI app and its engine (started) for `model`.
+
+  Args:
+    model: the model (`q8rules.load_gguf`), a `GGUFModel` on one device.
+    parallel: requests decoded together (slots of the batched KV cache); more wait in a queue.
+    ctx: positions per slot, the prompt and the reply together (default the model's context
+      length, at most `DEFAULT_CONTEXT`).
+    api_key: when given, every endpoint but / and /health needs `Authorization: Bearer KEY`.
+    name: the model's id in the API (default the file's name).
+    chunk: the longest prompt chunk prefilled between decode steps (a power of 2; default
+      `runner.CHUNK`).
+    max_body: the largest request body in bytes (default `api.MAX_BODY`).
+    warm_up: compile every program before returning.
+  """
   from q8rules.serve.api import API, MAX_BODY, create_app
   from q8rules.serve.runner import CHUNK, BatchRunner
   from q8rules.serve.scheduler import Scheduler
@@ -83,13 +96,8 @@ def serve(
   *,
   host: str = "127.0.0.1",
   port: int = 8080,
-  parallel: int = 4,
-  ctx: int | None = None,
-  api_key: str | None = None,
-  name: str | None = None,
-  chunk: int | None = None,
-  max_body: int | None = None,
   log_level: str = "info",
+  **options: Any,
 ) -> None:
   """Serve `model` (a `GGUFModel` on one device) over HTTP until interrupted (SIGINT or
   SIGTERM: running streams get a final event, then the port is freed).
@@ -97,19 +105,11 @@ def serve(
   Args:
     model: the model (`q8rules.load_gguf`).
     host, port: where to listen (loopback by default).
-    parallel: requests decoded together (slots of the batched KV cache); more wait in a queue.
-    ctx: positions per slot, the prompt and the reply together (default the model's context
-      length, at most `DEFAULT_CONTEXT`).
-    api_key: when given, every endpoint but / and /health needs `Authorization: Bearer KEY`.
-    name: the model's id in the API (default the file's name).
-    chunk: the longest prompt chunk prefilled between decode steps (a power of 2; default
-      `runner.CHUNK`).
-    max_body: the largest request body in bytes (default `api.MAX_BODY`).
     log_level: uvicorn's.
+    **options: `build`'s keywords (parallel, ctx, api_key, name, chunk, max_body, warm_up),
+      with its defaults.
   """
-  app, scheduler = build(
-    model, parallel=parallel, ctx=ctx, api_key=api_key, name=name, chunk=chunk, max_body=max_body
-  )
+  app, scheduler = build(model, **options)
   server = _uvicorn_server(app, host, port, scheduler, log_level)
   try:
     server.run()
@@ -127,7 +127,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Server:
   """`serve` in a background thread: `with Server(model) as s: ... s.url ...`.
 
-  Args: as `serve`'s (`port=0`: a free port), plus `warm_up` (compile every program first).
+  Args: as `serve`'s (`port=0`: a free port).
   """
 
   def __init__(
@@ -136,12 +136,11 @@ class Server:
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    warm_up: bool = True,
     **options: Any,
   ):
     self.host = host
     self.port = port or free_port(host)
-    self.app, self.scheduler = build(model, warm_up=warm_up, **options)
+    self.app, self.scheduler = build(model, **options)
     self._server = _uvicorn_server(self.app, self.host, self.port, self.scheduler, "warning")
     self._thread: threading.Thread | None = None
 
