@@ -13,6 +13,7 @@ llama.cpp's chain (repetition penalty, top-k, top-p, min-p, temperature:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -87,17 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampler_of(args: argparse.Namespace) -> Any:
+  """The `Sampler` of `add_sampling`'s flags (each one's dest is the name of a field)."""
   from q8rules.llm.sampling import Sampler
 
-  return Sampler(
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    min_p=args.min_p,
-    repeat_penalty=args.repeat_penalty,
-    repeat_last_n=args.repeat_last_n,
-    seed=args.seed,
-  )
+  return Sampler(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampler)})
 
 
 def load(args: argparse.Namespace) -> tuple[Any, float]:

@@ -28,6 +28,22 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def chain_errors(
+  temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float
+) -> list[str]:
+  """A message for each setting of the chain outside its range, in this order (empty: all
+  fit): temperature >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1], repeat_penalty > 0.
+  `Sampler` and the server's `SamplingParams` both check these."""
+  checks = [
+    (temperature >= 0, "temperature must be >= 0"),
+    (top_k >= 0, "top_k must be >= 0"),
+    (0 < top_p <= 1, "top_p must be in (0, 1]"),
+    (0 <= min_p <= 1, "min_p must be in [0, 1]"),
+    (repeat_penalty > 0, "repeat_penalty must be > 0"),
+  ]
+  return [message for ok, message in checks if not ok]
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
   """How the next token is chosen. The defaults turn every step off: greedy decoding."""
@@ -49,17 +65,11 @@ class Sampler:
   """The draws' PRNG seed."""
 
   def __post_init__(self) -> None:
-    checks = [
-      (self.temperature >= 0, "temperature must be >= 0"),
-      (self.top_k >= 0, "top_k must be >= 0"),
-      (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-      (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-      (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
-      (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
-    ]
-    for ok, message in checks:
-      if not ok:
-        raise ValueError(f"{message}, got {self}")
+    errors = chain_errors(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
+    if self.repeat_last_n < 0:
+      errors.append("repeat_last_n must be >= 0")
+    if errors:
+      raise ValueError(f"{errors[0]}, got {self}")
 
   @property
   def greedy(self) -> bool:
@@ -191,4 +201,4 @@ def reference_probabilities(logits: np.ndarray, recent: list[int], sampler: Samp
   return out
 
 
-__all__ = ["Sampler", "candidates", "filtered", "reference_probabilities", "sample"]
+__all__ = ["Sampler", "candidates", "chain_errors", "filtered", "reference_probabilities", "sample"]

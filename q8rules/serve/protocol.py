@@ -23,6 +23,17 @@ from q8rules.serve.sampling import HISTORY, MAX_TOP_LOGPROBS, SamplingParams
 MAX_STOP = 4
 """At most this many stop strings (OpenAI's limit)."""
 
+SAMPLING_FIELDS = (
+  "temperature",
+  "top_p",
+  "top_k",
+  "min_p",
+  "repeat_penalty",
+  "frequency_penalty",
+  "presence_penalty",
+)
+"""The request's fields that `SamplingParams` takes under the same names."""
+
 
 class APIError(Exception):
   """An error the API answers with OpenAI's error body.
@@ -106,13 +117,7 @@ class _Request(BaseModel):
   def sampling(self, seed: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
     """The request's `SamplingParams` (`seed` when it gives none)."""
     return SamplingParams(
-      temperature=self.temperature,
-      top_p=self.top_p,
-      top_k=self.top_k,
-      min_p=self.min_p,
-      repeat_penalty=self.repeat_penalty,
-      frequency_penalty=self.frequency_penalty,
-      presence_penalty=self.presence_penalty,
+      **{name: getattr(self, name) for name in SAMPLING_FIELDS},
       penalty_last_n=self.repeat_last_n,
       seed=self.seed if self.seed is not None else seed,
       logprobs=logprobs,
@@ -243,6 +248,7 @@ __all__ = [
   "CompletionRequest",
   "DetokenizeRequest",
   "MAX_STOP",
+  "SAMPLING_FIELDS",
   "TokenizeRequest",
   "base",
   "chat_logprobs",

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.llm.sampling import chain_errors
+
 HISTORY = 64
 """The most recent ids a row keeps for the penalties (`penalty_last_n` is at most this)."""
 
@@ -62,12 +64,8 @@ class SamplingParams:
   top_logprobs: int = 0
 
   def __post_init__(self) -> None:
+    errors = chain_errors(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
     checks = [
-      (self.temperature >= 0, "temperature must be >= 0"),
-      (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-      (self.top_k >= 0, "top_k must be >= 0"),
-      (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-      (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
       (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
       (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
       (0 <= self.penalty_last_n <= HISTORY, f"penalty_last_n must be in [0, {HISTORY}]"),
@@ -76,9 +74,9 @@ class SamplingParams:
         f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
       ),
     ]
-    for ok, message in checks:
-      if not ok:
-        raise ValueError(message)
+    errors += [message for ok, message in checks if not ok]
+    if errors:
+      raise ValueError(errors[0])
 
   @property
   def greedy(self) -> bool:
