@@ -254,14 +254,17 @@ class WeightPolicy(abc.ABC):
     return found, layout
 
   def lookup_layout(
-    self, rule: Q8Rule | None, op_id: str, shape: Any, axis: int
+    self, found: Derived, rule: Q8Rule | None, op_id: str, shape: Any, axis: int
   ) -> WeightLayout | None:
-    """The table's lookup layout, or None (recorded float, with a warning) when a lookup in it
-    is not served from Q8_0 (`lookup.lookup_layout`: 2-D tables only)."""
+    """The lookup layout of the table `found`, or None (recorded float, with a warning and the
+    reason kept for the report) when a lookup in it is not served from Q8_0
+    (`lookup.lookup_layout`: 2-D tables only)."""
     try:
       return lookup.lookup_layout(tuple(shape), axis)
     except lookup.UnsupportedLookup as e:
       warnings.warn(f"{op_where(op_id)}: left float: {e}", stacklevel=5)
+      where = param_path(found.module, found.name)
+      self.inventory.float_reasons.setdefault(where, f"a lookup that is not served: {e}")
       self.record(rule, op_id, "float", weight_shape=tuple(shape), note=f"left float: {e}")
       return None
 

@@ -265,7 +265,7 @@ class FakeQuantPolicy(WeightPolicy):
       scale_dtype = np.dtype(rule.scale_dtype).name
     if scale_dtype is None:
       return self.as_float(found, rule, op_id, arr, "lookup: no rule matched", run_on)
-    layout = self.lookup_layout(rule, op_id, arr.shape, axis)
+    layout = self.lookup_layout(found, rule, op_id, arr.shape, axis)
     if layout is None:
       return run_on(arr)
     table = round_trip(found, arr, layout, scale_dtype, served_round_trip)

@@ -174,7 +174,7 @@ class ServePolicy(WeightPolicy):
     if rule is None or given_float:
       note = "lookup: no rule matched" if rule is None else "lookup: the table was given float"
       return self.as_float(found, rule, op_id, arr, note, run_on)
-    layout = self.lookup_layout(rule, op_id, arr.shape, axis)
+    layout = self.lookup_layout(found, rule, op_id, arr.shape, axis)
     if layout is None:
       return run_on(arr)
     table = self.stored(found, layout, rule)

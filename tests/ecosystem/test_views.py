@@ -151,8 +151,10 @@ def test_tables_kept_float_keep_the_tied_head_float(served):
 def test_other_uses_of_a_q8_weight_name_it(served):
   _, q8, _, _ = served
   b = q8.b[...]
-  with pytest.raises(TypeError, match=r"Q8_0 weight b of float shape \(64, 96\).*operator \*"):
-    b * 2.0
+  with pytest.raises(TypeError, match=r"Q8_0 weight b of float shape \(64, 96\).*operator \+"):
+    b + 2.0
+  with pytest.raises(TypeError, match=r"Q8_0 weight b .*operator \* with ArrayImpl"):
+    b * jnp.ones(96)  # a constant number is served (the output takes it); an array is not
   with pytest.raises(TypeError, match=r"Q8_0 weight b .*converting it to an array"):
     jnp.sin(b)
   with pytest.raises(TypeError, match=r"Q8_0 weight b .*indexing with slice"):
