@@ -21,11 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-VOCAB = 256
-DIM = 64
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = 32
+from tests.ecosystem.tunix_models import DIM, HEAD_DIM, HEADS, KV_HEADS, VOCAB
+
 LAYERS = 2
 LENGTH = 8
 BATCH = 2
