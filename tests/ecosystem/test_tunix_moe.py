@@ -10,6 +10,7 @@ google-tunix (docs/ecosystem.md).
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import jax
@@ -22,11 +23,23 @@ from flax import nnx
 import q8rules
 from q8rules.providers.q8_weight import Q8Weight
 from tests._utils import rel_err
+from tests.ecosystem import tunix_checks as tc
 from tests.ecosystem import tunix_moe_models as tm
 
-pytestmark = [pytest.mark.ecosystem, pytest.mark.usefixtures("float32_matmuls")]
+pytestmark = [
+  pytest.mark.ecosystem,
+  pytest.mark.usefixtures("float32_matmuls", "tunix_flags"),
+  pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason="google-tunix missing"),
+]
 
-tunix = pytest.importorskip("tunix.models.gemma4.model")
+
+@pytest.fixture
+def tunix_flags():
+  """Each test under the Flax flags Tunix sets on import, the session's own restored after (an
+  import of Tunix at collection would change them for every later test of the process)."""
+  with tc.tunix_flags():
+    yield
+
 
 MOE = ("gemma4-moe", "qwen3-moe")
 
@@ -49,10 +62,11 @@ def q8_params(model: nnx.Module) -> dict[str, Q8Weight]:
 def served(request):
   case = request.param
   args = tm.inputs()
-  float_model = tm.build(case)
-  ref = tm.logits(float_model, args)
+  with tc.tunix_flags():
+    float_model = tm.build(case)
+    ref = tm.logits(float_model, args)
   provider = q8rules.Q8Provider(rules())
-  with warnings.catch_warnings():
+  with warnings.catch_warnings(), tc.tunix_flags():
     warnings.simplefilter("ignore", DeprecationWarning)
     model = qwix.quantize_model(tm.build(case), provider, *args)
     out = tm.logits(model, args)
