@@ -37,6 +37,7 @@ class ParamInventory:
     self.params: dict[str, tuple[str, tuple[int, ...]]] = {}
     self.served: set[str] = set()
     self.float_reasons: dict[str, str] = {}
+    self._models: set[int] = set()
 
   def take(self, module_path: str, params: Iterable[tuple[str, Any]]) -> None:
     """Note a module's params ((param path, unboxed value) each): a Q8 param is served, a float
@@ -49,7 +50,10 @@ class ParamInventory:
 
   def take_model(self, model: Any, model_args: Sequence[Any]) -> None:
     """Note every param of a model about to run: an nnx model's own, or a linen `apply`'s
-    `variables['params']` (its first argument)."""
+    `variables['params']` (its first argument). Once a model: later runs of it have the same
+    params, and what they serve is noted as they serve it."""
+    if id(model) in self._models:
+      return
     entries: list[tuple[tuple[str, ...], Any]] = []
     if isinstance(model, nnx.Module):
       for path, node in nnx.iter_graph(model):
@@ -60,6 +64,8 @@ class ParamInventory:
       params = params.unfreeze() if hasattr(params, "unfreeze") else params
       flat = flax.traverse_util.flatten_dict(params, is_leaf=lambda _, v: not isinstance(v, dict))
       entries = [(tuple(map(str, k)), unbox(v)) for k, v in flat.items()]
+    if entries:
+      self._models.add(id(model))
     for path, value in entries:
       if len(path) > 2 and path[-2] == "array" and path[-1] in ("q", "scale"):
         self.served.add("/".join(path[:-2]))  # an nnx Q8 param's parts

@@ -155,7 +155,10 @@ class WeightPolicy(abc.ABC):
     """Put the op being intercepted in the report (path 'cpu', 'fold', 'float', ...)."""
     module = current_module_path()
     index = None if rule is None else self.rules.index(rule)
+    first = (module, op_id) not in self.records
     self.records[(module, op_id)] = OpRecord(module, op_id, index, path, **fields)
+    if not first:  # the module's params were noted when its op was first recorded
+      return
     try:
       current = get_current_module()
     except ValueError:
