@@ -42,8 +42,13 @@ SCALE_FIELDS = {
   T.Q4_K: (0, 2),
   T.Q5_K: (0, 2),
   T.Q6_K: (208,),
+  T.MXFP4: (),
 }
-"""Byte offsets of each quantized type's float16 fields (d, and dmin or m) in its block."""
+"""Byte offsets of each quantized type's float16 fields (d, and dmin or m) in its block
+(MXFP4 has none: its scale is one E8M0 byte, `E8M0_AT`)."""
+
+E8M0_AT = {T.MXFP4: 0}
+"""Byte offset of a type's E8M0 scale (2^(e - 128), e in 0..255) in its block."""
 
 FLOATS = (T.F32, T.F16, T.BF16)
 NATIVE = (*FLOATS, *SCALE_FIELDS)
@@ -83,6 +88,9 @@ def random_blocks(rng: np.random.Generator, qtype: T, n_rows: int, n_cols: int) 
   blocks = raw.reshape(-1, nbytes)
   for at in SCALE_FIELDS[qtype]:
     blocks[:, at : at + 2] = random_halves(rng, len(blocks)).view(np.uint8).reshape(-1, 2)
+  if qtype in E8M0_AT:  # subnormal scales (e < 2) and those of real weights (about 2^-20..2^8)
+    e = rng.choice(np.r_[0:3, 108:137], len(blocks)).astype(np.uint8)
+    blocks[:, E8M0_AT[qtype]] = e
   return raw
 
 
@@ -200,8 +208,8 @@ def test_ties_and_zero_blocks(monkeypatch, qtype, isa):
 @pytest.mark.parametrize("qtype", NATIVE, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", ISAS)
 def test_non_finite(rng, monkeypatch, qtype, isa):
-  """NaN and infinite values (float types) or float16 fields (quantized types) do not crash
-  it, and give gguf-py's bytes: a NaN scale where a block holds a NaN, an infinite one where
+  """NaN and infinite values (float types), float16 fields (quantized types) or MXFP4's
+  largest E8M0 scale (2^127: its values overflow) do not crash it, and give gguf-py's bytes: a NaN scale where a block holds a NaN, an infinite one where
   it holds an infinity, and int8 0 for NaN products (what numpy's cast gives on x86)."""
   monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   n_rows, n_cols = 4, 512
@@ -212,6 +220,8 @@ def test_non_finite(rng, monkeypatch, qtype, isa):
     words = data.view(np.uint32 if qtype == T.F32 else np.uint16).reshape(-1)
     at = rng.choice(words.size, 12, replace=False)
     words[at] = np.resize(np.array(special[qtype], words.dtype), 12)
+  elif qtype in E8M0_AT:  # e = 255: 2^127, times a code of 2 or more overflows to +-inf
+    data.reshape(-1, GGML_QUANT_SIZES[qtype][1])[::3, E8M0_AT[qtype]] = 255
   else:
     blocks = data.reshape(-1, GGML_QUANT_SIZES[qtype][1])
     field = SCALE_FIELDS[qtype][0]
@@ -219,7 +229,7 @@ def test_non_finite(rng, monkeypatch, qtype, isa):
     blocks[::3, field : field + 2] = bits.view(np.uint8).reshape(-1, 2)  # NaN, inf, -inf
   with np.errstate(all="ignore"):
     values = gguf.quants.dequantize(data, qtype)
-  assert np.isnan(values).any() and np.isinf(values).any()
+  assert np.isinf(values).any() and (qtype in E8M0_AT or np.isnan(values).any())
   check(data, qtype, n_rows, n_cols)
 
 
@@ -247,7 +257,7 @@ def test_errors_name_the_shapes(rng):
 
 def test_not_native_is_none(monkeypatch):
   """A type the library does not read, or no library: None, and the caller uses gguf.quants."""
-  for qtype in (T.IQ4_NL, T.TQ1_0, T.MXFP4, T.I8):
+  for qtype in (T.IQ4_NL, T.TQ1_0, T.IQ4_XS, T.I8):
     assert int(qtype) not in rn.requant_native_types()
     assert rn.dequantize_native(np.zeros(64, np.uint8), int(qtype), (1, 256)) is None
     assert rn.requantize_q8_0_native(np.zeros(64, np.uint8), int(qtype), 1, 256) is None

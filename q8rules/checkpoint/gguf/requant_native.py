@@ -2,7 +2,7 @@
 to float32 and requantized to Q8_0 GGUF blocks, bit for bit what gguf-py gives
 (`gguf.quants.dequantize(data, qtype)` and `gguf.quants.quantize(that, Q8_0)`).
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16 and F32
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16 and F32
 (`requant_native_types()`, asked of the loaded library). Each function returns None where the
 library is unavailable or does not read the type: the caller then uses gguf.quants.
 

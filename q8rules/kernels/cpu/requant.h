@@ -2,8 +2,8 @@
 // exactly as gguf-py's gguf.quants.dequantize does (the same float32 operations in the same
 // order, each rounded on its own), and those floats quantized to Q8_0's 34-byte GGUF blocks
 // exactly as gguf.quants.quantize(..., Q8_0) does (the rule of q8rules/q8_0.py). Types:
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16 and F32, by their
-// GGML type ids.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16 and F32, by
+// their GGML type ids.
 //
 // A tensor is a run of rows that are runs of blocks, so both directions walk it as one flat
 // stream in chunks of kChunk values (a multiple of every block size and of Q8_0's 32): a
@@ -43,7 +43,7 @@ namespace q8requant {
 // GGML type ids (ggml.h's enum ggml_type) of the types this file reads.
 enum GgmlType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kMXFP4 = 39,
 };
 
 // What the C functions return.
@@ -137,6 +137,22 @@ inline void DecodeLegacy(const uint8_t* b, float* y) {
 inline void DecodeQ8_0(const uint8_t* b, float* y) {
   const float d = Half(Load16(b));
   Scale<kQ8Block, kQ8Block, false>(reinterpret_cast<const int8_t*>(b + 2), &d, nullptr, y);
+}
+
+// MXFP4 (gpt-oss's experts): one E8M0 byte e, then 16 bytes: value j's 4-bit code in byte j's
+// low nibble, value j + 16's in its high one. The value is d * kMxfp4[code] with d = 2^(e - 128)
+// (gguf.quants' e8m0_to_fp32_half: the float32 of bits (e - 1) << 23, or 0x00200000 << e, a
+// subnormal, for e < 2), the codes E2M1 values doubled.
+constexpr int8_t kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline void DecodeMXFP4(const uint8_t* b, float* y) {
+  const uint32_t e = b[0];
+  const float d = FromBits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  int8_t q[kQ8Block];
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 16; ++j) q[16 * h + j] = kMxfp4[(b[1 + j] >> (4 * h)) & 0xF];
+  }
+  Scale<kQ8Block, kQ8Block, false>(q, &d, nullptr, y);
 }
 
 // Q2_K: 16 bytes of scales (low nibble: the group's scale, high: its min), 64 bytes of 2-bit
@@ -289,6 +305,7 @@ inline bool FormatOf(int type, Format* f) {
     case kQ4_K: *f = Make<DecodeQ4_KQ5_K<false>, kSuper, 144>(); return true;
     case kQ5_K: *f = Make<DecodeQ4_KQ5_K<true>, kSuper, 176>(); return true;
     case kQ6_K: *f = Make<DecodeQ6_K, kSuper, 210>(); return true;
+    case kMXFP4: *f = Make<DecodeMXFP4, 32, 17>(); return true;
     default: return false;
   }
 }
