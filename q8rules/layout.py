@@ -98,44 +98,70 @@ class WeightLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ProductLayout:
-  """One product `x (*) w` as `(M, K) @ (K, N)`.
+  """One product `x (*) w` as `(M, K) @ (K, N)`, or as E such products, one per expert, when the
+  weight's expert axes are batch axes of the op (`lhs_batch`: `'BTED,EDF->BTEF'`).
 
   Attributes:
     weight: the weight's layout.
     lhs_contract: the activation axes matching `weight.contract`, pairwise.
     lhs_free: the other activation axes, in order (they become M).
-    out_perm: the permutation taking `(*lhs_free, *weight.free)` to the
-      op's output order (identity for dot_general).
+    out_perm: the permutation taking `(*batch, *lhs_free, *weight.free)` to the op's output
+      order (identity for dot_general); `batch` is the sizes of `weight.batch` when
+      `lhs_batch` is set, else nothing.
+    lhs_batch: the activation axes matching `weight.batch`, pairwise: a batched product, each
+      expert's rows against its own matrix (empty: a plain product, or a grouped one, whose
+      rows find their expert through the op's group sizes).
   """
 
   weight: WeightLayout
   lhs_contract: tuple[int, ...]
   lhs_free: tuple[int, ...]
   out_perm: tuple[int, ...]
+  lhs_batch: tuple[int, ...] = ()
+
+  @property
+  def batched(self) -> bool:
+    """Whether each expert of the weight multiplies its own activation rows (`lhs_batch`)."""
+    return bool(self.lhs_batch)
 
   def check_lhs(self, lhs_shape: tuple[int, ...]) -> None:
-    """Raise when the activation's contraction sizes do not match the weight's."""
-    got = tuple(lhs_shape[a] for a in self.lhs_contract)
-    want = tuple(self.weight.shape[a] for a in self.weight.contract)
-    if got != want:
-      raise ValueError(
-        f"activation of shape {tuple(lhs_shape)} contracts axes {self.lhs_contract} of"
-        f" sizes {got} against a weight {self.weight.shape} expecting {want}"
-      )
+    """Raise when the activation's contraction (or expert) sizes do not match the weight's."""
+    pairs = [(self.lhs_contract, self.weight.contract, "contracts")]
+    if self.batched:
+      pairs.append((self.lhs_batch, self.weight.batch, "batches"))
+    for mine, theirs, what in pairs:
+      got = tuple(lhs_shape[a] for a in mine)
+      want = tuple(self.weight.shape[a] for a in theirs)
+      if got != want:
+        raise ValueError(
+          f"activation of shape {tuple(lhs_shape)} {what} axes {mine} of sizes {got} against"
+          f" a weight {self.weight.shape} expecting {want}"
+        )
 
   def lhs_matrix(self, x: jax.Array) -> jax.Array:
-    """x -> (M, K_padded): transpose, flatten, zero-pad K."""
+    """x -> (M, K_padded), or (E, M, K_padded) for a batched product (E the experts, in the
+    order of `weight.batch`, flattened): transpose, flatten, zero-pad K."""
     m = math.prod(x.shape[a] for a in self.lhs_free)
-    x2d = jnp.transpose(x, self.lhs_free + self.lhs_contract).reshape(m, self.weight.k)
+    lead = (math.prod(x.shape[a] for a in self.lhs_batch),) if self.batched else ()
+    order = self.lhs_batch + self.lhs_free + self.lhs_contract
+    x2d = jnp.transpose(x, order).reshape(*lead, m, self.weight.k)
     if self.weight.k_padded != self.weight.k:
-      x2d = jnp.pad(x2d, ((0, 0), (0, self.weight.k_padded - self.weight.k)))
+      pad = [(0, 0)] * (x2d.ndim - 1) + [(0, self.weight.k_padded - self.weight.k)]
+      x2d = jnp.pad(x2d, pad)
     return x2d
 
-  def output(self, y2d: jax.Array, lhs_shape: tuple[int, ...]) -> jax.Array:
-    """(M, N) -> the op's output shape."""
-    shape = tuple(lhs_shape[a] for a in self.lhs_free) + tuple(
-      self.weight.shape[a] for a in self.weight.free
+  def output_shape(self, lhs_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of `(*batch, *lhs_free, *weight.free)` (the output before `out_perm`)."""
+    batch = self.weight.batch_shape if self.batched else ()
+    return (
+      batch
+      + tuple(lhs_shape[a] for a in self.lhs_free)
+      + tuple(self.weight.shape[a] for a in self.weight.free)
     )
+
+  def output(self, y2d: jax.Array, lhs_shape: tuple[int, ...]) -> jax.Array:
+    """(M, N), or (E, M, N) for a batched product -> the op's output shape."""
+    shape = self.output_shape(lhs_shape)
     y = y2d.reshape(shape)
     if self.out_perm != tuple(range(len(shape))):
       y = jnp.transpose(y, self.out_perm)
@@ -168,8 +194,6 @@ def from_dot_general(
 ) -> ProductLayout:
   """The layout of `lax.dot_general(x, w, dimension_numbers)` with w the weight."""
   (lc, rc), (lb, rb) = dimension_numbers
-  if lb or rb:
-    raise UnsupportedProduct(f"the weight has batch dimensions {tuple(rb)}")
   pairs = sorted(
     zip((int(a) % len(rhs_shape) for a in rc), (int(a) % lhs_ndim for a in lc), strict=True)
   )
@@ -177,10 +201,17 @@ def from_dot_general(
   lhs_contract = tuple(a for _, a in pairs)
   if not contract:
     raise UnsupportedProduct("the product contracts no axis")
-  free = tuple(a for a in range(len(rhs_shape)) if a not in contract)
-  lhs_free = tuple(a for a in range(lhs_ndim) if a not in lhs_contract)
-  weight = WeightLayout(tuple(int(s) for s in rhs_shape), contract, free)
-  return ProductLayout(weight, lhs_contract, lhs_free, tuple(range(len(lhs_free) + len(free))))
+  # dot_general's batch axes come first in its output, in the order given; the weight's are
+  # stored in its own axis order (`batch_pairs`)
+  batch_given = [(int(r) % len(rhs_shape), int(a) % lhs_ndim) for r, a in zip(rb, lb, strict=True)]
+  batch_pairs = sorted(batch_given)
+  batch = tuple(r for r, _ in batch_pairs)
+  free = tuple(a for a in range(len(rhs_shape)) if a not in contract + batch)
+  lhs_free = tuple(a for a in range(lhs_ndim) if a not in lhs_contract + tuple(lb))
+  weight = WeightLayout(tuple(int(s) for s in rhs_shape), contract, free, batch)
+  n_out = len(batch) + len(lhs_free) + len(free)
+  perm = tuple(batch_pairs.index(p) for p in batch_given) + tuple(range(len(batch), n_out))
+  return ProductLayout(weight, lhs_contract, lhs_free, perm, tuple(a for _, a in batch_pairs))
 
 
 def from_ragged_dot(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> ProductLayout:
@@ -223,19 +254,24 @@ def from_einsum(einsum_str: str, lhs_ndim: int, rhs_shape: tuple[int, ...]) -> P
   if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
     raise UnsupportedProduct(f"einsum {einsum_str!r} repeats an index in one operand")
   batch = [c for c in rhs if c in lhs and c in out]
-  if batch:
-    raise UnsupportedProduct(f"einsum {einsum_str!r}: the weight has batch index {batch}")
   summed_rhs = [c for c in rhs if c not in lhs and c not in out]
   summed_lhs = [c for c in lhs if c not in rhs and c not in out]
   if summed_rhs or summed_lhs:
     raise UnsupportedProduct(f"einsum {einsum_str!r} sums an index of one operand alone")
-  contract = [c for c in rhs if c in lhs]
+  contract = [c for c in rhs if c in lhs and c not in out]
   layout = from_dot_general(
     lhs_ndim,
     rhs_shape,
-    (([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]), ((), ())),
+    (
+      ([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
+      ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]),
+    ),
   )
-  dg_out = [lhs[a] for a in layout.lhs_free] + [rhs[a] for a in layout.weight.free]
+  dg_out = (
+    [rhs[a] for a in layout.weight.batch]
+    + [lhs[a] for a in layout.lhs_free]
+    + [rhs[a] for a in layout.weight.free]
+  )
   if sorted(dg_out) != sorted(out):
     raise UnsupportedProduct(f"einsum {einsum_str!r}: output indices do not match")
   return dataclasses.replace(layout, out_perm=tuple(dg_out.index(c) for c in out))

@@ -367,17 +367,17 @@ def test_float_params_fed_to_q8_model(linen_setup):
 
 
 def test_unsupported_product_stays_float_with_warning(rng):
-  class BatchedWeight(nn.Module):
+  class SummedWeight(nn.Module):
     @nn.compact
-    def __call__(self, x):  # the weight has a batch axis shared with x
-      w = self.param("w", nn.initializers.normal(), (4, 32, 8))
-      return jnp.einsum("bk,bkn->bn", x, w)
+    def __call__(self, x):  # the weight's free axis is summed away: no (K, N) product
+      w = self.param("w", nn.initializers.normal(), (32, 8))
+      return jnp.einsum("bk,kn->b", x, w)
 
   x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
   provider = q8rules.Q8Provider([q8rules.Q8Rule()])
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    variables = qwix.quantize_model(BatchedWeight(), provider).init(jax.random.key(0), x)
+    variables = qwix.quantize_model(SummedWeight(), provider).init(jax.random.key(0), x)
   assert any("left float" in str(w.message) for w in caught)
   assert isinstance(variables["params"]["w"], jax.Array)
   assert provider.report().ops[0].path == "float"

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -25,7 +28,7 @@ from q8rules import kernels
 from q8rules._qwix import WithAux, current_module_path, find_param
 from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import ProductLayout, WeightLayout
-from q8rules.q8_0 import Q8Array
+from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.rules import Q8Rule
 from q8rules.sharding.params import SpecTable
 from q8rules.sharding.product import run_sharded, type_spec
@@ -305,7 +308,7 @@ def run_served(
     "interpret": rule.interpret if rule is not None else None,
     "act_qtype": rule.act_qtype if rule is not None else None,
   }
-  if group_sizes is not None:
+  if group_sizes is not None or layout.batched:
     return _run_grouped(lhs, q8.array, layout, options, group_sizes, preferred_element_type, where)
   try:
     layout.check_lhs(tuple(lhs.shape))
@@ -329,14 +332,17 @@ def _run_grouped(
   weight: Q8Array,
   layout: ProductLayout,
   options: dict[str, Any],
-  group_sizes: jax.Array,
+  group_sizes: jax.Array | None,
   preferred_element_type: Any,
   where: str,
 ) -> tuple[jax.Array, str]:
-  """A grouped product (`jax.lax.ragged_dot`) on a stack of Q8_0 experts, through op
-  'ragged_matmul': lhs (M, K) rows sorted by group, weight (G, K_padded, N) blocked along each
-  expert's K; XLA partitions it on a mesh. The rule's `implementation` applies where the op has
-  one of that name; `act_qtype` is refused (the grouped product takes float activations)."""
+  """A product on a stack of Q8_0 experts, weight (*E, K_padded, N) blocked along each expert's
+  K, through op 'ragged_matmul' (each expert read once for all its rows); XLA partitions it on a
+  mesh. Grouped (`jax.lax.ragged_dot`, `group_sizes` given): lhs (M, K) rows sorted by group.
+  Batched (`layout.batched`, an einsum over the expert axis): each expert's M rows of the
+  activation (`layout.lhs_matrix`, (E, M, K_padded)) are its group, all groups of M rows. The
+  rule's `implementation` applies where the op has one of that name; `act_qtype` is refused
+  (the grouped product takes float activations)."""
   names = options["implementation"]
   names = (names,) if isinstance(names, str) else tuple(names or ())
   served = tuple(n for n in names if n in kernels.RAGGED_IMPLEMENTATIONS)
@@ -347,14 +353,27 @@ def _run_grouped(
         f"act_qtype={options['act_qtype']!r} on a grouped product of experts (float"
         " activations only)"
       )
-    return kernels.run_ragged(
-      lhs,
-      weight,
-      group_sizes,
+    run = functools.partial(
+      kernels.run_ragged,
       implementation=served or None,
       interpret=options["interpret"],
       preferred_element_type=preferred_element_type,
     )
+    if group_sizes is not None:
+      return run(lhs, weight, group_sizes)
+    stack = weight.take() if isinstance(weight, LayerSlice) else weight
+    k_pad, n = stack.shape[-2:]
+    experts = math.prod(stack.shape[:-2])
+    stack = dataclasses.replace(
+      stack,
+      q=stack.q.reshape(experts, k_pad, n),
+      scale=stack.scale.reshape(experts, k_pad // BLOCK, n),
+      axis=1,
+    )
+    x3 = layout.lhs_matrix(lhs)  # (E, M, K_padded)
+    m = x3.shape[1]
+    y, path = run(x3.reshape(experts * m, k_pad), stack, jnp.full((experts,), m, jnp.int32))
+    return layout.output(y.reshape(experts, m, n), tuple(lhs.shape)), path
   except (TypeError, ValueError, NotImplementedError) as e:
     raise type(e)(f"{where}: {e}") from e
 

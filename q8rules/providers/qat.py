@@ -240,6 +240,7 @@ class FakeQuantPolicy(WeightPolicy):
   ) -> None:
     weight = layout.weight
     k, k_pad, n = weight.k, weight.k_padded, weight.n
+    experts = math.prod(weight.batch_shape)
     notes = ([f"K padded {k} -> {k_pad}"] if k_pad != k else []) + notes
     self.record(
       product.rule,
@@ -249,8 +250,8 @@ class FakeQuantPolicy(WeightPolicy):
       m=math.prod(product.lhs.shape[a] for a in layout.lhs_free),
       k=k,
       n=n,
-      float_bytes=k * n * np.dtype(dtype).itemsize,
-      q8_bytes=k_pad * n + (k_pad // BLOCK) * n * np.dtype(scale_dtype).itemsize,
+      float_bytes=experts * k * n * np.dtype(dtype).itemsize,
+      q8_bytes=experts * (k_pad * n + (k_pad // BLOCK) * n * np.dtype(scale_dtype).itemsize),
       note="; ".join(notes),
     )
 

@@ -111,7 +111,7 @@ class ServePolicy(WeightPolicy):
       m=int(m),
       k=k,
       n=n,
-      float_bytes=k * n * np.dtype(how.dtype).itemsize,
+      float_bytes=math.prod(layout.weight.batch_shape) * k * n * np.dtype(how.dtype).itemsize,
       q8_bytes=weight.nbytes,
       note=weight_note(q8, k, k_pad),
     )

@@ -270,9 +270,11 @@ def conform(product: ProductLayout, stored: WeightLayout) -> ProductLayout | Non
   ):
     return None
   n_lhs = len(product.lhs_free)
-  # symbols: ('x', i) for lhs_free[i], ('w', a) for weight axis a
-  before = [("x", i) for i in range(n_lhs)] + [("w", a) for a in have.free]
-  after = [("x", i) for i in range(n_lhs)] + [("w", a) for a in stored.free]
+  # symbols: ('b', a) for batch axis a (a batched product's), ('x', i) for lhs_free[i],
+  # ('w', a) for weight axis a
+  lead = [("b", a) for a in have.batch] if product.batched else []
+  before = lead + [("x", i) for i in range(n_lhs)] + [("w", a) for a in have.free]
+  after = lead + [("x", i) for i in range(n_lhs)] + [("w", a) for a in stored.free]
   out_order = [before[i] for i in product.out_perm]
   return dataclasses.replace(
     product, weight=stored, out_perm=tuple(after.index(s) for s in out_order)
