@@ -34,6 +34,10 @@ stored as `tokenizer.ggml.*` (model 'gpt2').
 
 Existing files are only rewritten when named with --only (the committed llama /
 qwen2 references were made with an earlier llama.cpp).
+
+'gpt-oss' (llama.cpp's openai-moe: sinks, biases, experts, YaRN, harmony) is written by
+scripts/gguf_gpt_oss.py, with a third file llama.cpp quantizes to MXFP4 itself; its chat
+template comes from llama-cpp-python's sdist (--sdist, else `pip download`ed).
 """
 
 from __future__ import annotations
@@ -358,6 +362,7 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="tests/data/gguf_models")
   ap.add_argument("--only", nargs="*", help="models to (re)write (default: those not there)")
+  ap.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (gpt-oss's template)")
   args = ap.parse_args()
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -410,6 +415,11 @@ def main() -> None:
       f" prompt {len(prompt_ids)} tokens; n_ctx {n_ctx}; greedy Q8_0"
       f" {q8_tokens[len(prompt_ids) :].tolist()}"
     )
+  import gguf_gpt_oss
+
+  name = gguf_gpt_oss.NAME
+  if name in (args.only or ()) or (not args.only and not (out / f"tiny-{name}.npz").exists()):
+    gguf_gpt_oss.write_all(out, len(MODELS), args.sdist)
 
 
 if __name__ == "__main__":
