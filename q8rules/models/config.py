@@ -12,6 +12,8 @@ src/models/<arch>.cpp):
            sliding-window layers (every other one) with their own rope base
   gemma3   gemma2 without attention soft-capping, + QK-norm; 5 of every 6 layers local
   phi3     NEOX rope, fused attn_qkv and gate|up, LongRoPE factors chosen by context
+  qwen3moe qwen3 with a mixture of experts (softmax, top-k, normalised weights)
+  llama    with `ffn_*_exps` (Mixtral): the same mixture of experts
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import jax.numpy as jnp
 
 RopeStyle = Literal["interleaved", "halves"]
 Activation = Literal["silu", "gelu_tanh"]
+ExpertGating = Literal["softmax", "sigmoid", "softmax_weight", "sqrt_softplus"]
+EXPERT_GATINGS: tuple[str, ...] = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
+"""llama.cpp's expert gating functions (`llama_expert_gating_func_type` 1-4, in order)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,25 @@ class TransformerConfig:
     local_layers: per layer, whether it is a sliding-window layer (() or all False: none).
     rope_base_local: the local layers' RoPE base.
     rope_factor_local: positions are divided by it on local layers.
+    experts: routed experts per layer (llama.cpp's n_expert); 0: the dense FFN (`Mlp`), else
+      the mixture of experts (`q8rules.models.moe.Moe`, llama.cpp's `build_moe_ffn`).
+    experts_used: experts each token is routed to (n_expert_used, top-k), 1 to `experts`.
+    expert_ffn: an expert's FFN width (n_ff_exp); 0: `ffn`.
+    expert_gating: the router's probabilities: 'softmax', 'sigmoid', 'sqrt_softplus' (of the
+      logits, before top-k) or 'softmax_weight' (top-k of the logits, softmax over the k chosen).
+    expert_weights_norm: the k chosen weights are divided by their sum (norm_w).
+    expert_weights_scale: the chosen weights are multiplied by it (0 or 1: not).
+    expert_probs_bias: a param `exp_probs_b` (E,) is added to the probabilities to choose the
+      experts only (DeepSeek V3's); the weights are the unbiased probabilities.
+    expert_router_bias: the router has a bias (`ffn_gate_inp.bias`).
+    expert_bias: each expert's gate, up and down have a bias, params (E, N).
+    expert_weights_before_ffn: the weights scale each expert's input instead of its output
+      (Llama 4's).
+    expert_fused_gate_up: the experts' gate and up are one stack (E, dim, 2F), gate columns
+      first (`ffn_gate_up_exps`).
+    shared_expert_ffn: width of the shared experts' FFN, run on every token and added
+      (n_ff_shexp); 0: none.
+    shared_expert_gate: the shared experts' output is scaled by sigmoid(x @ gate_inp_shexp).
     scan_layers: run the blocks under `nn.scan` (params stacked along a
       leading layer axis, under 'layers') instead of unrolled ('layers_i').
     scan_in_place: with `scan_layers`, a scan step gets layer i of the stacked params by
@@ -111,6 +135,19 @@ class TransformerConfig:
   local_layers: tuple[bool, ...] = ()
   rope_base_local: float = 10000.0
   rope_factor_local: float = 1.0
+  experts: int = 0
+  experts_used: int = 0
+  expert_ffn: int = 0
+  expert_gating: ExpertGating = "softmax"
+  expert_weights_norm: bool = False
+  expert_weights_scale: float = 0.0
+  expert_probs_bias: bool = False
+  expert_router_bias: bool = False
+  expert_bias: bool = False
+  expert_weights_before_ffn: bool = False
+  expert_fused_gate_up: bool = False
+  shared_expert_ffn: int = 0
+  shared_expert_gate: bool = False
   scan_layers: bool = True
   scan_in_place: bool = True
   dtype: Any = jnp.float32
@@ -137,6 +174,20 @@ class TransformerConfig:
       )
     if any(self.local_layers) and self.sliding_window <= 0:
       raise ValueError(f"local layers need a sliding_window > 0, got {self.sliding_window}")
+    self._check_experts()
+
+  def _check_experts(self) -> None:
+    if self.expert_gating not in EXPERT_GATINGS:
+      raise ValueError(f"expert_gating must be one of {EXPERT_GATINGS}, got {self.expert_gating!r}")
+    if self.experts < 0 or self.expert_ffn < 0 or self.shared_expert_ffn < 0:
+      raise ValueError(
+        f"experts {self.experts}, expert_ffn {self.expert_ffn} and shared_expert_ffn"
+        f" {self.shared_expert_ffn} must be >= 0"
+      )
+    if self.experts and not 1 <= self.experts_used <= self.experts:
+      raise ValueError(f"experts_used {self.experts_used} must be in [1, experts {self.experts}]")
+    if not self.experts and self.experts_used:
+      raise ValueError(f"experts_used {self.experts_used} without experts")
 
   @property
   def is_local(self) -> tuple[bool, ...]:
@@ -159,4 +210,4 @@ class TransformerConfig:
     return tuple(k for k, here in (("global", False), ("local", True)) if here in self.is_local)
 
 
-__all__ = ["Activation", "RopeStyle", "TransformerConfig"]
+__all__ = ["EXPERT_GATINGS", "Activation", "ExpertGating", "RopeStyle", "TransformerConfig"]

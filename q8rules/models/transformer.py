@@ -26,6 +26,7 @@ field of `TransformerConfig` (q8rules/models/config.py says which arch sets what
     SwiGLU or GELU-tanh GeGLU, attention and final-logit soft-capping;
   * sliding-window layers (`local_layers`, `sliding_window`): their KV cache is a
     ring buffer of the window's length (q8rules/models/attention.py);
+  * a mixture of experts in place of the FFN (`experts`; q8rules/models/moe.py);
   * tied embeddings: the table (dim, vocab), GGUF's `token_embd` in kernel
     layout, is the output projection too (one param, no second copy).
 
@@ -65,6 +66,7 @@ from q8rules.models.attention import (
   rope_angles,
 )
 from q8rules.models.config import RopeStyle, TransformerConfig
+from q8rules.models.moe import Moe, gated
 
 
 class RMSNorm(nn.Module):
@@ -174,13 +176,13 @@ class Mlp(nn.Module):
       gate, up = jnp.split(_dense(2 * c.ffn, "up", c)(x), 2, axis=-1)
     else:
       gate, up = _dense(c.ffn, "gate", c)(x), _dense(c.ffn, "up", c)(x)
-    act = nn.silu(gate) if c.activation == "silu" else nn.gelu(gate, approximate=True)
-    return _dense(c.dim, "down", c)(act * up)
+    return _dense(c.dim, "down", c)(gated(c, gate, up))
 
 
 class Block(nn.Module):
-  """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); with `post_norms` each
-  branch's output is normalized before its residual add.
+  """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) (the experts, `moe`, when
+  `config.experts`); with `post_norms` each branch's output is normalized before its residual
+  add.
 
   Called as `nn.scan` calls it: `(carry, kind, pos, angles) -> (carry, None)` with
   carry = (x, cache groups) and kind = (local, slot) of this layer.
@@ -200,7 +202,8 @@ class Block(nn.Module):
     if c.post_norms:
       h = _norm(c.dim, "post_attn_norm", c)(h)
     x = x + h
-    h = Mlp(c, name="mlp")(_norm(c.dim, "mlp_norm", c)(x))
+    ffn = Moe(c, name="moe") if c.experts else Mlp(c, name="mlp")
+    h = ffn(_norm(c.dim, "mlp_norm", c)(x))
     if c.post_norms:
       h = _norm(c.dim, "post_mlp_norm", c)(h)
     return (x + h, groups), None
@@ -308,6 +311,7 @@ __all__ = [
   "Embed",
   "LayerStep",
   "Mlp",
+  "Moe",
   "RMSNorm",
   "RopeStyle",
   "Transformer",

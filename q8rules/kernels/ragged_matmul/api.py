@@ -15,6 +15,7 @@ and the scales' is XLA's too; the int8 values and the group sizes get none.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax.interpreters import batching
 
 from q8rules.kernels import lowering, registry
+from q8rules.kernels.layer import LayerSlice
 from q8rules.kernels.ragged_matmul import cpu, pallas, reference, xla
 from q8rules.kernels.ragged_matmul.problem import RaggedProblem, check_ragged_operands
 from q8rules.kernels.registry import ImplementationArg
@@ -125,16 +127,43 @@ def _hashable(implementation: ImplementationArg) -> str | tuple[str, ...] | None
   return tuple(implementation)
 
 
+def layer_experts(w: LayerSlice, group_sizes: jax.Array) -> tuple[Q8Array, jax.Array]:
+  """Layer `w.layer`'s experts of a scanned model's stack, q (L, E, K_pad, N), as one stack of
+  L * E experts (a reshape, no copy) whose groups outside the layer are empty: (the (L*E, K_pad,
+  N) Q8Array, group sizes (L*E,) int32). The implementations read only experts with rows, so a
+  layer's experts are read in place where slicing the layer out would copy all of them."""
+  q, scale = w.stacked.q, w.stacked.scale
+  if q.ndim != 4:
+    raise ValueError(
+      f"q8_ragged_matmul: a layer of stacked experts must be (L, E, K, N), got {tuple(q.shape)}"
+    )
+  layers, experts = q.shape[:2]
+  flat = dataclasses.replace(
+    w.stacked,
+    q=q.reshape(layers * experts, *q.shape[2:]),
+    scale=scale.reshape(layers * experts, *scale.shape[2:]),
+    axis=1,
+  )
+  start = jnp.asarray(w.layer, jnp.int32) * experts
+  sizes = jax.lax.dynamic_update_slice(
+    jnp.zeros((layers * experts,), jnp.int32), jnp.asarray(group_sizes, jnp.int32), (start,)
+  )
+  return flat, sizes
+
+
 def run_ragged(
   x: jax.Array,
-  w: Q8Array,
+  w: Q8Array | LayerSlice,
   group_sizes: jax.Array,
   *,
   implementation: ImplementationArg = None,
   interpret: bool | None = None,
   preferred_element_type: Any = None,
 ) -> tuple[jax.Array, str]:
-  """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend."""
+  """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend; a
+  `LayerSlice` of stacked experts runs as `layer_experts` lays it out."""
+  if isinstance(w, LayerSlice):
+    w, group_sizes = layer_experts(w, group_sizes)
   check_ragged_operands(x, w, group_sizes)
   registry.check_implementation(implementation, OP)
   m, k = x.shape
@@ -183,6 +212,7 @@ __all__ = [
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",
   "OP",
+  "layer_experts",
   "q8_ragged_matmul",
   "q8_ragged_product_p",
   "resolve_ragged",
