@@ -378,3 +378,75 @@ def test_qat_on_batched_experts_is_served_and_its_gradients_are_float64s():
   assert rel_err(dx, dx_ref) <= 1e-5
   for name in ("gate", "up", "down"):
     assert rel_err(getattr(dm, name)[...], dw_ref[name]) <= 1e-5, name
+
+
+class Factored(nnx.Module):
+  """Weights times array factors before their products: a dense weight by a vector along N
+  (`w * c`, `c * w`, `w / c`), a stack of experts by one factor per expert and column through
+  `jax.lax.ragged_dot`, an einsum batched over experts, and `w[i]` slices."""
+
+  def __init__(self, rng: np.random.Generator):
+    self.w = nnx.Param(jnp.asarray(weights(rng, D, F)))
+    self.experts = nnx.Param(jnp.asarray(weights(rng, E, D, F)))
+    self.c = jnp.asarray(rng.uniform(0.5, 2.0, F), jnp.float32)
+    self.per_expert = jnp.asarray(rng.uniform(0.5, 2.0, (E, 1, F)), jnp.float32)
+
+  def __call__(self, x: jax.Array, group_sizes: jax.Array) -> list[jax.Array]:
+    w, c, s = self.w[...], self.c, self.per_expert
+    stack = self.experts[...]
+    return [
+      jnp.dot(x, w * c),
+      jnp.dot(x, c * w),
+      jnp.einsum("TD,DF->TF", x, w / c),
+      jax.lax.ragged_dot(x, stack * s, group_sizes),
+      jnp.einsum("ETD,EDF->ETF", jnp.broadcast_to(x, (E, *x.shape)), stack / s),
+      jnp.einsum("TD,DF->TF", x, (stack * s)[2]),
+    ]
+
+
+def test_array_factors_along_n_are_served_exactly():
+  """Each product against float64 on the param's own Q8_0 values, the factor applied to the
+  output columns (x @ (w * c) = (x @ w) * c); QAT's forward is the served model's."""
+  rng = np.random.default_rng(16)
+  x = jnp.asarray(rng.standard_normal((int(GROUPS.sum()), D)), jnp.float32)
+  gs = jnp.asarray(GROUPS)
+  p = provider()
+  served = qwix.quantize_model(Factored(np.random.default_rng(17)), p, x, gs)
+  outs = served(x, gs)
+  q8 = served.w[...].array
+  w = (np.asarray(q8.q, np.float64) * np.repeat(np.asarray(q8.scale, np.float64), BLOCK, 0))[:D]
+  stack = experts_f64(served.experts[...])
+  c, s = np.asarray(served.c, np.float64), np.asarray(served.per_expert, np.float64)
+  x64 = np.asarray(x, np.float64)
+  refs = [
+    x64 @ w * c,
+    x64 @ w * c,
+    x64 @ w / c,
+    ragged_f64(x64, stack * s, GROUPS),
+    np.einsum("TD,EDF->ETF", x64, stack / s),
+    x64 @ (stack * s)[2],
+  ]
+  for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+    assert rel_err(out, ref) <= 1e-5, i
+  assert all(r.path != "float" for r in p.report().ops), p.report()
+  assert p.report().float_params == []
+  for got, ref in zip(jax.jit(served)(x, gs), refs, strict=True):
+    assert rel_err(got, ref) <= 1e-5
+  qat = qwix.quantize_model(
+    Factored(np.random.default_rng(17)), q8rules.Q8QatProvider([q8rules.Q8Rule()]), x, gs
+  )
+  for got, want in zip(qat(x, gs), outs, strict=True):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_factor_along_k_is_refused_naming_the_weight():
+  class AlongK(nnx.Module):
+    def __init__(self, rng: np.random.Generator):
+      self.proj = nnx.Param(jnp.asarray(weights(rng, D, F)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+      return jnp.dot(x, self.proj[...] * jnp.linspace(0.5, 1.5, D)[:, None])
+
+  x = jnp.ones((2, D), jnp.float32)
+  with pytest.raises(TypeError, match=r"weight proj of float shape \(64, 48\).*contracted axes"):
+    qwix.quantize_model(AlongK(np.random.default_rng(18)), provider(), x)

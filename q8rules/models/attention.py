@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from q8rules.attention_params import AttentionParams
-from q8rules.models import hooks
+from q8rules.models import hooks, yarn
 from q8rules.models.config import RopeStyle, TransformerConfig
 
 Cache = Any
@@ -45,6 +45,7 @@ def rope_angles(
 
   Pair i at position p turns by `p * scale * base**(-2i / head_dim) / f_i`; base and
   scale are the local layers' when `local`; f_i from `freq_factors` (head_dim / 2,) or 1.
+  With YaRN the scale is mixed per pair (`yarn.mix`).
   """
   c = config
   half = c.head_dim // 2
@@ -52,19 +53,38 @@ def rope_angles(
   inv_freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / c.head_dim)
   if freq_factors is not None:
     inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
-  if local:
-    scale = 1.0 / c.rope_factor_local
-  else:
-    scale = 1.0 / c.rope_factor if c.rope_scaling is not None else 1.0
+  scale = _rope_scale(c, local)
+  if c.rope_scaling == "yarn":  # the scale reaches the low frequencies only
+    beta = (c.rope_yarn_beta_fast, c.rope_yarn_beta_slow)
+    inv_freq = inv_freq * yarn.mix(2 * half, c.rope_original_context, base, scale, *beta)
+    scale = 1.0
   return positions.astype(jnp.float32)[..., None] * scale * inv_freq
 
 
-def apply_rope(x: jax.Array, angles: jax.Array, style: RopeStyle, mscale: float = 1.0) -> jax.Array:
+def _rope_scale(c: TransformerConfig, local: bool) -> float:
+  """The frequency scale of a layer (llama.cpp's freq_scale: 1 / the scaling factor)."""
+  if local:
+    return 1.0 / c.rope_factor_local
+  return 1.0 / c.rope_factor if c.rope_scaling is not None else 1.0
+
+
+def rope_mscale(config: TransformerConfig, local: bool = False) -> float:
+  """What cos and sin are multiplied by on a layer of that kind: `rope_attn_factor`, with YaRN
+  times its magnitude correction (`yarn.mscale`)."""
+  c = config
+  if c.rope_scaling != "yarn":
+    return c.rope_attn_factor
+  return yarn.mscale(c.rope_factor, _rope_scale(c, local), c.rope_attn_factor)
+
+
+def apply_rope(
+  x: jax.Array, angles: jax.Array, style: RopeStyle, mscale: float | jax.Array = 1.0
+) -> jax.Array:
   """Rotate x (B, T, N, H) by angles (T, H / 2) (or (B, T, H / 2), per row), in float32, cos
-  and sin times `mscale`; returns x's dtype."""
+  and sin times `mscale` (a float, or a traced float32 scalar); returns x's dtype."""
   cos = jnp.cos(angles)[..., None, :]
   sin = jnp.sin(angles)[..., None, :]
-  if mscale != 1.0:
+  if not isinstance(mscale, float) or mscale != 1.0:
     cos, sin = cos * mscale, sin * mscale
   xf = x.astype(jnp.float32)
   if style == "interleaved":
@@ -153,15 +173,26 @@ def _scale(c: TransformerConfig) -> float:
 
 
 def _attend(
-  c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
+  c: TransformerConfig,
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  visible: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Softmax attention of q (B, T, heads, H) over keys / values (B, S, kv_heads, H) where
-  visible (T, S) (or (B, T, S), per row); float32 inside, returns (B, T, heads * H) in the config's dtype."""
-  return _attend_f32(c, q, keys, values, visible).astype(c.dtype)
+  visible (T, S) (or (B, T, S), per row), with each head's sink logit (heads,) float32 in its
+  softmax when given; float32 inside, returns (B, T, heads * H) in the config's dtype."""
+  return _attend_f32(c, q, keys, values, visible, sinks).astype(c.dtype)
 
 
 def _attend_f32(
-  c: TransformerConfig, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
+  c: TransformerConfig,
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  visible: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """`_attend` before the cast: (B, T, heads * H) float32."""
   b, t = q.shape[:2]
@@ -173,7 +204,12 @@ def _attend_f32(
     scores = jnp.tanh(scores / c.attn_softcap) * c.attn_softcap
   visible = visible[None, None, None] if visible.ndim == 2 else visible[:, None, None]
   scores = jnp.where(visible, scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:  # one more logit per head, in the denominator only (ggml's soft_max with sinks)
+    sink = jnp.asarray(sinks, jnp.float32).reshape(1, c.kv_heads, group, 1, 1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
   out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
   return out.reshape(b, t, c.heads * c.head_dim)
 
@@ -258,19 +294,20 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
   return tuple(out)
 
 
-def _global_read(c, q, pair, slot, pos):
+def _global_read(c, q, pair, slot, pos, sinks=None):
   """Attend causally over layer `slot`'s full cache (the chunk already written). One new
   token goes through `hooks.attend_one_token` (this XLA attention; under a q8rules provider,
-  the decode-attention kernel where it runs)."""
+  the decode-attention kernel where it runs), unless the heads have sinks (`sinks` (heads,):
+  the kernel has none)."""
 
   def xla(q, cache_k, cache_v, slot, pos):
     keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
     values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
     positions = jnp.asarray(pos)[..., None] + jnp.arange(q.shape[1])  # (T,) or (B, T)
     visible = jnp.arange(keys.shape[1]) <= positions[..., None]  # (T, S) or (B, T, S)
-    return _attend_f32(c, q, keys, values, visible)
+    return _attend_f32(c, q, keys, values, visible, sinks)
 
-  if q.shape[1] != 1:
+  if q.shape[1] != 1 or sinks is not None:
     return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
   if not _per_row(pos):
@@ -285,9 +322,9 @@ def _global_read(c, q, pair, slot, pos):
   return jnp.concatenate(rows, axis=0).astype(c.dtype)
 
 
-def _local_read(c, q, k, v, pair, slot, pos):
+def _local_read(c, q, k, v, pair, slot, pos, sinks=None):
   """Attend over layer `slot`'s ring (positions < pos) and the chunk, within the window (`pos`
-  a scalar, or (B,) per row: then the masks are (B, T, R + T))."""
+  a scalar, or (B,) per row: then the masks are (B, T, R + T)); `sinks` as `_attend`'s."""
   ring_k = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, R, KV, H)
   ring_v = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
   t, ring = k.shape[1], ring_k.shape[1]
@@ -301,7 +338,7 @@ def _local_read(c, q, k, v, pair, slot, pos):
   visible = written[..., None, :] & (diff >= 0) & (diff < c.sliding_window)
   keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
   values = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
-  return _attend(c, q, keys, values, visible)
+  return _attend(c, q, keys, values, visible, sinks)
 
 
 def _local_write(pair, k, v, slot, pos, keep: Any = False):
@@ -331,9 +368,11 @@ def attention(
   local: Any,
   slot: Any,
   pos: Any,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
   """q (B, T, heads, H), k / v (B, T, kv_heads, H) (RoPE applied) at `pos` for the layer at
-  `slot` of its kind's cache -> (B, T, heads * H), the updated cache groups.
+  `slot` of its kind's cache -> (B, T, heads * H), the updated cache groups. `sinks` (heads,)
+  float32: each head's sink logit in its softmax (None: none).
 
   `local` is a Python bool (unrolled layers, or a model with one kind of layer), or a traced
   bool (scanned layers of both kinds). Then the attention runs under `lax.cond` (only the
@@ -344,15 +383,15 @@ def attention(
   kinds = c.layer_kinds
   if len(kinds) == 1 or isinstance(local, bool):
     if kinds == ("local",) or local is True:
-      out = _local_read(c, q, k, v, groups["local"], slot, pos)
+      out = _local_read(c, q, k, v, groups["local"], slot, pos, sinks)
       return out, {**groups, "local": _local_write(groups["local"], k, v, slot, pos)}
     pair = _global_write(groups["global"], k, v, slot, pos)
-    return _global_read(c, q, pair, slot, pos), {**groups, "global": pair}
+    return _global_read(c, q, pair, slot, pos, sinks), {**groups, "global": pair}
   glob = _global_write(groups["global"], k, v, slot, pos, keep=local)
   out = jax.lax.cond(
     local,
-    lambda: _local_read(c, q, k, v, groups["local"], slot, pos),
-    lambda: _global_read(c, q, glob, slot, pos),
+    lambda: _local_read(c, q, k, v, groups["local"], slot, pos, sinks),
+    lambda: _global_read(c, q, glob, slot, pos, sinks),
   )
   loc = _local_write(groups["local"], k, v, slot, pos, keep=jnp.logical_not(local))
   return out, {"global": glob, "local": loc}
@@ -367,4 +406,5 @@ __all__ = [
   "from_groups",
   "init_cache",
   "rope_angles",
+  "rope_mscale",
 ]

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from q8rules.models import yarn
+
 RopeStyle = Literal["interleaved", "halves"]
 Activation = Literal["silu", "gelu_tanh"]
 ExpertGating = Literal["softmax", "sigmoid", "softmax_weight", "sqrt_softplus"]
@@ -45,9 +47,9 @@ class TransformerConfig:
     ffn: feed-forward width.
     rope_base: RoPE frequency base (theta) of the global layers.
     rope_style: 'interleaved' (llama.cpp NORM) or 'halves' (NEOX).
-    rope_scaling: None, 'linear' or 'longrope'.
+    rope_scaling: None, 'linear', 'longrope' or 'yarn' (ggml's YaRN: q8rules/models/yarn.py).
     rope_factor: positions are divided by it on global layers (llama.cpp's
-      1 / freq_scale) unless rope_scaling is None.
+      1 / freq_scale) unless rope_scaling is None; with 'yarn' the low frequencies only.
     rope_freq_factors: the model has a `rope_freqs` param (head_dim / 2,)
       dividing each pair's frequency (Llama 3.1's).
     rope_long_short: the model has `rope_factors_long` and `rope_factors_short`
@@ -55,11 +57,17 @@ class TransformerConfig:
       `rope_original_context` uses the long ones, as llama.cpp picks by its n_ctx.
     rope_original_context: the context the model was trained at before
       scaling (`rope.scaling.original_context_length`).
-    rope_attn_factor: cos and sin are multiplied by it (llama.cpp's attn_factor).
+    rope_attn_factor: cos and sin are multiplied by it (llama.cpp's attn_factor; with 'yarn'
+      also by YaRN's 1 + 0.1 ln(factor)).
+    rope_yarn_beta_fast, rope_yarn_beta_slow: YaRN's correction dims (llama.cpp's
+      yarn_beta_fast / yarn_beta_slow).
     norm_eps: RMSNorm epsilon.
     context_length: the longest cache `init_cache` may be asked for.
     tied_embeddings: the output projection is the embedding table.
     qkv_bias: q, k and v have biases.
+    attn_output_bias: the attention's output projection has a bias.
+    attn_sinks: each head has a learned sink logit (param `sinks` (heads,)), one more term
+      of its softmax's denominator (llama.cpp's attn_sinks, gpt-oss's).
     qk_norm: q and k are RMS-normalized per head (weights (head_dim,)) before RoPE.
     post_norms: the attention and FFN outputs are RMS-normalized before their residual add.
     embed_scale: the embeddings are multiplied by sqrt(dim).
@@ -118,10 +126,14 @@ class TransformerConfig:
   rope_long_short: bool = False
   rope_original_context: int = 0
   rope_attn_factor: float = 1.0
+  rope_yarn_beta_fast: float = yarn.BETA_FAST
+  rope_yarn_beta_slow: float = yarn.BETA_SLOW
   norm_eps: float = 1e-5
   context_length: int = 2048
   tied_embeddings: bool = False
   qkv_bias: bool = False
+  attn_output_bias: bool = False
+  attn_sinks: bool = False
   qk_norm: bool = False
   post_norms: bool = False
   embed_scale: bool = False
@@ -159,10 +171,12 @@ class TransformerConfig:
       raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
     if self.rope_style not in ("interleaved", "halves"):
       raise ValueError(f"rope_style must be 'interleaved' or 'halves', got {self.rope_style!r}")
-    if self.rope_scaling not in (None, "linear", "longrope"):
+    if self.rope_scaling not in (None, "linear", "longrope", "yarn"):
       raise ValueError(
-        f"rope_scaling must be None, 'linear' or 'longrope', got {self.rope_scaling!r}"
+        f"rope_scaling must be None, 'linear', 'longrope' or 'yarn', got {self.rope_scaling!r}"
       )
+    if self.rope_scaling == "yarn" and self.rope_original_context <= 0:
+      raise ValueError("rope_scaling 'yarn' needs rope_original_context > 0")
     if self.rope_freq_factors and self.rope_long_short:
       raise ValueError("rope_freq_factors and rope_long_short exclude each other")
     if self.activation not in ("silu", "gelu_tanh"):

@@ -64,6 +64,7 @@ from q8rules.models.attention import (
   from_groups,
   init_cache,
   rope_angles,
+  rope_mscale,
 )
 from q8rules.models.config import RopeStyle, TransformerConfig
 from q8rules.models.moe import Moe, gated
@@ -152,16 +153,29 @@ class Attention(nn.Module):
     if c.qk_norm:
       q, k = _norm(c.head_dim, "q_norm", c)(q), _norm(c.head_dim, "k_norm", c)(k)
     local, slot = kind
-    if len(angles) == 1:
-      (ang,) = angles.values()
-    elif isinstance(local, bool):
-      ang = angles["local" if local else "global"]
-    else:
-      ang = jnp.where(local, angles["local"], angles["global"])
-    q = apply_rope(q, ang, c.rope_style, c.rope_attn_factor)
-    k = apply_rope(k, ang, c.rope_style, c.rope_attn_factor)
-    out, groups = attention(c, q, k, v, groups, local, slot, pos)
-    return _dense(c.dim, "o", c)(out), groups
+    ang = _of_kind(angles, local)
+    mscale = _of_kind({k: rope_mscale(c, k == "local") for k in angles}, local)
+    q = apply_rope(q, ang, c.rope_style, mscale)
+    k = apply_rope(k, ang, c.rope_style, mscale)
+    sinks = None
+    if c.attn_sinks:
+      sinks = self.param("sinks", nn.initializers.zeros, (c.heads,), jnp.float32)
+    out, groups = attention(c, q, k, v, groups, local, slot, pos, sinks)
+    return _dense(c.dim, "o", c, c.attn_output_bias)(out), groups
+
+
+def _of_kind(values: dict[str, Any], local: Any) -> Any:
+  """This layer's entry of a dict per kind of layer ('global', 'local'); `local` a Python bool,
+  or a traced one (scanned layers of both kinds: a select, unless both entries are one float)."""
+  if len(values) == 1:
+    (value,) = values.values()
+    return value
+  if isinstance(local, bool):
+    return values["local" if local else "global"]
+  here, there = values["local"], values["global"]
+  if isinstance(here, float) and here == there:
+    return here
+  return jnp.where(local, here, there)
 
 
 class Mlp(nn.Module):

@@ -11,9 +11,13 @@ int8 values and scales (`q8rules.providers.views`):
   * `w[ids]` / `w[(ids,)]` / `jnp.take(w, ids, axis)` on an embedding table
     gather the looked-up columns of the (K, N) matrix and dequantise only them
     (`q8rules.providers.lookup.take_q8`): the table is stored once, for lookups and a
-    tied head alike.
+    tied head alike;
+  * `w[i]` on a stack of experts gives expert i's matrix, read in place;
+  * `w * c`, `c * w`, `w / c` with a number, or a float array constant along the product's
+    contracted axes (a factor per output column, per expert of a stack), give a view whose
+    products take the factor on their output (`views.Scale`, `views.ColumnScale`).
 
-Anything else (arithmetic, other jnp functions, slicing) raises a `TypeError`
+Anything else (other arithmetic, other jnp functions, slicing) raises a `TypeError`
 naming the param, never an error from deep inside JAX.
 """
 
@@ -42,8 +46,9 @@ from q8rules.providers.lookup import (
 from q8rules.q8_0 import Q8Array, quantize
 
 SERVED_OPS = (
-  "products (lax.dot_general, jnp.dot, jnp.einsum), lookups (table[ids], jnp.take),"
-  " .T / transpose, astype and reshapes that keep K and N"
+  "products (lax.dot_general, jnp.dot, jnp.einsum, lax.ragged_dot), lookups (table[ids],"
+  " jnp.take), .T / transpose, astype and reshapes that keep K and N, w[i] of a stack of"
+  " experts, factors along N (w * c, w / c)"
 )
 """What a Q8_0 weight can be used for (error messages)."""
 
@@ -90,15 +95,18 @@ class Q8Weight(WithAux):
     """The view `op(w)`: the same Q8 values, laid out as `op` leaves the float weight."""
     try:
       layout = op.forward(self.how.layout)
+      if isinstance(op, views.ColumnScale):  # its factor on the matrix's columns
+        op = op.placed(self.how.layout)
     except views.ViewError as e:
       raise TypeError(f"{self.what()}: {e}") from None
     dtype = op.dtype if isinstance(op, views.AsType) else self.how.dtype
-    array = self.array
+    array, chain = self.array, self.chain
     if isinstance(op, views.Index):  # one expert of the stack, read in place by the kernels
       stacked = dataclasses.replace(array, axis=array.axis - 1)
       array = LayerSlice(stacked, jnp.asarray(op.index, jnp.int32))
+      chain = tuple(o.indexed(op.index) if isinstance(o, views.ColumnScale) else o for o in chain)
     how = Q8How(layout, self.how.scale_dtype, dtype)
-    return self.replace(array=array, how=how, chain=self.chain + (op,))
+    return self.replace(array=array, how=how, chain=chain + (op,))
 
   @property
   def T(self) -> Q8Weight:  # noqa: N802 (numpy's name)
@@ -119,12 +127,12 @@ class Q8Weight(WithAux):
     return self.view(views.AsType(dtype.name))
 
   def __mul__(self, other: Any) -> Q8Weight:
-    return self.view(views.Scale(_factor(other, self, "*")))
+    return self.view(_factor(other, self, "*", divide=False))
 
   __rmul__ = __mul__
 
   def __truediv__(self, other: Any) -> Q8Weight:
-    return self.view(views.Scale(_factor(other, self, "/"), divide=True))
+    return self.view(_factor(other, self, "/", divide=True))
 
   def reshape(self, *shape: Any) -> Q8Weight:
     if len(shape) == 1 and isinstance(shape[0], Sequence):
@@ -206,14 +214,17 @@ for _name, _op in {
   setattr(Q8Weight, _name, _refusing(_op))
 
 
-def _factor(other: Any, weight: Q8Weight, op: str) -> float:
-  """`other` as the constant factor of `weight {op} other`; a TypeError, naming the weight, for
-  anything but a Python or numpy number."""
-  if isinstance(other, bool) or not isinstance(other, int | float | np.integer | np.floating):
+def _factor(other: Any, weight: Q8Weight, op: str, divide: bool) -> views.Scale | views.ColumnScale:
+  """`other` as the factor of `weight {op} other`: a number (`Scale`) or a float array
+  (`ColumnScale`, checked against the weight's layout when the view is taken); a TypeError,
+  naming the weight, for anything else."""
+  factor = views.factor_op(other, divide)
+  if factor is None:
     raise weight.refuse(
-      f"the operator {op} with {type(other).__name__} (a constant number is served)"
+      f"the operator {op} with {type(other).__name__} (a number, or a float array along the"
+      " output columns, is served)"
     )
-  return float(other)
+  return factor
 
 
 def is_index_array(idx: Any) -> bool:

@@ -180,7 +180,7 @@ def round_trip(
   casts it). Constant factors (`w * c`) take the same road: serving multiplies the product of
   the param's own Q8_0 values.
   """
-  if not _narrows(found) and not any(isinstance(op, views.Scale) for op in found.chain):
+  if not _narrows(found) and not any(isinstance(op, views.FACTORS) for op in found.chain):
     return fq(value, view, scale_dtype)
   moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
   base = found.base if base is None else base
@@ -368,7 +368,7 @@ def qat_product(
       lhs, q8, layout, rule, operand, product.preferred_element_type, where, product.group_sizes
     )
     paths.append(path)
-    return views.scale_output(y, chain).astype(out_dtype)
+    return views.scale_output(y, q8.chain, layout, product.group_sizes).astype(out_dtype)
 
   def f_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[jax.Array, jax.Array]:
     lhs, param = primals

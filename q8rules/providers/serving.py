@@ -117,7 +117,7 @@ class ServePolicy(WeightPolicy):
     )
     y = self.adapted(product, q8, layout, y)
     if isinstance(q8, Q8Weight):  # the constant factors the model put on the weight
-      y = views.scale_output(y, q8.chain)
+      y = views.scale_output(y, q8.chain, layout, product.group_sizes)
     return y.astype(preferred_element_type or lhs.dtype)
 
   def adapted(

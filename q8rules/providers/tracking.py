@@ -241,13 +241,19 @@ def intercepts(
     return type(args[0])(out) if nnx_form else out
 
   def scaled(name: str, divide: bool) -> Callable[..., Any]:
-    """`w * c`, `c * w` (through `__rmul__`) and `w / c` on a param, c a constant number."""
+    """`w * c`, `c * w` and `w / c` on a param (or a Q8 param), c a number or a float array (a
+    factor per output column: `views.ColumnScale`, checked when a product serves it)."""
 
     def op(self: Any, other: Any) -> Any:
+      if not divide and (q8 := as_q8_weight(other)) is not None:  # c * w, c an array
+        return q8 * self
       out = original(name)(self, other)
-      constant = isinstance(other, int | float | np.integer | np.floating)
-      if constant and not isinstance(other, bool):
-        run().follow(self, out, views.Scale(float(other), divide))
+      weight, factor = self, other
+      if not divide and run().find(self) is None:  # c * w: the array c's own operator ran
+        weight, factor = other, self
+      found_op = views.factor_op(factor, divide)
+      if found_op is not None:
+        run().follow(weight, out, found_op)
       return out
 
     return op

@@ -210,14 +210,119 @@ class Scale:
     return f"{'/' if self.divide else '*'} {self.factor:g}"
 
 
-Op = Transpose | Reshape | AsType | Index | Scale
+@dataclasses.dataclass(frozen=True, eq=False)
+class ColumnScale:
+  """`w * c` (`c * w`), or `w / c` with `divide`: an array factor `c` that broadcasts against
+  the weight without changing its shape and is constant along the product's contracted axes
+  (one factor per column of the Q8_0 matrix, and per expert of a stack: a vector along N).
+  The Q8_0 values stay those of `w`; the product's output takes the factor column by column
+  (`scale_output`), as x @ (w * c) = (x @ w) * c.
+
+  Attributes:
+    factor: the array the model multiplied by (any float dtype; may be traced).
+    divide: `w / c`.
+    columns: the factor on the columns of the Q8_0 matrix, (*batch_shape, N) float32, in the
+      order of the weight's N (`placed`, when a Q8 weight takes the view); None before.
+  """
+
+  factor: Any
+  divide: bool = False
+  columns: Any = None
+
+  def forward(self, layout: WeightLayout) -> WeightLayout:
+    return layout
+
+  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
+    return layout
+
+  def array(self, w: jax.Array) -> jax.Array:
+    return w / self.factor if self.divide else w * self.factor
+
+  def placed(self, layout: WeightLayout) -> ColumnScale:
+    """This factor on the columns of a weight of `layout` (`columns`).
+
+    Raises:
+      ViewError: the factor would change the weight's shape, or varies along its contracted
+        axes (K: no output column takes it).
+    """
+    c = jnp.asarray(self.factor)
+    shape, given = layout.shape, tuple(c.shape)
+    if c.ndim > len(shape):
+      raise ViewError(f"a factor of shape {given} has more axes than the weight {shape}")
+    c = c.reshape((1,) * (len(shape) - c.ndim) + given)
+    if any(c.shape[a] not in (1, shape[a]) for a in range(len(shape))):
+      raise ViewError(f"a factor of shape {given} does not broadcast against the weight {shape}")
+    along_k = tuple(a for a in layout.contract if c.shape[a] != 1)
+    if along_k:
+      raise ViewError(
+        f"a factor of shape {given} varies along the weight's contracted axes {along_k} (K);"
+        " served: a factor per output column (along N) or per expert, constant along K"
+      )
+    c = jnp.transpose(c, layout.batch + layout.contract + layout.free)
+    free = tuple(shape[a] for a in layout.free)
+    c = jnp.broadcast_to(c, (*layout.batch_shape, *(1,) * len(layout.contract), *free))
+    return dataclasses.replace(
+      self, columns=c.reshape(*layout.batch_shape, layout.n).astype(jnp.float32)
+    )
+
+  def indexed(self, index: int) -> ColumnScale:
+    """The factor of expert `index` of a stack (`Index`), once placed."""
+    if self.columns is None:
+      return self
+    return dataclasses.replace(self, columns=self.columns[index])
+
+  def __str__(self) -> str:
+    return f"{'/' if self.divide else '*'} array{tuple(jnp.shape(self.factor))}"
 
 
-def scale_output(y: jax.Array, chain: Chain) -> jax.Array:
-  """A product's output `y` (float32) times the constant factors of `chain`, in its order."""
+Op = Transpose | Reshape | AsType | Index | Scale | ColumnScale
+
+FACTORS = (Scale, ColumnScale)
+"""The ops that put a factor on a weight (the product's output takes it)."""
+
+
+def factor_op(factor: Any, divide: bool) -> Scale | ColumnScale | None:
+  """The op of `w * factor` (`w / factor` when `divide`): `Scale` for a Python or numpy number,
+  `ColumnScale` for a float array (jax or numpy); None for anything else."""
+  if isinstance(factor, bool | np.bool_):
+    return None
+  if isinstance(factor, int | float | np.integer | np.floating):
+    return Scale(float(factor), divide)
+  if isinstance(factor, jax.Array | np.ndarray) and jnp.issubdtype(factor.dtype, jnp.floating):
+    return ColumnScale(factor, divide)
+  return None
+
+
+def _output_factor(
+  columns: jax.Array, layout: ProductLayout, group_sizes: jax.Array | None, rows: int
+) -> jax.Array:
+  """`columns` (*batch_shape, N) laid out against the product's output: per row's expert for a
+  grouped product (`rows` rows, `group_sizes`), per expert for a batched one."""
+  if group_sizes is not None:  # rows sorted by expert: each row takes its expert's factors
+    experts = columns.shape[0]
+    row_expert = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows).clip(
+      0, experts - 1
+    )
+    return columns[row_expert]  # a grouped product's output is (rows, N)
+  weight = layout.weight
+  lead = weight.batch_shape if layout.batched else ()
+  free = tuple(weight.shape[a] for a in weight.free)
+  f = columns.reshape(*lead, *(1,) * len(layout.lhs_free), *free)
+  return jnp.transpose(f, layout.out_perm)
+
+
+def scale_output(
+  y: jax.Array, chain: Chain, layout: ProductLayout, group_sizes: jax.Array | None = None
+) -> jax.Array:
+  """A product's output `y` (float32, the op's output shape) times the factors of `chain` (a Q8
+  weight's view), in its order; `layout`: the product's, conformed to the weight's;
+  `group_sizes`: a grouped product's."""
   for op in chain:
     if isinstance(op, Scale):
       y = op.array(y).astype(y.dtype)
+    elif isinstance(op, ColumnScale):
+      f = _output_factor(op.columns, layout, group_sizes, y.shape[0])
+      y = (y / f if op.divide else y * f).astype(y.dtype)
   return y
 
 
@@ -294,8 +399,10 @@ def free_order_for(layout: WeightLayout, entries: Sequence[Any]) -> WeightLayout
 
 
 __all__ = [
+  "FACTORS",
   "AsType",
   "Chain",
+  "ColumnScale",
   "Index",
   "Op",
   "Reshape",
@@ -306,6 +413,7 @@ __all__ = [
   "base_layout",
   "conform",
   "describe",
+  "factor_op",
   "forward_layout",
   "free_order_for",
   "reshaped",

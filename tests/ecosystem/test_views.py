@@ -153,8 +153,11 @@ def test_other_uses_of_a_q8_weight_name_it(served):
   b = q8.b[...]
   with pytest.raises(TypeError, match=r"Q8_0 weight b of float shape \(64, 96\).*operator \+"):
     b + 2.0
-  with pytest.raises(TypeError, match=r"Q8_0 weight b .*operator \* with ArrayImpl"):
-    b * jnp.ones(96)  # a constant number is served (the output takes it); an array is not
+  with pytest.raises(TypeError, match=r"Q8_0 weight b .*contracted axes \(1,\) \(K\)"):
+    b * jnp.ones(96)  # b is stored with K its last axis: a factor along N is served, not one on K
+  assert (b * jnp.ones((64, 1))).chain[-1].columns.shape == (64,)
+  with pytest.raises(TypeError, match=r"Q8_0 weight b .*operator \* with str"):
+    b * "2"
   with pytest.raises(TypeError, match=r"Q8_0 weight b .*converting it to an array"):
     jnp.sin(b)
   with pytest.raises(TypeError, match=r"Q8_0 weight b .*indexing with slice"):
