@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from q8rules.models import yarn
 
 RopeStyle = Literal["interleaved", "halves"]
-Activation = Literal["silu", "gelu_tanh"]
+Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 ExpertGating = Literal["softmax", "sigmoid", "softmax_weight", "sqrt_softplus"]
 EXPERT_GATINGS: tuple[str, ...] = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
 """llama.cpp's expert gating functions (`llama_expert_gating_func_type` 1-4, in order)."""
@@ -71,7 +71,8 @@ class TransformerConfig:
     qk_norm: q and k are RMS-normalized per head (weights (head_dim,)) before RoPE.
     post_norms: the attention and FFN outputs are RMS-normalized before their residual add.
     embed_scale: the embeddings are multiplied by sqrt(dim).
-    activation: the FFN gate's activation, 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU).
+    activation: the FFN gate's activation, 'silu' (SwiGLU), 'gelu_tanh' (GeGLU) or
+      'swiglu_oai' (gpt-oss's clamped SwiGLU, `q8rules.models.moe.gated`).
     fused_qkv: q, k and v come from one matrix (dim -> q | k | v).
     fused_gate_up: gate and up come from one matrix (dim -> gate | up), named 'up'.
     attn_scale: the attention scores' scale; None is 1 / sqrt(head_dim).
@@ -179,8 +180,10 @@ class TransformerConfig:
       raise ValueError("rope_scaling 'yarn' needs rope_original_context > 0")
     if self.rope_freq_factors and self.rope_long_short:
       raise ValueError("rope_freq_factors and rope_long_short exclude each other")
-    if self.activation not in ("silu", "gelu_tanh"):
-      raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+    if self.activation not in ("silu", "gelu_tanh", "swiglu_oai"):
+      raise ValueError(
+        f"activation must be 'silu', 'gelu_tanh' or 'swiglu_oai', got {self.activation!r}"
+      )
     object.__setattr__(self, "local_layers", tuple(bool(b) for b in self.local_layers))
     if self.local_layers and len(self.local_layers) != self.layers:
       raise ValueError(

@@ -37,8 +37,18 @@ WEIGHT_SUM_FLOOR = 6.103515625e-5
 before it divides by it (`norm_w`)."""
 
 
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+"""gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE, ggml's swiglu_oai)."""
+
+
 def gated(config: TransformerConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
-  """act(gate) * up, act the config's `activation`: SiLU (SwiGLU) or GELU-tanh (GeGLU)."""
+  """act(gate) * up, act the config's `activation`: SiLU (SwiGLU) or GELU-tanh (GeGLU); or
+  'swiglu_oai': g * sigmoid(1.702 g) * (u + 1) with g = min(gate, 7), u = clip(up, -7, 7), in
+  float32 (ggml's swiglu_oai). Shapes (..., F) -> (..., F) in gate's dtype."""
+  if config.activation == "swiglu_oai":
+    g = jnp.minimum(gate.astype(jnp.float32), SWIGLU_OAI_LIMIT)
+    u = jnp.clip(up.astype(jnp.float32), -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (g * jax.nn.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1.0)).astype(gate.dtype)
   if config.activation == "silu":
     return nn.silu(gate) * up
   return nn.gelu(gate, approximate=True) * up
@@ -169,4 +179,13 @@ class Moe(nn.Module):
     return y
 
 
-__all__ = ["WEIGHT_SUM_FLOOR", "Moe", "gated", "gating", "route", "sort_by_expert"]
+__all__ = [
+  "SWIGLU_OAI_ALPHA",
+  "SWIGLU_OAI_LIMIT",
+  "WEIGHT_SUM_FLOOR",
+  "Moe",
+  "gated",
+  "gating",
+  "route",
+  "sort_by_expert",
+]
