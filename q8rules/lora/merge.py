@@ -40,19 +40,20 @@ from q8rules.rules import Q8Rule
 
 
 def merged_weight(q8: Q8Array, adapter: LoraAdapter) -> np.ndarray:
-  """The float32 (K_padded, N) matrix `q * d + A @ B * alpha / rank`, summed in float64.
+  """The float32 (K_padded, N) matrix `q * d + A @ B * alpha / rank`, summed in float64; for a
+  stack of experts (*E, K_padded, N), each expert's matrix with its own adapter.
 
   Args:
-    q8: the param's Q8_0 values, q int8 (K_padded, N) and scales (K_padded/32, N).
-    adapter: A float32 (K, rank), B float32 (rank, N), K <= K_padded.
+    q8: the param's Q8_0 values, q int8 (*E, K_padded, N) and scales (*E, K_padded/32, N).
+    adapter: A float32 (*E, K, rank), B float32 (*E, rank, N), K <= K_padded.
   """
   q = np.asarray(q8.q).astype(np.float64)
-  d = np.repeat(np.asarray(q8.scale).astype(np.float64), BLOCK, axis=0)
+  d = np.repeat(np.asarray(q8.scale).astype(np.float64), BLOCK, axis=-2)
   w = q * d
-  k = adapter.a.shape[0]
+  k = adapter.a.shape[-2]
   a64, b64 = np.asarray(adapter.a, np.float64), np.asarray(adapter.b, np.float64)
   with np.errstate(over="ignore", invalid="ignore"):  # non-finite: `quantize` names the param
-    w[:k] += adapter.scale * (a64 @ b64)
+    w[..., :k, :] += adapter.scale * (a64 @ b64)
     return w.astype(np.float32)
 
 
@@ -64,7 +65,7 @@ def merged_q8(q8: Q8Array, adapter: LoraAdapter, name: str) -> Q8Array:
     ValueError naming `name`: the merged weight holds non-finite values.
   """
   merged = quantize(
-    merged_weight(q8, adapter), axis=0, scale_dtype=np.dtype(q8.scale.dtype), name=name
+    merged_weight(q8, adapter), axis=q8.axis, scale_dtype=np.dtype(q8.scale.dtype), name=name
   )
   return dataclasses.replace(
     merged,

@@ -34,7 +34,7 @@ from q8rules._qwix import QuantizationProvider, provider_rules, unbox
 from q8rules.layout import Q8How
 from q8rules.lora.provider import LORA_A, LORA_B, Q8LoraRule
 from q8rules.providers.q8_weight import as_q8_weight
-from q8rules.q8_0 import BLOCK, Q8Array
+from q8rules.q8_0 import Q8Array
 from q8rules.rules import Q8Rule, describe
 from q8rules.tree_paths import listing
 
@@ -52,8 +52,9 @@ class LoraAdapter:
   """One adapter: the delta `A @ B * alpha / rank` of its Q8 param's (K, N) matrix.
 
   Attributes:
-    a: A, float32 (K, rank), K the Q8 param's contracted size before padding.
-    b: B, float32 (rank, N).
+    a: A, float32 (K, rank), K the Q8 param's contracted size before padding; a stack of
+      experts' (*E, K, rank), one per expert.
+    b: B, float32 (rank, N); a stack's (*E, rank, N).
     alpha: the rule's alpha (> 0); the delta's scale is alpha / rank.
   """
 
@@ -71,12 +72,14 @@ class LoraAdapter:
     return float(self.alpha) / self.rank
 
   def check(self, where: str) -> None:
-    """Raise ValueError, naming `where`, unless A is (K, r) and B (r, N) float32 and alpha > 0."""
+    """Raise ValueError, naming `where`, unless A is (K, r) and B (r, N) float32 (or one of each
+    per expert of a stack: (*E, K, r) and (*E, r, N)) and alpha > 0."""
     a_shape, b_shape = tuple(self.a.shape), tuple(self.b.shape)
-    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != b_shape[0] or a_shape[1] < 1:
+    same_experts = len(a_shape) == len(b_shape) >= 2 and a_shape[:-2] == b_shape[:-2]
+    if not same_experts or a_shape[-1] != b_shape[-2] or a_shape[-1] < 1:
       raise ValueError(
         f"{where}: LoRA A of shape {a_shape} and B of shape {b_shape} are not (K, rank) and"
-        " (rank, N) of one rank"
+        " (rank, N) of one rank (or one of each per expert, with the same experts)"
       )
     for part, value in (("A", self.a), ("B", self.b)):
       if np.dtype(value.dtype) != np.float32:
@@ -269,8 +272,9 @@ def checked_site(tree: Tree, base: Path, adapter: LoraAdapter) -> tuple[Q8Array,
   """The Q8 param at `base` that `adapter` adapts, with the adapter's shapes checked against it.
 
   Raises:
-    ValueError naming the param: no Q8 param there, a stacked one (leading axes), or A and B that
-    are not (K, rank) and (rank, N) of its (K, N) matrix.
+    ValueError naming the param: no Q8 param there, a stacked one (leading axes that are not its
+    layout's experts), or A and B that are not (K, rank) and (rank, N) of its (K, N) matrix (one
+    of each per expert of a stack of experts).
   """
   where = path_name(base)
   adapter.check(f"LoRA adapter of {where}")
@@ -280,15 +284,17 @@ def checked_site(tree: Tree, base: Path, adapter: LoraAdapter) -> tuple[Q8Array,
       f"LoRA adapter of {where}: the params hold no Q8 param {where} for it to adapt"
     )
   q8, how = found
-  if q8.ndim != 2 or q8.axis != 0:
+  experts = how.layout.batch_shape
+  if q8.ndim != 2 + len(experts) or q8.axis != len(experts):
     raise ValueError(
       f"{where}: its Q8 values are {q8.shape} blocked along axis {q8.axis}; LoRA adapters fit"
-      " one (K_padded, N) matrix blocked along K (stacked layers are not handled)"
+      " one (K_padded, N) matrix blocked along K, or a stack of experts (stacked layers are not"
+      " handled)"
     )
   k, n = how.layout.k, how.layout.n
-  if tuple(q8.shape) != (-(-k // BLOCK) * BLOCK, n):
+  if tuple(q8.shape) != how.layout.stored_shape:
     raise ValueError(f"{where}: Q8 values of shape {q8.shape} do not match its layout {how.layout}")
-  want_a, want_b = (k, adapter.rank), (adapter.rank, n)
+  want_a, want_b = (*experts, k, adapter.rank), (*experts, adapter.rank, n)
   if tuple(adapter.a.shape) != want_a or tuple(adapter.b.shape) != want_b:
     raise ValueError(
       f"{where}: LoRA A {tuple(adapter.a.shape)} and B {tuple(adapter.b.shape)} do not fit its"

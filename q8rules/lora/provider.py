@@ -8,7 +8,10 @@ and gets the adapter's delta added:
 
 with A (K, rank) and B (rank, N) float32 params along the weight's own K (contracted) and N
 (kept) axes, whatever the op (`lax.dot_general`, `jnp.einsum` of two operands, a tied head
-through `embedding.T`). nnx keeps them as `nnx.LoRAParam` attributes `<param>_lora_a` /
+through `embedding.T`). A stack of experts (E, K, N) gets one adapter per expert, as PEFT and
+Unsloth give MoE experts: A (E, K, rank), B (E, rank, N), each expert's rows through its own
+(`jax.lax.ragged_dot` by the op's group sizes, an einsum batched over the expert axis expert by
+expert, `w[i]` through A[i] and B[i]). nnx keeps them as `nnx.LoRAParam` attributes `<param>_lora_a` /
 `<param>_lora_b` of the module (so `nnx.DiffState(0, nnx.LoRAParam)` trains only them), linen
 as params of those names beside the Q8 param. On a mesh the adapters follow their base's split
 (A along K as a row-parallel base, B along N as a column-parallel one): a new adapter is
@@ -40,6 +43,7 @@ from q8rules._qwix import (
   make_rng,
   provider_rules,
 )
+from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import ProductLayout
 from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.placement import init_like_base
@@ -95,26 +99,78 @@ class Q8LoraRule(Q8Rule):
 
 
 def lora_delta(
-  x: jax.Array, a: jax.Array, b: jax.Array, layout: ProductLayout, scale: float
+  x: jax.Array,
+  a: jax.Array,
+  b: jax.Array,
+  layout: ProductLayout,
+  scale: float,
+  group_sizes: jax.Array | None = None,
 ) -> jax.Array:
-  """`x @ A @ B * scale` in the product's output shape, in float32 at full precision.
+  """`x @ A @ B * scale` in the product's output shape, in float32 at full precision; on a stack
+  of experts, each row (or batch of rows) through its own expert's adapter.
 
   Args:
     x: the activation as the op got it (any rank, any float dtype; after dropout).
-    a: A (K, rank) float32, K the weight's contracted size (unpadded).
-    b: B (rank, N) float32, N the weight's kept size.
-    layout: the product's layout (how x flattens to (M, K) and (M, N) unflattens).
+    a: A (K, rank) float32, K the weight's contracted size (unpadded); for a grouped or batched
+      product one per expert, (*E, K, rank).
+    b: B (rank, N) float32, N the weight's kept size; (*E, rank, N) with A's experts.
+    layout: the product's layout (how x flattens to (M, K), or (E, M, K) for a batched product,
+      and (M, N) unflattens).
     scale: alpha / rank.
+    group_sizes: a grouped product's (`jax.lax.ragged_dot`) rows per expert, (E,) int32; x's
+      rows are sorted by expert.
 
   Returns:
     float32 of the op's output shape.
   """
-  k = layout.weight.k
-  x2d = layout.lhs_matrix(x.astype(jnp.float32))[:, :k]
+  k, n, rank = layout.weight.k, layout.weight.n, a.shape[-1]
+  xm = layout.lhs_matrix(x.astype(jnp.float32))[..., :k]
   hi = jax.lax.Precision.HIGHEST
-  xa = jnp.dot(x2d, a, precision=hi, **_xa_sharding(x2d, a))
-  d = jnp.dot(xa, b, precision=hi) * jnp.float32(scale)
-  return layout.output(d, tuple(x.shape))
+  if group_sizes is not None:  # rows sorted by expert
+    xa = jax.lax.ragged_dot(xm, a.reshape(-1, k, rank), group_sizes, precision=hi)
+    d = jax.lax.ragged_dot(xa, b.reshape(-1, rank, n), group_sizes, precision=hi)
+  elif layout.batched:  # each expert's rows (E, M, K)
+    xa = jnp.einsum("emk,ekr->emr", xm, a.reshape(-1, k, rank), precision=hi)
+    d = jnp.einsum("emr,ern->emn", xa, b.reshape(-1, rank, n), precision=hi)
+  else:
+    xa = jnp.dot(xm, a, precision=hi, **_xa_sharding(xm, a))
+    d = jnp.dot(xa, b, precision=hi)
+  return layout.output(d * jnp.float32(scale), tuple(x.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """How a product's weight stands in its stack of experts, for the adapters' shape.
+
+  Attributes:
+    shape: the experts' sizes, the adapters' leading axes (A (*shape, K, rank)); () for a
+      plain weight.
+    index: the expert a `w[i]` view reads (its adapters A[i], B[i]), or None.
+  """
+
+  shape: tuple[int, ...] = ()
+  index: int | None = None
+
+
+def experts_of(product: Product, q8: WithAux, layout: ProductLayout, where: str) -> Experts:
+  """The experts of a product's Q8 weight: the stack a grouped (`ragged_dot`) or batched einsum
+  product runs on, or the stack a `w[i]` view takes one of.
+
+  Raises NotImplementedError, naming the op, for a view of a stack it cannot place an adapter on
+  (several expert axes indexed, or more than one expert axis in a `w[i]` view's stack)."""
+  if product.group_sizes is not None or layout.batched:
+    return Experts(layout.weight.batch_shape)
+  chain = q8.chain if isinstance(q8, Q8Weight) else ()
+  picks = [op for op in chain if isinstance(op, views.Index)]
+  if not picks:
+    return Experts()
+  stacked = q8.array.stacked if isinstance(q8.array, LayerSlice) else None
+  if len(picks) > 1 or stacked is None or stacked.q.ndim != 3:
+    raise NotImplementedError(
+      f"{where}: a LoRA adapter per expert on the view {views.describe(chain)} of a stack of"
+      " experts: served for w[i] of an (E, ...) stack with one expert axis"
+    )
+  return Experts((int(stacked.q.shape[0]),), picks[0].index)
 
 
 def _xa_sharding(x2d: jax.Array, a: jax.Array) -> dict[str, Any]:
@@ -137,15 +193,24 @@ def _param_name(q8: WithAux) -> str | None:
 
 
 def _initial(
-  init: Callable[..., jax.Array], shape: tuple[int, int], where: str
+  init: Callable[..., jax.Array], shape: tuple[int, ...], where: str
 ) -> Callable[[jax.Array], jax.Array]:
-  """`init(key)` -> the float32 adapter param of `shape`, its shape checked."""
+  """`init(key)` -> the float32 adapter param of `shape`, its shape checked: (rows, cols), or
+  one such matrix per expert (*E, rows, cols), each initialised as a matrix of its own (a key
+  each), as PEFT initialises an expert's adapter."""
+  *experts, rows, cols = shape
+
+  def one(key: jax.Array) -> jax.Array:
+    value = jnp.asarray(init(key, (rows, cols), jnp.float32), jnp.float32)
+    if tuple(value.shape) != (rows, cols):
+      raise ValueError(f"{where}: the initializer made shape {value.shape}, not {(rows, cols)}")
+    return value
 
   def run(key: jax.Array) -> jax.Array:
-    value = jnp.asarray(init(key, shape, jnp.float32), jnp.float32)
-    if tuple(value.shape) != shape:
-      raise ValueError(f"{where}: the initializer made shape {value.shape}, not {shape}")
-    return value
+    if not experts:
+      return one(key)
+    keys = jax.random.split(key, math.prod(experts))
+    return jax.vmap(one)(keys).reshape(shape)
 
   return run
 
@@ -170,14 +235,7 @@ class LoraPolicy(ServePolicy):
     if not isinstance(rule, Q8LoraRule):
       return y
     where = op_where(product.op_id)
-    experts = product.group_sizes is not None or layout.weight.batch
-    sliced = isinstance(q8, Q8Weight) and any(isinstance(op, views.Index) for op in q8.chain)
-    if experts or sliced:
-      raise NotImplementedError(
-        f"{where}: a LoRA adapter on a stack of expert weights (one adapter per expert) is not"
-        f" served; match the experts with a plain Q8Rule (served as Q8_0 without an adapter)"
-        f" and the dense products with the Q8LoraRule ({describe(rule)})"
-      )
+    experts = experts_of(product, q8, layout, where)
     k, n = layout.weight.k, layout.weight.n
     if rule.rank > min(k, n):
       raise ValueError(
@@ -187,29 +245,33 @@ class LoraPolicy(ServePolicy):
     name = _param_name(q8)
     if name is None:
       raise ValueError(f"{where}: cannot find the param of the Q8 weight to attach LoRA to")
+    shape_a, shape_b = (*experts.shape, k, rule.rank), (*experts.shape, rule.rank, n)
     a = get_or_create_param(
       name + LORA_A,
-      init_like_base(_initial(rule.lora_a_initializer, (k, rule.rank), where), name, "a", where),
+      init_like_base(_initial(rule.lora_a_initializer, shape_a, where), name, "a", where),
       nnx_param_type=nnx.LoRAParam,
       need_rng=True,
     )
     b = get_or_create_param(
       name + LORA_B,
-      init_like_base(_initial(rule.lora_b_initializer, (rule.rank, n), where), name, "b", where),
+      init_like_base(_initial(rule.lora_b_initializer, shape_b, where), name, "b", where),
       nnx_param_type=nnx.LoRAParam,
       need_rng=True,
     )
-    for param, want in ((a, (k, rule.rank)), (b, (rule.rank, n))):
+    for param, want in ((a, shape_a), (b, shape_b)):
       if tuple(param.shape) != want:
         raise ValueError(
           f"{where}: LoRA param of shape {tuple(param.shape)} does not match {want}"
-          f" (rank {rule.rank}, K={k}, N={n})"
+          f" (rank {rule.rank}, K={k}, N={n}, experts {experts.shape})"
         )
+    if experts.index is not None:  # w[i]: expert i's adapter
+      a, b = a[experts.index], b[experts.index]
     x = product.lhs
     if rule.dropout > 0:
       x = nnx.Dropout(rule.dropout, deterministic=False)(x, rngs=make_rng("dropout"))
     self.adapted_rules.add(id(rule))
-    return y.astype(jnp.float32) + lora_delta(x, a, b, layout, rule.scale)
+    delta = lora_delta(x, a, b, layout, rule.scale, product.group_sizes)
+    return y.astype(jnp.float32) + delta
 
 
 class Q8LoraProvider(Q8Provider):
