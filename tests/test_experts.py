@@ -450,3 +450,51 @@ def test_a_factor_along_k_is_refused_naming_the_weight():
   x = jnp.ones((2, D), jnp.float32)
   with pytest.raises(TypeError, match=r"weight proj of float shape \(64, 48\).*contracted axes"):
     qwix.quantize_model(AlongK(np.random.default_rng(18)), provider(), x)
+
+
+def _shapes(jaxpr) -> set[tuple[int, ...]]:
+  """The shapes of every value a jaxpr computes, its inner jaxprs' included."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    out |= {tuple(v.aval.shape) for v in eqn.outvars}
+    for p in eqn.params.values():
+      for inner in p if isinstance(p, tuple | list) else (p,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          out |= _shapes(inner)
+  return out
+
+
+def test_qat_on_expert_slices_quantizes_one_expert_and_its_gradients_are_float64s():
+  """QAT on `w[i]` slices: each product quantizes expert i alone (no scales of the whole stack
+  in the program), and d/dx, d/dw of sum(c * out) are float64's on the Q8_0 round trip."""
+  rng = np.random.default_rng(22)
+  x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+  c = rng.standard_normal((E, 3, D))
+  qat = qwix.quantize_model(
+    LoopExperts(np.random.default_rng(23)), q8rules.Q8QatProvider([q8rules.Q8Rule()]), x
+  )
+  served = qwix.quantize_model(LoopExperts(np.random.default_rng(23)), provider(), x)
+  shapes = _shapes(jax.make_jaxpr(lambda x: qat(x))(x).jaxpr)
+  assert (E, D // BLOCK, F) not in shapes and (E, F // BLOCK, D) not in shapes
+  assert (D // BLOCK, F) in shapes  # one expert's scales
+
+  def loss(m, x):
+    return jnp.sum(jnp.asarray(c, jnp.float32) * m(x))
+
+  dm, dx = nnx.grad(loss, argnums=(0, 1))(qat, x)
+  with jax.enable_x64(True):
+    w = {n: jnp.asarray(experts_f64(getattr(served, n).value)) for n in ("gate_proj", "up_proj")}
+    w["down_proj"] = jnp.asarray(experts_f64(served.down_proj.value))
+
+    def loss64(w, x):
+      out = []
+      for i in range(E):
+        a = jax.nn.silu(x @ w["gate_proj"][i]) * (x @ w["up_proj"][i])
+        out.append(a @ w["down_proj"][i])
+      return jnp.sum(jnp.asarray(c) * jnp.stack(out))
+
+    dw_ref, dx_ref = jax.grad(loss64, argnums=(0, 1))(w, jnp.asarray(x, jnp.float64))
+  assert rel_err(dx, dx_ref) <= 1e-5
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    assert rel_err(getattr(dm, name)[...], dw_ref[name]) <= 1e-5, name

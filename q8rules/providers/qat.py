@@ -184,7 +184,22 @@ def round_trip(
     return fq(value, view, scale_dtype)
   moves = tuple(op for op in found.chain if not isinstance(op, views.AsType))
   base = found.base if base is None else base
-  return views.apply(moves, fq(base, base_layout(found, view), scale_dtype))
+  moves, base, layout = expert_first(moves, base, base_layout(found, view))
+  return views.apply(moves, fq(base, layout, scale_dtype))
+
+
+def expert_first(
+  chain: views.Chain, value: jax.Array, layout: WeightLayout
+) -> tuple[views.Chain, jax.Array, WeightLayout]:
+  """`chain` applied to `value` (of `layout`) with its `w[i]` first, when it picks one expert of
+  a stack before any op but casts: (the rest of the chain, expert i's value, its layout), so
+  only that expert is quantized (each expert's blocks are its own: the same values); else
+  (`chain`, `value`, `layout`) as given."""
+  at = next((j for j, op in enumerate(chain) if not isinstance(op, views.AsType)), None)
+  if at is None or not isinstance(chain[at], views.Index):
+    return chain, value, layout
+  pick = chain[at]
+  return chain[:at] + chain[at + 1 :], value[pick.index], pick.forward(layout)
 
 
 class FakeQuantPolicy(WeightPolicy):
@@ -358,10 +373,12 @@ def qat_product(
 
   @jax.custom_jvp
   def f(lhs: jax.Array, param: jax.Array) -> jax.Array:
+    rest, value, layout = expert_first(chain, param, how.layout)  # w[i]: expert i alone
+    mine = dataclasses.replace(how, layout=layout)
     q8 = Q8Weight(
-      array=quantize_weight(param, how, name=name, check_finite=False), how=how, name=name
+      array=quantize_weight(value, mine, name=name, check_finite=False), how=mine, name=name
     )
-    for op in chain:
+    for op in rest:
       q8 = q8.view(op)
     layout = served_layout(q8, product.make_layout, where)
     y, path = run_served(
