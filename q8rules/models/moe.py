@@ -110,10 +110,12 @@ class Moe(nn.Module):
     return w.astype(dtype)
 
   def _bias(self, name: str, n: int, expert: jax.Array) -> jax.Array:
-    """Each sorted row's expert's bias (M*k, n) float32 (param `name` (E, n), float as llama.cpp
-    keeps biases: a gather, not a table lookup that a provider would serve as Q8_0)."""
-    b = self.param(name, nn.initializers.zeros, (self.config.experts, n), jnp.float32)
-    return jnp.take_along_axis(b, expert[:, None], axis=0)
+    """Each sorted row's expert's bias (M*k, n) float32. The param `name` is (n, E): GGUF's
+    `ffn_*_exps.bias` [E, n] in kernel layout (the last two axes of every tensor of two or more
+    swapped, as q8rules.checkpoint.gguf loads and saves them); float as llama.cpp keeps
+    biases: a gather, not a table lookup that a provider would serve as Q8_0."""
+    b = self.param(name, nn.initializers.zeros, (n, self.config.experts), jnp.float32)
+    return jnp.take_along_axis(b, expert[None, :], axis=1).T
 
   def _grouped(
     self, name: str, rows: jax.Array, n: int, group_sizes: jax.Array, expert: jax.Array
