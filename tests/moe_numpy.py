@@ -83,7 +83,7 @@ def moe64(
 
       def product(name: str, a: np.ndarray, e: int = e) -> np.ndarray:
         y = a @ p[name][e]
-        return y + p[f"{name}_b"][:, e] if c.expert_bias else y
+        return y + p[f"{name}_bias"][:, e] if c.expert_bias else y
 
       if c.expert_fused_gate_up:
         gate_up = product("gate_up_exps", xin)

@@ -72,7 +72,7 @@ def test_experts_match_float64(rng):
   }
   for name in ("gate", "up", "down"):
     w[f"ffn_{name}_exps.weight"] = p[f"{name}_exps"].transpose(0, 2, 1)
-    w[f"ffn_{name}_exps.bias"] = p[f"{name}_exps_b"].T  # (n, E): GGUF's [E, n] swapped
+    w[f"ffn_{name}_exps.bias"] = p[f"{name}_exps_bias"].T  # (n, E): GGUF's [E, n] swapped
   got = moe.apply({"params": params}, x)
   h = np.asarray(x, np.float64).reshape(-1, c.dim)
   want = experts({"experts_used": c.experts_used}, w, "", h).reshape(x.shape)

@@ -124,7 +124,7 @@ class Moe(nn.Module):
     w = self._experts(name, rows.shape[-1], n, rows.dtype)
     y = jax.lax.ragged_dot(rows, w, group_sizes)
     if self.config.expert_bias:
-      y = (y.astype(jnp.float32) + self._bias(f"{name}_b", n, expert)).astype(rows.dtype)
+      y = (y.astype(jnp.float32) + self._bias(f"{name}_bias", n, expert)).astype(rows.dtype)
     return y
 
   @nn.compact
