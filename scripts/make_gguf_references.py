@@ -38,6 +38,10 @@ qwen2 references were made with an earlier llama.cpp).
 'gpt-oss' (llama.cpp's openai-moe: sinks, biases, experts, YaRN, harmony) is written by
 scripts/gguf_gpt_oss.py, with a third file llama.cpp quantizes to MXFP4 itself; its chat
 template comes from llama-cpp-python's sdist (--sdist, else `pip download`ed).
+
+'gemma4-e2b' and 'gemma4-31b' (per-layer embeddings, shared KV, per-kind head widths and KV
+heads, K as V) are written by scripts/gguf_gemma4.py with Gemma 4's own vocabulary and chat
+template, and a third file llama.cpp quantizes to Q4_K_M itself.
 """
 
 from __future__ import annotations
@@ -420,6 +424,9 @@ def main() -> None:
   name = gguf_gpt_oss.NAME
   if name in (args.only or ()) or (not args.only and not (out / f"tiny-{name}.npz").exists()):
     gguf_gpt_oss.write_all(out, len(MODELS), args.sdist)
+  import gguf_gemma4
+
+  gguf_gemma4.write_all(out, len(MODELS) + 1, args.only)
 
 
 if __name__ == "__main__":

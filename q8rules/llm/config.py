@@ -6,6 +6,7 @@ src/models/<arch>.cpp), with llama.cpp's defaults when a key is absent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
+from q8rules.llm import gemma4
 from q8rules.models.config import TransformerConfig
 
 _GEMMA = dict(rope_style="halves", embed_scale=True, activation="gelu_tanh")
@@ -27,6 +29,7 @@ SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {
   "gemma2": dict(_GEMMA, tied_embeddings=True, post_norms=True),
   "gemma3": dict(_GEMMA, post_norms=True, qk_norm=True),
   "phi3": dict(rope_style="halves", fused_qkv=True, fused_gate_up=True),
+  "gemma4": dict(_GEMMA, post_norms=True, qk_norm=True),
 }
 """Archs `load_gguf` runs, with the config fields that distinguish them (the rest come from
 the metadata: `config_from_metadata`)."""
@@ -41,11 +44,17 @@ LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}
 (gemma_pytorch's query_pre_attn_scalar) instead of 1 / sqrt(head_dim)."""
 
 
-def _get(meta: Mapping[str, Any], path: str, key: str, default: Any = None) -> Any:
+def _get(
+  meta: Mapping[str, Any], path: str, key: str, default: Any = None, per_layer: bool = False
+) -> Any:
+  """The value of `key` (or `default`); with `per_layer`, the first of per-layer values (the
+  arch reads them all itself: gemma4's `LAYER_ARRAYS`)."""
   value = meta.get(key, default)
   if value is None:
     raise CheckpointError(f"{path}: metadata has no {key!r}, which the model needs")
   if isinstance(value, list | tuple):
+    if per_layer and value:
+      return value[0]
     raise CheckpointError(f"{path}: per-layer values of {key!r} are not supported: {value}")
   return value
 
@@ -124,7 +133,10 @@ def config_from_metadata(
   a = f"{arch}."
   dim = int(_get(meta, path, a + "embedding_length"))
   heads = int(_get(meta, path, a + "attention.head_count"))
-  kv_heads = int(_get(meta, path, a + "attention.head_count_kv", heads))
+  arrays = gemma4.LAYER_ARRAYS if arch == gemma4.ARCH else ()
+  kv_heads = int(
+    _get(meta, path, a + "attention.head_count_kv", heads, "attention.head_count_kv" in arrays)
+  )
   head_dim = int(_get(meta, path, a + "attention.key_length", dim // heads))
   value_dim = int(_get(meta, path, a + "attention.value_length", head_dim))
   if value_dim != head_dim:
@@ -156,7 +168,7 @@ def config_from_metadata(
     heads=heads,
     kv_heads=kv_heads,
     head_dim=head_dim,
-    ffn=int(_get(meta, path, a + "feed_forward_length")),
+    ffn=int(_get(meta, path, a + "feed_forward_length", None, "feed_forward_length" in arrays)),
     rope_base=float(_get(meta, path, a + "rope.freq_base", 10000.0)),
     rope_scaling=None if scaling == "none" else scaling,
     rope_factor=float(factor),
@@ -175,4 +187,7 @@ def config_from_metadata(
   if arch == "phi3" or (arch == "llama" and scaling == "longrope"):
     fields["rope_long_short"] = "rope_factors_long.weight" in tensors
   fields.update(_arch_fields(meta, path, arch, fields))
-  return TransformerConfig(**fields)
+  if arch == gemma4.ARCH:
+    fields.update(gemma4.gemma4_fields(meta, path, fields, tensors))
+  config = TransformerConfig(**fields)
+  return dataclasses.replace(config, scan_layers=True) if config.uniform_layers else config

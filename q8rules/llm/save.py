@@ -142,7 +142,7 @@ def _save(
   parts = ckpt.parts
   if any(p.byteorder != "<" for p in parts):
     raise CheckpointError(f"{source.path}: a big-endian GGUF file; save_gguf writes little-endian")
-  if list(ckpt) != list(source.tensors):
+  if [n for n in ckpt if n in source.tensors] != list(source.tensors):
     raise CheckpointError(f"{source.path}: its tensors are not those the model was loaded from")
   metadata = {k: v for k, v in parts[0].typed_metadata.items() if not k.startswith("split.")}
   arch, alignment, kvs = header_values(path, metadata, None)
@@ -157,13 +157,13 @@ def _save(
     with data_file:
       outs = []
       names = progress_iter(
-        list(source.tensors),
-        total=len(source.tensors),
-        desc=f"saving {path.name}",
-        progress=progress,
+        list(ckpt), total=len(list(ckpt)), desc=f"saving {path.name}", progress=progress
       )
-      for name in names:
-        outs.append(_encode(ckpt, name, places, data_file, path))
+      for name in names:  # a tensor the model does not read is copied as it is
+        if name in source.tensors:
+          outs.append(_encode(ckpt, name, places, data_file, path))
+        else:
+          outs.append(_source_out(ckpt, name))
         ckpt.release(name)
     _write(ckpt, outs, tmp, data_tmp, arch, alignment, kvs)
     os.replace(tmp, path)

@@ -99,7 +99,8 @@ def tensor_sources(
   """GGUF name -> TensorSource for the file's tensors `names` (in file order).
 
   Args:
-    names: the file's tensors, in its order (every one a slot: `check_tensors` made sure).
+    names: the file's tensors, in its order (every one a slot, `check_tensors` made sure, or one
+      the model does not read, `tensors.skipped_tensors`: left out).
     slots: GGUF name -> TensorSlot of the unfused config (`tensor_slots`).
     fused: a fused slot name -> its members' slot names in output order (`Fusion.slots`).
   """
@@ -113,7 +114,7 @@ def tensor_sources(
       member_of[m] = (tuple(fused_name.split("/")), (start, start + widths[m]))
       start += widths[m]
   out = {}
-  for name in names:
+  for name in (n for n in names if n in slots):
     slot = slots[name]
     stacked = slot.path[0] == "layers" and slot.layer is not None
     path, columns = slot.path, None

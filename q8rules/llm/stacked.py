@@ -62,7 +62,9 @@ class StackedTensors(CheckpointReader):
     for members in (fused or {}).values():
       for m in members:
         self._stacks.pop(m, None)
-    self._names = [n for n in ckpt if n not in stacked] + list(self._stacks) + list(self._fused)
+    # a tensor of no slot is one the model does not read (`tensors.skipped_tensors`)
+    unstacked = [n for n in ckpt if n not in stacked and n in slots]
+    self._names = unstacked + list(self._stacks) + list(self._fused)
 
   def name_map(self, slots: Mapping[str, TensorSlot]) -> dict[str, tuple[str, ...]]:
     """Name (as this mapping names it) -> param path, for `checkpoint.assign`."""

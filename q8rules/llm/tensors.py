@@ -63,6 +63,10 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: c.fused_gate_up),  # gate | up
   ("ffn_down.weight", "mlp/down/kernel", ("D", "F"), _ALWAYS),
   ("post_ffw_norm.weight", "post_mlp_norm/scale", ("D",), lambda c: c.post_norms),
+  ("layer_output_scale.weight", "out_scale", ("1",), lambda c: c.layer_out_scale),
+  ("inp_gate.weight", "ple/gate/kernel", ("P", "D"), lambda c: c.per_layer_dim > 0),
+  ("proj.weight", "ple/proj/kernel", ("D", "P"), lambda c: c.per_layer_dim > 0),
+  ("post_norm.weight", "ple/norm", ("D",), lambda c: c.per_layer_dim > 0),
 )
 """Each block's tensors (a matrix is Q8-servable, a vector is not)."""
 
@@ -73,6 +77,14 @@ MODEL_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("rope_freqs.weight", "rope_freqs", ("H/2",), lambda c: c.rope_freq_factors),
   ("rope_factors_long.weight", "rope_factors_long", ("H/2",), lambda c: c.rope_long_short),
   ("rope_factors_short.weight", "rope_factors_short", ("H/2",), lambda c: c.rope_long_short),
+  ("per_layer_token_embd.weight", "per_layer/token_embd", ("V", "LP"), lambda c: c.per_layer_dim),
+  (
+    "per_layer_model_proj.weight",
+    "per_layer/per_layer_model_proj/kernel",
+    ("LP", "D"),
+    lambda c: c.per_layer_dim > 0,
+  ),
+  ("per_layer_proj_norm.weight", "per_layer/proj_norm", ("P",), lambda c: c.per_layer_dim > 0),
 )
 """The tensors outside the blocks."""
 
@@ -89,7 +101,32 @@ def _sizes(c: TransformerConfig) -> dict[str, int]:
     "F": c.ffn,
     "2F": 2 * c.ffn,
     "V": c.vocab,
+    "1": 1,
+    "P": c.per_layer_dim,
+    "LP": c.layers * c.per_layer_dim,
   }
+
+
+NO_KV = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")
+"""Tensors a layer that computes no KV (`TransformerConfig.shared_kv_layers`) does not read:
+llama.cpp loads them when a file has them and never uses them; `load_gguf` skips them."""
+MATRICES = ("token_embd.weight", "output.weight", "per_layer_token_embd.weight")
+MATRICES += ("per_layer_model_proj.weight",)
+"""The tensors outside the blocks that are matrices a Q8 rule can serve (tables and products)."""
+
+
+def _in_layer(c: TransformerConfig, i: int, name: str) -> bool:
+  """Whether layer i reads block tensor `name` (a layer past `kv_layers` has no K and V; one
+  of `layer_k_as_v` no V)."""
+  if i >= c.kv_layers and name in NO_KV:
+    return False
+  return not (name == "attn_v.weight" and c.layer_k_as_v and c.layer_k_as_v[i])
+
+
+def skipped_tensors(c: TransformerConfig) -> set[str]:
+  """The names a file of `c` may have that the model does not read (`NO_KV` of the layers that
+  share their KV)."""
+  return {f"blk.{i}.{name}" for i in range(c.kv_layers, c.layers) for name in NO_KV}
 
 
 def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
@@ -98,14 +135,13 @@ def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
   slots = {}
   for name, path, shape, has in MODEL_TENSORS:
     if has(c):
-      slots[name] = TensorSlot(tuple(path.split("/")), tuple(size[s] for s in shape), False)
-  slots["token_embd.weight"] = slots["token_embd.weight"]._replace(dense=True)
-  if "output.weight" in slots:
-    slots["output.weight"] = slots["output.weight"]._replace(dense=True)
+      dims = tuple(size[s] for s in shape)
+      slots[name] = TensorSlot(tuple(path.split("/")), dims, name in MATRICES)
   for i in range(c.layers):
     layer = "layers" if c.scan_layers else f"layers_{i}"
+    size = _sizes(c.layer(i))
     for name, path, shape, has in BLOCK_TENSORS:
-      if has(c):
+      if has(c) and _in_layer(c, i, name):
         dims = tuple(size[s] for s in shape)
         slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, len(dims) == 2, i)
   return slots
@@ -124,7 +160,8 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
   missing = [repr(n) for n in slots if n not in shapes]
   if missing:
     problems.append(f"{len(missing)} tensor(s) missing:\n{listing(missing)}")
-  unexpected = [repr(n) for n in shapes if n not in slots]
+  skipped = skipped_tensors(c)
+  unexpected = [repr(n) for n in shapes if n not in slots and n not in skipped]
   if unexpected:
     problems.append(
       f"{len(unexpected)} unexpected tensor(s) (not part of a {c.arch!r} model):\n"
@@ -161,5 +198,6 @@ __all__ = [
   "TensorSlot",
   "check_tensors",
   "q8_rule",
+  "skipped_tensors",
   "tensor_slots",
 ]

@@ -48,9 +48,10 @@ def rope_angles(
   With YaRN the scale is mixed per pair (`yarn.mix`).
   """
   c = config
-  half = c.head_dim // 2
+  head_dim = c.head_dim_local if local and c.head_dim_local else c.head_dim
+  half = head_dim // 2
   base = c.rope_base_local if local else c.rope_base
-  inv_freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / c.head_dim)
+  inv_freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
   if freq_factors is not None:
     inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
   scale = _rope_scale(c, local)
@@ -103,25 +104,21 @@ def init_cache(config: TransformerConfig, length: int, batch: int = 1) -> Cache:
   if length > c.context_length:
     raise ValueError(f"a cache of {length} positions exceeds context_length {c.context_length}")
 
-  def pair(n: int, s: int) -> tuple[jax.Array, jax.Array]:
-    shape = (n, batch, s, c.kv_heads, c.head_dim)
+  def pair(kind: str, s: int) -> tuple[jax.Array, jax.Array]:
+    n, kv_heads, head_dim = c.cache_dims(kind)
+    shape = (n, batch, s, kv_heads, head_dim)
     return jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)
 
   if c.layer_kinds == ("global",):
-    return pair(c.layers, length)
-  n_local = sum(c.is_local)
-  sizes = {
-    "global": (c.layers - n_local, length),
-    "local": (n_local, min(c.sliding_window, length)),
-  }
-  return {kind: pair(*sizes[kind]) for kind in c.layer_kinds}
+    return pair("global", length)
+  sizes = {"global": length, "local": min(c.sliding_window, length)}
+  return {kind: pair(kind, sizes[kind]) for kind in c.layer_kinds}
 
 
 def _expected(config: TransformerConfig, batch: int) -> dict[str, tuple[Any, ...]]:
   c = config
-  n_local = sum(c.is_local)
-  counts = {"global": c.layers - n_local, "local": n_local}
-  return {k: (counts[k], batch, None, c.kv_heads, c.head_dim) for k in c.layer_kinds}
+  dims = {k: c.cache_dims(k) for k in c.layer_kinds}
+  return {k: (n, batch, None, kv, h) for k, (n, kv, h) in dims.items()}
 
 
 def check_cache(config: TransformerConfig, cache: Any, batch: int) -> None:
@@ -397,14 +394,61 @@ def attention(
   return out, {"global": glob, "local": loc}
 
 
+PENDING = "pending_local"
+"""The key under which the new K and V of a local layer whose KV later layers share wait in the
+cache groups, until `write_pending` writes them into its ring after the last layer."""
+
+
+def attention_deferred(
+  c: TransformerConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  groups: dict[str, Any],
+  slot: int,
+  pos: Any,
+) -> tuple[jax.Array, dict[str, Any]]:
+  """A local layer whose KV later layers share (`TransformerConfig.shared_kv_layers`): its
+  attention as `attention`'s, but its ring is left as it was and k / v (B, T, kv_heads, H) wait
+  under `PENDING`, so that each sharing layer reads what this one read (a chunk longer than one
+  token would overwrite ring entries its first queries still see)."""
+  out = _local_read(c, q, k, v, groups["local"], slot, pos)
+  return out, {**groups, PENDING: (k, v)}
+
+
+def attention_shared(
+  c: TransformerConfig, q: jax.Array, groups: dict[str, Any], local: bool, slot: int, pos: Any
+) -> jax.Array:
+  """q (B, T, heads, H) of a layer that computes no KV, over the KV of its source layer at
+  `slot` (already written: a global layer's; waiting under `PENDING`: a local one's) ->
+  (B, T, heads * H), as the source attends."""
+  if local:
+    k, v = groups[PENDING]
+    return _local_read(c, q, k, v, groups["local"], slot, pos)
+  return _global_read(c, q, groups["global"], slot, pos)
+
+
+def write_pending(groups: dict[str, Any], slot: int, pos: Any) -> dict[str, Any]:
+  """The cache groups with the K and V waiting under `PENDING` written into layer `slot` of the
+  local ring (as `attention` writes them), and the key gone."""
+  if PENDING not in groups:
+    return groups
+  rest = {k: v for k, v in groups.items() if k != PENDING}
+  return {**rest, "local": _local_write(groups["local"], *groups[PENDING], slot, pos)}
+
+
 __all__ = [
+  "PENDING",
   "Cache",
   "apply_rope",
   "as_groups",
   "attention",
+  "attention_deferred",
+  "attention_shared",
   "check_cache",
   "from_groups",
   "init_cache",
   "rope_angles",
   "rope_mscale",
+  "write_pending",
 ]

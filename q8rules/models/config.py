@@ -73,6 +73,21 @@ class TransformerConfig:
     embed_scale: the embeddings are multiplied by sqrt(dim).
     activation: the FFN gate's activation, 'silu' (SwiGLU), 'gelu_tanh' (GeGLU) or
       'swiglu_oai' (gpt-oss's clamped SwiGLU, `q8rules.models.moe.gated`).
+    head_dim_local: the local layers' head width (llama.cpp's key_length_swa); 0: head_dim.
+    layer_kv_heads: per layer, its KV heads (() : kv_heads everywhere); one value per kind of
+      layer among the layers that compute KV (each kind has one KV cache).
+    layer_ffn: per layer, its FFN width (() : ffn everywhere).
+    layer_k_as_v: per layer, whether it has no v projection: V is K's projection (before K's
+      norm), Gemma 4's attention_k_eq_v.
+    v_norm: V is RMS-normalized per head, without a weight (Gemma 4's).
+    shared_kv_layers: the last this many layers compute no K and V: a local one attends over
+      the KV of layer `kv_layers - 2`, a global one over that of layer `kv_layers - 1`
+      (llama.cpp's n_layer_kv_from_start; Gemma 4 E2B / E4B); the KV cache holds only the
+      layers that compute KV.
+    per_layer_dim: the per-layer embeddings' width (Gemma 4's n_embd_per_layer;
+      q8rules/models/per_layer.py); 0: none.
+    layer_out_scale: each layer's output is multiplied by a learned scalar (param `out_scale`
+      (1,), llama.cpp's layer_output_scale).
     fused_qkv: q, k and v come from one matrix (dim -> q | k | v).
     fused_gate_up: gate and up come from one matrix (dim -> gate | up), named 'up'.
     attn_scale: the attention scores' scale; None is 1 / sqrt(head_dim).
@@ -139,6 +154,14 @@ class TransformerConfig:
   post_norms: bool = False
   embed_scale: bool = False
   activation: Activation = "silu"
+  head_dim_local: int = 0
+  layer_kv_heads: tuple[int, ...] = ()
+  layer_ffn: tuple[int, ...] = ()
+  layer_k_as_v: tuple[bool, ...] = ()
+  v_norm: bool = False
+  shared_kv_layers: int = 0
+  per_layer_dim: int = 0
+  layer_out_scale: bool = False
   fused_qkv: bool = False
   fused_gate_up: bool = False
   attn_scale: float | None = None
@@ -185,6 +208,7 @@ class TransformerConfig:
         f"activation must be 'silu', 'gelu_tanh' or 'swiglu_oai', got {self.activation!r}"
       )
     object.__setattr__(self, "local_layers", tuple(bool(b) for b in self.local_layers))
+    self._check_layers()
     if self.local_layers and len(self.local_layers) != self.layers:
       raise ValueError(
         f"local_layers has {len(self.local_layers)} entries for {self.layers} layers"
@@ -213,10 +237,14 @@ class TransformerConfig:
 
   @property
   def cache_slots(self) -> tuple[int, ...]:
-    """Per layer: its index in the KV cache of its kind (local or global)."""
+    """Per layer: its index in the KV cache of its kind (local or global); a layer that shares
+    its KV (`shared_kv_layers`), its source's."""
     seen = {True: 0, False: 0}
-    slots = []
-    for local in self.is_local:
+    slots: list[int] = []
+    for i, local in enumerate(self.is_local):
+      if i >= self.kv_layers:
+        slots.append(slots[self.kv_source(i)])
+        continue
       slots.append(seen[local])
       seen[local] += 1
     return tuple(slots)
@@ -225,6 +253,98 @@ class TransformerConfig:
   def layer_kinds(self) -> tuple[str, ...]:
     """The kinds of layer present, in cache order: 'global' and / or 'local'."""
     return tuple(k for k, here in (("global", False), ("local", True)) if here in self.is_local)
+
+  def _check_layers(self) -> None:
+    """The per-layer fields: one entry per layer, heads that divide, one KV shape per kind of
+    cache, shared layers whose source is of their kind, unrolled layers where they differ."""
+    if self.local_layers and len(self.local_layers) != self.layers:
+      return  # __post_init__ says so
+    for name in ("layer_kv_heads", "layer_ffn", "layer_k_as_v"):
+      value = getattr(self, name)
+      object.__setattr__(self, name, tuple(value))
+      if value and len(value) != self.layers:
+        raise ValueError(f"{name} has {len(value)} entries for {self.layers} layers")
+    if self.head_dim_local % 2:
+      raise ValueError(f"head_dim_local {self.head_dim_local} must be even (RoPE rotates pairs)")
+    if not 0 <= self.shared_kv_layers <= self.layers - 2 * (self.shared_kv_layers > 0):
+      raise ValueError(
+        f"shared_kv_layers {self.shared_kv_layers} of {self.layers} layers: at least two must"
+        " compute their KV"
+      )
+    for i in range(self.layers):
+      if self.heads % self.layer_kv_heads_of(i):
+        raise ValueError(
+          f"layer {i}: heads {self.heads} is not a multiple of {self.layer_kv_heads_of(i)} KV heads"
+        )
+      if self.is_local[self.kv_source(i)] != self.is_local[i]:
+        raise ValueError(
+          f"layer {i} would share the KV of layer {self.kv_source(i)}, a layer of another kind"
+        )
+    for kind, local in (("global", False), ("local", True)):
+      heads = {
+        self.layer_kv_heads_of(i) for i in range(self.kv_layers) if self.is_local[i] == local
+      }
+      if len(heads) > 1:
+        raise ValueError(f"the {kind} layers have different KV heads {sorted(heads)}: one cache")
+    if self.scan_layers and not self.uniform_layers:
+      raise ValueError(
+        "layers of different widths, shared KV or per-layer embeddings run unrolled:"
+        " scan_layers=False"
+      )
+
+  @property
+  def uniform_layers(self) -> bool:
+    """Whether every layer has the same params and shapes (the layers can be scanned)."""
+    widths = {(self.layer_head_dim(i), self.layer_kv_heads_of(i)) for i in range(self.layers)}
+    return (
+      len(widths) == 1
+      and len(set(self.layer_ffn)) <= 1
+      and len(set(self.layer_k_as_v)) <= 1
+      and not self.shared_kv_layers
+      and not self.per_layer_dim
+    )
+
+  @property
+  def kv_layers(self) -> int:
+    """The first this many layers compute K and V; the rest share them (`shared_kv_layers`)."""
+    return self.layers - self.shared_kv_layers
+
+  def kv_source(self, i: int) -> int:
+    """The layer whose KV layer i attends over: i itself, or for a shared layer llama.cpp's
+    choice, `kv_layers - 2` (local) or `kv_layers - 1` (global)."""
+    if i < self.kv_layers:
+      return i
+    return self.kv_layers - (2 if self.is_local[i] else 1)
+
+  def layer_head_dim(self, i: int) -> int:
+    """Layer i's head width."""
+    return self.head_dim_local if self.is_local[i] and self.head_dim_local else self.head_dim
+
+  def layer_kv_heads_of(self, i: int) -> int:
+    """Layer i's KV heads."""
+    return self.layer_kv_heads[i] if self.layer_kv_heads else self.kv_heads
+
+  def layer(self, i: int) -> TransformerConfig:
+    """Layer i's config: this one with its head width, KV heads and FFN width as the plain
+    fields `head_dim`, `kv_heads`, `ffn` (itself when the layers are uniform)."""
+    if not (self.head_dim_local or self.layer_kv_heads or self.layer_ffn):
+      return self
+    return dataclasses.replace(
+      self,
+      head_dim=self.layer_head_dim(i),
+      kv_heads=self.layer_kv_heads_of(i),
+      ffn=self.layer_ffn[i] if self.layer_ffn else self.ffn,
+      head_dim_local=0,
+      layer_kv_heads=(),
+      layer_ffn=(),
+    )
+
+  def cache_dims(self, kind: str) -> tuple[int, int, int]:
+    """(layers, KV heads, head width) of the KV cache of `kind` ('global' or 'local'): the
+    layers of that kind that compute KV."""
+    local = kind == "local"
+    held = [i for i in range(self.kv_layers) if self.is_local[i] == local]
+    return len(held), self.layer_kv_heads_of(held[0]), self.layer_head_dim(held[0])
 
 
 __all__ = ["EXPERT_GATINGS", "Activation", "ExpertGating", "RopeStyle", "TransformerConfig"]

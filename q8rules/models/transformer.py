@@ -55,19 +55,24 @@ import jax.numpy as jnp
 
 from q8rules.models import hooks
 from q8rules.models.attention import (
+  PENDING,
   Cache,
   apply_rope,
   as_groups,
   attention,
+  attention_deferred,
+  attention_shared,
   cache_on_mesh,
   check_cache,
   from_groups,
   init_cache,
   rope_angles,
   rope_mscale,
+  write_pending,
 )
 from q8rules.models.config import RopeStyle, TransformerConfig
 from q8rules.models.moe import Moe, gated
+from q8rules.models.per_layer import PerLayerBranch, PerLayerInputs, rms_normalize
 
 
 class RMSNorm(nn.Module):
@@ -83,8 +88,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param("scale", nn.initializers.ones, (self.dim,), jnp.float32)
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    y = rms_normalize(x, self.eps)
     return (y * jnp.asarray(scale, jnp.float32)).astype(self.dtype)
 
 
@@ -122,9 +126,14 @@ def _norm(dim: int, name: str, config: TransformerConfig) -> RMSNorm:
 
 
 class Attention(nn.Module):
-  """Causal GQA self-attention with RoPE over one layer's slice of the KV cache."""
+  """Causal GQA self-attention with RoPE over one layer's slice of the KV cache.
+
+  `index` is the layer's when the layers run unrolled (None under `nn.scan`): a layer past
+  `kv_layers` computes no K and V and attends over its source layer's (`_shared_kv`).
+  """
 
   config: TransformerConfig
+  index: int | None = None
 
   @nn.compact
   def __call__(
@@ -138,6 +147,8 @@ class Attention(nn.Module):
     """x (B, T, dim), the cache as {kind: (k, v)}, (local, slot) of this layer, the position
     of x[:, 0], the RoPE angles (T, head_dim / 2) per kind -> (B, T, dim), the cache."""
     c = self.config
+    if self.index is not None and self.index >= c.kv_layers:
+      return self._shared_kv(x, groups, kind, pos, angles)
     b, t, _ = x.shape
     q_out, kv_out = c.heads * c.head_dim, c.kv_heads * c.head_dim
     if c.fused_qkv:
@@ -146,12 +157,15 @@ class Attention(nn.Module):
     else:
       q = _dense(q_out, "q", c, c.qkv_bias)(x)
       k = _dense(kv_out, "k", c, c.qkv_bias)(x)
-      v = _dense(kv_out, "v", c, c.qkv_bias)(x)
+      v = k if c.layer_k_as_v and c.layer_k_as_v[self.index or 0] else None
+      v = _dense(kv_out, "v", c, c.qkv_bias)(x) if v is None else v
     q = q.reshape(b, t, c.heads, c.head_dim)
     k = k.reshape(b, t, c.kv_heads, c.head_dim)
     v = v.reshape(b, t, c.kv_heads, c.head_dim)
     if c.qk_norm:
       q, k = _norm(c.head_dim, "q_norm", c)(q), _norm(c.head_dim, "k_norm", c)(k)
+    if c.v_norm:
+      v = rms_normalize(v, c.norm_eps).astype(v.dtype)
     local, slot = kind
     ang = _of_kind(angles, local)
     mscale = _of_kind({k: rope_mscale(c, k == "local") for k in angles}, local)
@@ -160,8 +174,32 @@ class Attention(nn.Module):
     sinks = None
     if c.attn_sinks:
       sinks = self.param("sinks", nn.initializers.zeros, (c.heads,), jnp.float32)
-    out, groups = attention(c, q, k, v, groups, local, slot, pos, sinks)
+    if self.index is not None and self.index == _deferring(c):
+      out, groups = attention_deferred(c, q, k, v, groups, slot, pos)
+    else:
+      out, groups = attention(c, q, k, v, groups, local, slot, pos, sinks)
     return _dense(c.dim, "o", c, c.attn_output_bias)(out), groups
+
+  def _shared_kv(
+    self, x: jax.Array, groups: dict[str, Any], kind: Any, pos: Any, angles: dict[str, Any]
+  ) -> tuple[jax.Array, dict[str, Any]]:
+    """A layer that computes no K and V: its q alone, over the KV of its source layer
+    (`attention_shared`); the cache as it was."""
+    c = self.config
+    b, t, _ = x.shape
+    q = _dense(c.heads * c.head_dim, "q", c, c.qkv_bias)(x).reshape(b, t, c.heads, c.head_dim)
+    if c.qk_norm:
+      q = _norm(c.head_dim, "q_norm", c)(q)
+    local, slot = kind
+    q = apply_rope(q, _of_kind(angles, local), c.rope_style, rope_mscale(c, local))
+    out = attention_shared(c, q, groups, local, slot, pos)
+    return _dense(c.dim, "o", c, c.attn_output_bias)(out), groups
+
+
+def _deferring(c: TransformerConfig) -> int | None:
+  """The local layer whose KV later layers share (its ring is written after them), or None."""
+  sharing = [i for i in range(c.kv_layers, c.layers) if c.is_local[i]]
+  return c.kv_source(sharing[0]) if sharing else None
 
 
 def _of_kind(values: dict[str, Any], local: Any) -> Any:
@@ -199,18 +237,27 @@ class Block(nn.Module):
   add.
 
   Called as `nn.scan` calls it: `(carry, kind, pos, angles) -> (carry, None)` with
-  carry = (x, cache groups) and kind = (local, slot) of this layer.
+  carry = (x, cache groups) and kind = (local, slot) of this layer. Unrolled, `index` is the
+  layer's (its widths are `config.layer(index)`'s) and `per_layer` its per-layer input
+  (B, T, P) when the model has per-layer embeddings (`PerLayerBranch` ends the block); with
+  `layer_out_scale` the block's output is multiplied by its `out_scale` (1,).
   """
 
   config: TransformerConfig
+  index: int | None = None
 
   @nn.compact
   def __call__(
-    self, carry: tuple[jax.Array, dict[str, Any]], kind: Any, pos: Any, angles: Any
+    self,
+    carry: tuple[jax.Array, dict[str, Any]],
+    kind: Any,
+    pos: Any,
+    angles: Any,
+    per_layer: jax.Array | None = None,
   ) -> tuple[tuple[jax.Array, dict[str, Any]], None]:
-    c = self.config
+    c = self.config if self.index is None else self.config.layer(self.index)
     x, groups = carry
-    h, groups = Attention(c, name="attn")(
+    h, groups = Attention(c, self.index, name="attn")(
       _norm(c.dim, "attn_norm", c)(x), groups, kind, pos, angles
     )
     if c.post_norms:
@@ -220,7 +267,13 @@ class Block(nn.Module):
     h = ffn(_norm(c.dim, "mlp_norm", c)(x))
     if c.post_norms:
       h = _norm(c.dim, "post_mlp_norm", c)(h)
-    return (x + h, groups), None
+    x = x + h
+    if per_layer is not None:
+      x = PerLayerBranch(c, name="ple")(x, per_layer)
+    if c.layer_out_scale:
+      scale = self.param("out_scale", nn.initializers.ones, (1,), jnp.float32)
+      x = (x.astype(jnp.float32) * scale).astype(c.dtype)
+    return (x, groups), None
 
 
 class LayerStep(nn.Module):
@@ -279,7 +332,11 @@ class Transformer(nn.Module):
     cache = cache_on_mesh(cache)
     factors = self._freq_factors(cache)
     positions = jnp.asarray(pos)[..., None] + jnp.arange(tokens.shape[1])  # (T,) or (B, T)
-    angles = {k: rope_angles(c, positions, factors, k == "local") for k in c.layer_kinds}
+    # frequency factors reach the global layers only (Gemma 4's rope_freqs, as llama.cpp)
+    angles = {
+      k: rope_angles(c, positions, None if k == "local" else factors, k == "local")
+      for k in c.layer_kinds
+    }
     embed = Embed(c.vocab, c.dim, c.dtype, name="embed")
     x = embed(tokens)
     if c.embed_scale:
@@ -305,9 +362,14 @@ class Transformer(nn.Module):
       )(c, name="layers")
       carry, _ = blocks(carry, tuple(jnp.asarray(a) for a in kinds), pos, angles)
     else:
+      per_layer = PerLayerInputs(c, name="per_layer")(tokens, x) if c.per_layer_dim else None
       for i in range(c.layers):
-        carry, _ = Block(c, name=f"layers_{i}")(carry, (kinds[0][i], kinds[1][i]), pos, angles)
+        own = None if per_layer is None else per_layer[:, :, i]
+        block = Block(c, i, name=f"layers_{i}")
+        carry, _ = block(carry, (kinds[0][i], kinds[1][i]), pos, angles, per_layer=own)
     x, groups = carry
+    if PENDING in groups:  # a local layer's KV, read by the layers that share it
+      groups = write_pending(groups, c.cache_slots[_deferring(c)], pos)
     if last_only:
       x = x[:, -1:]
     x = _norm(c.dim, "norm", c)(x)

@@ -40,6 +40,7 @@ CHUNK_VALUES = 1 << 20
 """About how many values are float at once while a tensor is requantized."""
 
 _KEPT_FLOAT = ("_norm.weight", "ffn_gate_inp.weight", "pos_embd.weight", "token_types.weight")
+_KEPT_FLOAT += ("per_layer_model_proj.weight",)
 """Weights `llama-quantize` keeps in float whatever the target type (llama-quant.cpp)."""
 
 
@@ -51,7 +52,8 @@ def is_quantized(qtype: GGMLQuantizationType) -> bool:
 def quantizes_float(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
   """Whether `quantize='q8_0'` quantizes this float tensor, as `llama-quantize` picks the
   tensors it quantizes: a weight (`*.weight`) of rank >= 2 whose rows are whole Q8_0 blocks,
-  not a norm, a MoE router, a position or token-type embedding."""
+  not a norm, a MoE router, a position or token-type embedding, Gemma's per-layer model
+  projection."""
   return (
     qtype in FLOAT_TYPES
     and len(shape) >= 2

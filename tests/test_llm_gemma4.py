@@ -1,0 +1,321 @@
+"""`load_gguf` on the `gemma4` arch against a float64 forward and llama.cpp's outputs.
+
+The files (tests/data/gguf_models/tiny-gemma4-*-{f32,q8_0,q4_k_m}.gguf) and llama.cpp's logits,
+greedy tokens, token ids and chat renderings on them (tiny-gemma4-*.npz, F32 KV cache, flash
+attention off) are made by scripts/make_gguf_references.py (scripts/gguf_gemma4.py):
+
+  gemma4-e2b   as E2B / E4B: per-layer embeddings, the last 3 of 6 layers sharing the KV of
+               layers 1 (local) and 2 (global), FFN twice as wide there, one KV head;
+  gemma4-31b   as 31B: KV heads per kind (2 local, 1 global), global layers with K as V.
+
+Both have head widths 16 (local) / 32 (global), a window of 8 (the sequences are 72 tokens:
+the rings wrap), proportional rope on the global layers, `layer_output_scale`, Gemma 4's own
+vocabulary (its first 640 tokens) and chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+from q8rules import Q8Provider, Q8Rule
+from q8rules.checkpoint import CheckpointError
+from q8rules.llm import GGUFModel, load_gguf
+from q8rules.llm.config import config_from_metadata
+from q8rules.llm.tensors import skipped_tensors, tensor_slots
+from q8rules.models.transformer import Transformer, init_cache
+from tests.gemma4_numpy_forward import forward, load
+from tests.gguf_numpy_forward import gelu_fp16_table
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+NAMES = ("gemma4-e2b", "gemma4-31b")
+F32_VS_LLAMA_CPP = 1e-3
+"""Rel. L2 bound on the F32 files against llama.cpp, per position (measured 7.6e-4 and 9.3e-4;
+3.8e-4 and 4.6e-4 over all logits): llama.cpp's CPU GELU reads a float16 table
+(`test_gap_to_llama_cpp_is_its_float16_gelu`)."""
+
+
+@functools.cache
+def model(name: str, kind: str) -> GGUFModel:
+  return load_gguf(DATA / f"tiny-{name}-{kind}.gguf", dtype=jnp.float32, progress=False)
+
+
+@functools.cache
+def refs(name: str) -> dict[str, np.ndarray]:
+  with np.load(DATA / f"tiny-{name}.npz") as z:
+    return {k: z[k] for k in z.files}
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray, axis=None) -> np.ndarray:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b, axis=axis) / np.linalg.norm(b, axis=axis)
+
+
+def run(m: GGUFModel, ids: np.ndarray, params=None) -> np.ndarray:
+  """Logits (T, vocab) of one pass over ids with the context llama.cpp ran with."""
+  variables = {"params": m.params if params is None else params}
+  cache = init_cache(m.config, int(refs_of(m)["n_ctx"]))
+  out, _ = m.model.apply(variables, jnp.asarray(ids, jnp.int32)[None], cache, 0)
+  return np.asarray(out[0])
+
+
+def refs_of(m: GGUFModel) -> dict[str, np.ndarray]:
+  return refs(Path(m.path).name.rsplit("-", 1)[0].removeprefix("tiny-"))
+
+
+EXPECTED = {
+  "gemma4-e2b": dict(
+    head_dim=32,
+    head_dim_local=16,
+    kv_heads=1,
+    layer_kv_heads=(),
+    layer_ffn=(64, 64, 64, 128, 128, 128),
+    layer_k_as_v=(False,) * 6,
+    shared_kv_layers=3,
+    per_layer_dim=32,
+  ),
+  "gemma4-31b": dict(
+    head_dim=32,
+    head_dim_local=16,
+    layer_kv_heads=(2, 2, 1, 2, 2, 1),
+    layer_ffn=(),
+    layer_k_as_v=(False, False, True, False, False, True),
+    shared_kv_layers=0,
+    per_layer_dim=0,
+  ),
+}
+COMMON = dict(
+  local_layers=(True, True, False, True, True, False),
+  sliding_window=8,
+  rope_base=1e6,
+  rope_base_local=1e4,
+  rope_freq_factors=True,
+  attn_scale=1.0,
+  final_softcap=30.0,
+  qk_norm=True,
+  v_norm=True,
+  post_norms=True,
+  layer_out_scale=True,
+  tied_embeddings=True,
+  scan_layers=False,
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_from_metadata(name):
+  c = model(name, "q8_0").config
+  for field, want in {**COMMON, **EXPECTED[name]}.items():
+    assert getattr(c, field) == want, (field, getattr(c, field), want)
+
+
+def test_shared_layers_hold_no_kv():
+  """E2B: the KV cache holds the 3 layers that compute KV (2 local rings of the window, 1
+  global); the shared layers have no k / v params, and their k / v tensors in the file are
+  skipped."""
+  m = model("gemma4-e2b", "f32")
+  c = m.config
+  cache = init_cache(c, 64)
+  assert cache["local"][0].shape == (2, 1, 8, 1, 16)
+  assert cache["global"][0].shape == (1, 1, 64, 1, 32)
+  assert c.cache_slots == (0, 1, 0, 1, 1, 0)
+  assert [c.kv_source(i) for i in range(6)] == [0, 1, 2, 1, 1, 2]
+  for i in range(6):
+    attn = m.params[f"layers_{i}"]["attn"]
+    assert ("k" in attn) == ("v" in attn) == (i < 3), (i, sorted(attn))
+  skipped = skipped_tensors(c)
+  assert "blk.4.attn_k.weight" in skipped and not skipped & set(tensor_slots(c))
+  assert skipped <= set(m.source.tensors) | skipped
+  assert not skipped & set(m.source.tensors)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "f32"])
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_float64(name, kind):
+  """float32 activations within 1e-5 rel. L2 of a float64 forward of the file's weights,
+  over prompt + 31 tokens (past the window)."""
+  ids = refs(name)["f32_tokens"][:-1]
+  ours = model(name, kind).logits(ids)
+  ref = forward(*load(DATA / f"tiny-{name}-{kind}.gguf"), ids)
+  assert rel_l2(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_f32_logits_match_llama_cpp(name):
+  """On the F32 file, every position within 1e-3 of llama.cpp's logits (same context)."""
+  r = refs(name)
+  ours = run(model(name, "f32"), r["f32_tokens"][:-1])
+  err = rel_l2(ours, r["f32_logits"], axis=-1)
+  assert err.shape == (len(r["f32_tokens"]) - 1,)
+  assert err.max() < F32_VS_LLAMA_CPP, err.max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_gap_to_llama_cpp_is_its_float16_gelu(name):
+  """The gap to llama.cpp is its CPU GELU's float16 table: with every GELU's input zeroed
+  (ffn_gate and inp_gate) we are within 1e-5 of llama.cpp at every position, and the float64
+  forward with the table emulated comes at least twice as close to llama.cpp as exact."""
+  r, m = refs(name), model(name, "f32")
+  ids = r["f32_tokens"][:-1]
+
+  def zero_gates(path, leaf):
+    keys = [getattr(p, "key", None) for p in path]
+    return jnp.zeros_like(leaf) if "gate" in keys else leaf
+
+  params = jax.tree_util.tree_map_with_path(zero_gates, m.params)
+  assert rel_l2(run(m, ids, params), r["f32_no_gelu_logits"], axis=-1).max() < 1e-5
+  hp, w = load(DATA / f"tiny-{name}-f32.gguf")
+  exact = rel_l2(forward(hp, w, ids), r["f32_logits"], axis=-1).max()
+  table = rel_l2(forward(hp, w, ids, gelu=gelu_fp16_table), r["f32_logits"], axis=-1).max()
+  assert 1e-5 < exact < F32_VS_LLAMA_CPP and table < exact / 2, (exact, table)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_q8_0_no_farther_from_f32_than_llama_cpp(name):
+  """Our Q8_0 logits are no farther from our F32 file's than llama.cpp's Q8_0 run is from its
+  F32 run (it also rounds the activations to Q8_0), on the same tokens."""
+  r = refs(name)
+  ids = r["f32_tokens"][:-1]
+  ours = rel_l2(run(model(name, "q8_0"), ids), run(model(name, "f32"), ids))
+  theirs = rel_l2(r["q8_on_f32_logits"], r["f32_logits"])
+  print(f"{name} Q8_0 vs F32: ours {ours:.2e}, llama.cpp's {theirs:.2e}")
+  assert ours <= theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_q4_k_m_loads_requantized(name):
+  """llama.cpp's own Q4_K_M file loads with no flag (its other types requantized to Q8_0), its
+  logits as far from the F32 file's as llama.cpp's own Q4_K_M run is from its F32 run, within
+  10 %, printed beside it."""
+  r, m = refs(name), model(name, "q4_k_m")
+  assert sum(m.requantized.values()) > 0
+  ids = r["f32_tokens"][:-1]
+  ours = rel_l2(run(m, ids), run(model(name, "f32"), ids))
+  theirs = rel_l2(r["q4_k_m_on_f32_logits"], r["f32_logits"])
+  print(
+    f"{name} Q4_K_M vs F32: ours (requantized {dict(m.requantized)}) {ours:.3e},"
+    f" llama.cpp's {theirs:.3e}"
+  )
+  assert ours < 1.1 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "f32"])
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_equals_full_pass(name, kind):
+  """Prefill 3 tokens, then one token a step far past the window (and with the shared layers
+  reading the KV of earlier ones): the one-pass logits."""
+  m = model(name, kind)
+  ids = refs(name)["f32_tokens"][:-1]
+  full = m.logits(ids)
+  cache = m._cache(len(ids))
+  out, cache = m._run(jnp.asarray(ids[:3], jnp.int32)[None], cache, 0)
+  steps = [np.asarray(out[0])]
+  for i in range(3, len(ids)):
+    out, cache = m._run(jnp.asarray([[ids[i]]], jnp.int32), cache, i)
+    steps.append(np.asarray(out[0]))
+  assert rel_l2(np.concatenate(steps), full) < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_equals_llama_cpp(name):
+  """Greedy `generate` on the F32 file: llama.cpp's 32 tokens."""
+  r = refs(name)
+  prompt = r["prompt_ids"]
+  new = model(name, "f32").generate(prompt, 32)
+  assert new == r["f32_tokens"][len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_token_ids_equal_llama_cpp(name):
+  """Gemma 4's tokenizer (model 'gemma4', cut to 640 tokens): llama.cpp's ids of each string and
+  of a text of 100+ tokens."""
+  r, tok = refs(name), model(name, "f32").tokenizer
+  ids, offsets = r["tok_ids"], r["tok_offsets"]
+  assert offsets[-1] - offsets[-2] >= 100
+  for i, s in enumerate(r["tok_strings"]):
+    assert tok.encode(str(s), add_special=False) == ids[offsets[i] : offsets[i + 1]].tolist(), s
+  assert tok.encode("Hi")[0] == tok.bos_id == 2
+
+
+def test_chat_template_renders_as_llama_cpp_python():
+  """Gemma 4's chat template (the file's): llama-cpp-python's text and ids."""
+  r, m = refs("gemma4-e2b"), model("gemma4-e2b", "f32")
+  conversations = json.loads(str(r["chat_messages"]))
+  assert len(conversations) == len(r["chat_names"]) >= 2
+  for i, messages in enumerate(conversations):
+    text = m.apply_chat_template(messages, tokenize=False)
+    assert text == str(r["chat_texts"][i])
+    ids = r["chat_ids"][r["chat_offsets"][i] : r["chat_offsets"][i + 1]].tolist()
+    assert m.apply_chat_template(messages) == ids
+
+
+def test_rules_keep_per_layer_model_proj_float():
+  """The E2B-shaped model under one plain `Q8Rule()`: every matrix served as Q8_0 (the tables'
+  lookups included) but the per-layer model projection, which the report lists float with
+  llama.cpp's reason."""
+  c = model("gemma4-e2b", "f32").config
+  ids = jnp.asarray(refs("gemma4-e2b")["f32_tokens"][None, :12])
+  provider = Q8Provider([Q8Rule()])
+  q8 = qwix.quantize_model(Transformer(c), provider)
+  variables = q8.init(jax.random.key(0), ids, init_cache(c, 16), 0)
+  q8.apply(variables, ids, init_cache(c, 16), 0)
+  report = provider.report()
+  floats = {f.path: f.reason for f in report.float_params}
+  assert list(floats) == ["per_layer/per_layer_model_proj/kernel"], floats
+  assert "per_layer_model_proj" in floats["per_layer/per_layer_model_proj/kernel"]
+  served = {op.module for op in report.ops if op.q8_bytes}
+  assert {"embed", "per_layer", "layers_0/ple/gate", "layers_5/ple/proj"} <= served, served
+  assert {f"layers_{i}/attn/{p}" for i in (3, 4, 5) for p in "qo"} <= served
+  assert not any("per_layer_model_proj" in m for m in served)
+
+
+def _meta(**changes) -> dict:
+  """The E2B file's metadata with `changes` (None: the key removed)."""
+  meta = dict(model("gemma4-e2b", "f32").metadata)
+  for key, value in changes.items():
+    key = "gemma4." + key.replace("__", ".")
+    if value is None:
+      meta.pop(key)
+    else:
+      meta[key] = value
+  return meta
+
+
+def _config(meta: dict):
+  shapes = model("gemma4-e2b", "f32").source.tensors
+  return config_from_metadata(meta, path="f.gguf", vocab=640, tensors=shapes)
+
+
+@pytest.mark.parametrize(
+  ("changes", "message"),
+  [
+    (dict(attention__sliding_window_pattern=None), "gemma4.attention.sliding_window_pattern"),
+    (dict(attention__sliding_window_pattern=[True, False]), "one bool per layer"),
+    (dict(attention__key_length_swa=None), "gemma4.attention.key_length_swa"),
+    (dict(embedding_length_per_layer_input=None), "embedding_length_per_layer_input"),
+    (dict(attention__shared_kv_layers=5), "gemma4.attention.shared_kv_layers 5"),
+    (dict(attention__shared_kv_layers=2), "another kind"),
+    (dict(attention__head_count=[2] * 6), "per-layer values of 'gemma4.attention.head_count'"),
+    (dict(attention__head_count_kv=[1, 2, 1, 1, 1, 1]), "gemma4.attention.head_count_kv"),
+    (dict(feed_forward_length=[64] * 5), "gemma4.feed_forward_length has 5 entries"),
+    (dict(rope__dimension_count_swa=8), "gemma4.rope.dimension_count_swa 8"),
+  ],
+)
+def test_bad_metadata_names_the_key(changes, message):
+  with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    _config(_meta(**changes))
+
+
+def test_defaults_of_absent_keys():
+  """llama.cpp's defaults: final soft-capping 30, the local base 10000, no shared layers."""
+  c = _config(_meta(final_logit_softcapping=None, rope__freq_base_swa=None))
+  assert (c.final_softcap, c.rope_base_local) == (30.0, 10000.0)
+  c = _config(_meta(attention__shared_kv_layers=None))
+  assert c.shared_kv_layers == 0 and c.kv_layers == 6
