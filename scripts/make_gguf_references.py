@@ -39,6 +39,9 @@ qwen2 references were made with an earlier llama.cpp).
 scripts/gguf_gpt_oss.py, with a third file llama.cpp quantizes to MXFP4 itself; its chat
 template comes from llama-cpp-python's sdist (--sdist, else `pip download`ed).
 
+'qwen3moe' and 'mixtral' (8 experts, top 2; arch `llama` with `ffn_*_exps` for the latter) are
+written by scripts/gguf_moe.py, with a third file llama.cpp quantizes to Q4_K_M itself.
+
 'gemma4-e2b' and 'gemma4-31b' (per-layer embeddings, shared KV, per-kind head widths and KV
 heads, K as V) are written by scripts/gguf_gemma4.py with Gemma 4's own vocabulary and chat
 template, and a third file llama.cpp quantizes to Q4_K_M itself.
@@ -424,6 +427,9 @@ def main() -> None:
   name = gguf_gpt_oss.NAME
   if name in (args.only or ()) or (not args.only and not (out / f"tiny-{name}.npz").exists()):
     gguf_gpt_oss.write_all(out, len(MODELS), args.sdist)
+  import gguf_moe
+
+  gguf_moe.write_all(out, len(MODELS) + 3, args.only)
   import gguf_gemma4
 
   gguf_gemma4.write_all(out, len(MODELS) + 1, args.only)

@@ -9,7 +9,8 @@ that the interleaved rope on the file's rows is that permutation.
 
 Per arch (HF's modeling_<arch>.py): qwen3 / gemma3 RMS-normalize q and k per head;
 gemma* scale the embeddings by sqrt(dim), use GELU-tanh, and (gemma2/3) normalize
-the attention and FFN outputs; gemma2 soft-caps scores and logits; gemma2/3 mask
+the attention and FFN outputs; qwen3moe and llama with `ffn_*_exps` (Mixtral) route each
+token to its top k experts; gemma2 soft-caps scores and logits; gemma2/3 mask
 sliding-window layers to the window; phi3 splits its fused qkv and gate|up and
 rotates with LongRoPE factors (long when the context exceeds the original one) and
 the attention factor. Norm weights are used as the file stores them (Gemma's
@@ -50,6 +51,7 @@ def load_float64(path) -> tuple[dict, dict[str, np.ndarray]]:
     attn_factor=_field(r, a + "rope.scaling.attn_factor", 1.0),
     attn_softcap=_field(r, a + "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
     final_softcap=_field(r, a + "final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+    experts_used=_field(r, a + "expert_used_count", 0),
   )
   window = _field(r, a + "attention.sliding_window", 4096 if arch == "gemma2" else 0)
   hp["window"] = window if arch in ("gemma2", "gemma3") else 0  # llama.cpp ignores phi3's
@@ -151,6 +153,36 @@ def _attention(hp, w, p, h, i, n_ctx, mm=product, rounded=lambda a: a):
   return mm(o, w[p + "attn_output.weight"], p + "attn_output.weight")
 
 
+def _ffn(w: dict, p: str, h: np.ndarray, gelu, mm) -> np.ndarray:
+  """The gated FFN on h (T, dim): GeGLU with `gelu`, else SwiGLU."""
+  if p + "ffn_gate.weight" in w:
+    g = mm(h, w[p + "ffn_gate.weight"], p + "ffn_gate.weight")
+    u = mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight")
+  else:  # phi3: gate | up in one matrix
+    g, u = np.split(mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight"), 2, -1)
+  act = gelu(g) if gelu is not None else g / (1 + np.exp(-g))
+  return mm(act * u, w[p + "ffn_down.weight"], p + "ffn_down.weight")
+
+
+def moe_ffn(w: dict, p: str, h: np.ndarray, k: int, routes: list | None = None) -> np.ndarray:
+  """HF's Qwen3MoE / Mixtral sparse block on h (T, dim): softmax over the router's logits, the
+  top k experts, their weights renormalised to sum 1, each expert's SwiGLU FFN (its stacks
+  [E, n_out, n_in]) weighted and summed."""
+  probs = h @ w[p + "ffn_gate_inp.weight"].T
+  probs = np.exp(probs - probs.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  if routes is not None:
+    routes.append(probs)
+  out = np.zeros_like(h)
+  for t in range(len(h)):
+    top = np.argsort(-probs[t], kind="stable")[:k]
+    for e, weight in zip(top, probs[t, top] / probs[t, top].sum(), strict=True):
+      g = w[p + "ffn_gate_exps.weight"][e] @ h[t]
+      u = w[p + "ffn_up_exps.weight"][e] @ h[t]
+      out[t] += weight * (w[p + "ffn_down_exps.weight"][e] @ (g / (1 + np.exp(-g)) * u))
+  return out
+
+
 def forward(
   hp: dict,
   w: dict[str, np.ndarray],
@@ -159,9 +191,11 @@ def forward(
   gelu=gelu_tanh,
   mm=product,
   rounded=lambda a: a,
+  routes: list | None = None,
 ):
   """Logits (T, vocab) float64 of token ids (T,); `n_ctx` is the context llama.cpp would run
-  with (it picks Phi-3's LongRoPE factors); `gelu` the GELU of the gemma archs. `mm` makes
+  with (it picks Phi-3's LongRoPE factors); `gelu` the GELU of the gemma archs; `routes`, when
+  given, gets each MoE layer's router probabilities (T, E) appended. `mm` makes
   every product (`product`'s signature) and `rounded` is applied to the attention's q, k, v
   (after RoPE) and weights: both for putting another implementation's roundings back
   (benchmarks/llamacpp_rounding.py); by default the exact model."""
@@ -179,13 +213,10 @@ def forward(
       o = _rms(o, w[p + "post_attention_norm.weight"], hp["eps"])
     x = x + o
     h = _rms(x, w[p + "ffn_norm.weight"], hp["eps"])
-    if p + "ffn_gate.weight" in w:
-      g = mm(h, w[p + "ffn_gate.weight"], p + "ffn_gate.weight")
-      u = mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight")
-    else:  # phi3: gate | up in one matrix
-      g, u = np.split(mm(h, w[p + "ffn_up.weight"], p + "ffn_up.weight"), 2, -1)
-    act = gelu(g) if gemma else g / (1 + np.exp(-g))
-    f = mm(act * u, w[p + "ffn_down.weight"], p + "ffn_down.weight")
+    if p + "ffn_gate_inp.weight" in w:
+      f = moe_ffn(w, p, h, hp["experts_used"], routes)
+    else:
+      f = _ffn(w, p, h, gelu if gemma else None, mm)
     if p + "post_ffw_norm.weight" in w:
       f = _rms(f, w[p + "post_ffw_norm.weight"], hp["eps"])
     x = x + f

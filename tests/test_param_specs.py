@@ -18,7 +18,18 @@ from q8rules.llm.param_specs import file_params, traced_params
 from q8rules.q8_0 import Q8Array
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
-NAMES = ("llama", "qwen2", "llama31", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+NAMES = (
+  "llama",
+  "qwen2",
+  "llama31",
+  "qwen3",
+  "gemma",
+  "gemma2",
+  "gemma3",
+  "phi3",
+  "qwen3moe",
+  "mixtral",
+)
 
 
 def both_trees(path: Path, *, dtype, fuse: bool) -> tuple:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
 from q8rules.llm import gemma4
+from q8rules.llm.experts import expert_fields
 from q8rules.models.config import TransformerConfig
 
 _GEMMA = dict(rope_style="halves", embed_scale=True, activation="gelu_tanh")
@@ -25,6 +26,7 @@ SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {
   # the others keep HF's order and run NEOX rope (halves)
   "qwen2": dict(rope_style="halves", qkv_bias=True),
   "qwen3": dict(rope_style="halves", qk_norm=True),
+  "qwen3moe": dict(rope_style="halves", qk_norm=True),  # + experts (q8rules/llm/experts.py)
   "gemma": dict(_GEMMA, tied_embeddings=True),
   "gemma2": dict(_GEMMA, tied_embeddings=True, post_norms=True),
   "gemma3": dict(_GEMMA, post_norms=True, qk_norm=True),
@@ -187,6 +189,7 @@ def config_from_metadata(
   if arch == "phi3" or (arch == "llama" and scaling == "longrope"):
     fields["rope_long_short"] = "rope_factors_long.weight" in tensors
   fields.update(_arch_fields(meta, path, arch, fields))
+  fields.update(expert_fields(meta, path, arch, fields["ffn"], tensors))
   if arch == gemma4.ARCH:
     fields.update(gemma4.gemma4_fields(meta, path, fields, tensors))
   config = TransformerConfig(**fields)

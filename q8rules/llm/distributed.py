@@ -74,7 +74,14 @@ def check_mesh(mesh: Mesh, config: TransformerConfig, path: Any, names: Mapping[
         f" over mesh axis {TP!r} of size {tp} (a head would be cut across devices); use a"
         f" 'tp' size that divides {heads}"
       )
-  for tensor, k in (("attn_output", c.heads * c.head_dim), ("ffn_down", c.ffn)):
+  if c.experts % tp:
+    problems.append(
+      f"tensor '{first}.ffn_up_exps.weight' (and every layer's experts): {c.experts} experts do"
+      f" not split over mesh axis {TP!r} of size {tp} (each device holds whole experts); use a"
+      f" 'tp' size that divides {c.experts}"
+    )
+  dense_k = () if c.experts else (("ffn_down", c.ffn),)
+  for tensor, k in (("attn_output", c.heads * c.head_dim), *dense_k):
     if k % (BLOCK * tp):
       problems.append(
         f"tensor '{first}.{tensor}.weight' (and every layer's): its K={k} rows split over"

@@ -40,8 +40,11 @@ TP_SPECS = {  # Megatron: the PartitionSpecs of one block's float Dense kernels 
   r".*/attn/o/kernel": P("tp", None),
   r".*/mlp/(gate|up)/kernel": P(None, "tp"),
   r".*/mlp/down/kernel": P("tp", None),
+  r".*/moe/(gate|up|down)_exps": P("tp", None, None),  # expert parallel: whole experts apart
 }
-"""Tensor-parallel layout used with `load_gguf(..., mesh=)` (mesh axis 'tp'), per block."""
+"""Tensor-parallel layout used with `load_gguf(..., mesh=)` (mesh axis 'tp'), per block; a
+stack of experts (E, K, N) is split along E (each device holds whole experts, blocked along
+their own K), the router replicated."""
 
 
 def tp_specs(config: TransformerConfig) -> dict[str, P]:

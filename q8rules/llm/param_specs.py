@@ -11,7 +11,9 @@ quantized by `q8_rule(q8_paths)`, and each of its params is one of the file's te
 path `tensor_slots` gives it (the assignment is strict both ways, so the tree has exactly
 those leaves). Every Q8 param of that model is a Dense kernel or the embedding table: a
 (K, N) float32 matrix contracted along axis 0, stored by `Q8Provider` as a `Q8Weight`
-(values (K, N) int8, scales (K/32, N) in the rule's scale dtype) named by its param path;
+(values (K, N) int8, scales (K/32, N) in the rule's scale dtype) named by its param path; or a
+stack of experts (E, K, N) through `jax.lax.ragged_dot` (values (E, K, N), scales
+(E, K/32, N), each expert blocked along its own K, the expert axis a batch axis);
 under `nn.scan` the leaves are stacked along a leading layer axis and keep one layer's
 aux data. tests/test_param_specs.py checks that the two trees are equal, aux data included,
 for every arch `load_gguf` supports, fused and not, scanned and unrolled, in both dtypes.
@@ -63,12 +65,12 @@ def file_params(
   for name, path in names.items():
     spec = tensors.spec(name)
     if path in served and isinstance(spec, Q8Array):
-      k, n = spec.q.shape[-2:]
-      how = Q8How(WeightLayout((k, n), (0,), (1,)), scale_dtype.name, PARAM_DTYPE.name)
+      layout = _layout(tuple(spec.q.shape[1:] if path[0] == "layers" else spec.q.shape))
+      how = Q8How(layout, scale_dtype.name, PARAM_DTYPE.name)
       array = Q8Array(
         q=jax.ShapeDtypeStruct(tuple(spec.q.shape), jnp.int8),
         scale=jax.ShapeDtypeStruct(tuple(spec.scale.shape), scale_dtype),
-        axis=0,
+        axis=layout.blocked_axis,
         dtype=PARAM_DTYPE,
       )
       leaf: Any = Q8Weight(array=array, how=how, name="/".join(path))
@@ -80,6 +82,14 @@ def file_params(
       node = node.setdefault(key, {})
     node[path[-1]] = leaf
   return tree
+
+
+def _layout(shape: tuple[int, ...]) -> WeightLayout:
+  """One layer's weight layout: a (K, N) kernel, or a stack of experts (E, K, N) contracted
+  along K, the expert axis a batch axis (`jax.lax.ragged_dot`'s layout)."""
+  if len(shape) == 3:
+    return WeightLayout(shape, (1,), (2,), (0,))
+  return WeightLayout(shape, (0,), (1,))
 
 
 def traced_params(

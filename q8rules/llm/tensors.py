@@ -28,8 +28,8 @@ class TensorSlot(NamedTuple):
       a block's tensor when the layers are scanned (stacked along a leading axis), else
       ('layers_0', 'attn', 'q', 'kernel').
     shape: the tensor's shape in GGUF numpy order (`[n_out, n_in]` for a matrix).
-    dense: whether it is a matrix the Q8 rules can serve (a Dense kernel, or the
-      embedding table: looked up, and the output projection when tied).
+    dense: whether it is a matrix the Q8 rules can serve (a Dense kernel, a stack of experts
+      (E, N, K), or the embedding table: looked up, and the output projection when tied).
     layer: the block it belongs to (its index along the stacked axis when scanned).
   """
 
@@ -41,6 +41,17 @@ class TensorSlot(NamedTuple):
 
 Has = Callable[[TransformerConfig], bool]
 _ALWAYS: Has = lambda c: True  # noqa: E731
+
+
+def _mlp(c: TransformerConfig) -> bool:
+  """The layers have the dense FFN (`mlp`)."""
+  return not c.experts
+
+
+def _experts(c: TransformerConfig) -> bool:
+  """The layers have routed experts (`moe`): a router (E, D) and three stacks (E, N, K)."""
+  return c.experts > 0
+
 
 BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   # GGUF name in blk.{i}, param path in the block, shape, which configs have it
@@ -58,10 +69,14 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("attn_output.weight", "attn/o/kernel", ("D", "Q"), _ALWAYS),
   ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
   ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
-  ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: not c.fused_gate_up),
-  ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: not c.fused_gate_up),
-  ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: c.fused_gate_up),  # gate | up
-  ("ffn_down.weight", "mlp/down/kernel", ("D", "F"), _ALWAYS),
+  ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
+  ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
+  ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: _mlp(c) and c.fused_gate_up),
+  ("ffn_down.weight", "mlp/down/kernel", ("D", "F"), _mlp),
+  ("ffn_gate_inp.weight", "moe/gate_inp/kernel", ("E", "D"), _experts),  # the router, float
+  ("ffn_gate_exps.weight", "moe/gate_exps", ("E", "EF", "D"), _experts),
+  ("ffn_up_exps.weight", "moe/up_exps", ("E", "EF", "D"), _experts),
+  ("ffn_down_exps.weight", "moe/down_exps", ("E", "D", "EF"), _experts),
   ("post_ffw_norm.weight", "post_mlp_norm/scale", ("D",), lambda c: c.post_norms),
   ("layer_output_scale.weight", "out_scale", ("1",), lambda c: c.layer_out_scale),
   ("inp_gate.weight", "ple/gate/kernel", ("P", "D"), lambda c: c.per_layer_dim > 0),
@@ -101,6 +116,8 @@ def _sizes(c: TransformerConfig) -> dict[str, int]:
     "F": c.ffn,
     "2F": 2 * c.ffn,
     "V": c.vocab,
+    "E": c.experts,
+    "EF": c.expert_ffn or c.ffn,
     "1": 1,
     "P": c.per_layer_dim,
     "LP": c.layers * c.per_layer_dim,
@@ -129,6 +146,10 @@ def skipped_tensors(c: TransformerConfig) -> set[str]:
   return {f"blk.{i}.{name}" for i in range(c.kv_layers, c.layers) for name in NO_KV}
 
 
+FLOAT_BLOCK_TENSORS = ("ffn_gate_inp.weight",)
+"""Block matrices that stay float (llama.cpp's quantizer keeps routers float)."""
+
+
 def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
   """GGUF name -> TensorSlot for every tensor the model of `c` reads (llama.cpp's names)."""
   size = _sizes(c)
@@ -143,8 +164,15 @@ def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
     for name, path, shape, has in BLOCK_TENSORS:
       if has(c) and _in_layer(c, i, name):
         dims = tuple(size[s] for s in shape)
-        slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, len(dims) == 2, i)
+        served = len(dims) >= 2 and name.endswith(".weight") and name not in FLOAT_BLOCK_TENSORS
+        slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, served, i)
   return slots
+
+
+def _expert_sizes(c: TransformerConfig) -> str:
+  if not c.experts:
+    return ""
+  return f", experts {c.experts} (expert_count), expert ffn {c.expert_ffn or c.ffn}"
 
 
 def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerConfig) -> None:
@@ -176,7 +204,7 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
     problems.append(
       f"{len(wrong)} tensor(s) disagree with the metadata"
       f" (dim {c.dim}, heads {c.heads}, kv heads {c.kv_heads}, head dim {c.head_dim},"
-      f" ffn {c.ffn}, vocab {c.vocab}):\n{listing(wrong)}"
+      f" ffn {c.ffn}, vocab {c.vocab}{_expert_sizes(c)}):\n{listing(wrong)}"
     )
   if problems:
     raise CheckpointError(
@@ -194,6 +222,7 @@ def q8_rule(q8_paths: list[tuple[str, ...]], act_qtype: str | None = None) -> Q8
 
 __all__ = [
   "BLOCK_TENSORS",
+  "FLOAT_BLOCK_TENSORS",
   "MODEL_TENSORS",
   "TensorSlot",
   "check_tensors",

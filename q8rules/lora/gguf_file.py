@@ -150,7 +150,7 @@ def read_lora_gguf(path: str | os.PathLike[str]) -> LoraFile:
   Raises:
     CheckpointError naming the file (and tensor): not a GGUF or truncated, `general.type` not
     'adapter', `adapter.type` not 'lora', a tensor of another suffix, a pair missing a half,
-    A and B of different ranks, non-finite values.
+    A and B of different ranks, per-expert (3-D) pairs, non-finite values.
   """
   path = str(path)
   try:
@@ -199,6 +199,12 @@ def read_lora_gguf(path: str | os.PathLike[str]) -> LoraFile:
         f"{path}: the LoRA pair of {base!r} is missing its lora_{'ab'[('a' in parts)]}"
       )
     a_t, b_t = parts["a"], parts["b"]  # (rank, n_in), (n_out, rank)
+    if a_t.ndim == 3 or b_t.ndim == 3:
+      raise CheckpointError(
+        f"{path}: LoRA pair of {base!r}: per-expert adapters (ggml [n_in, rank, n_expert], which"
+        " llama.cpp applies to each routed expert) are not served by q8rules; adapt the"
+        " attention and dense matrices"
+      )
     if a_t.ndim != 2 or b_t.ndim != 2 or a_t.shape[0] != b_t.shape[1]:
       raise CheckpointError(
         f"{path}: LoRA pair of {base!r}: lora_a {a_t.shape[::-1]} and lora_b {b_t.shape[::-1]}"

@@ -95,6 +95,13 @@ def sort_by_expert(chosen: jax.Array, experts: int) -> tuple[jax.Array, jax.Arra
   return order, inverse, group_sizes
 
 
+def gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+  """Rows `index` (R,) of activations `a` (M, n) -> (R, n): a gather, which q8rules' providers
+  do not take for a table lookup (as they take `jnp.take` and `a[index]` of an array derived
+  from a param: here, of a norm's scale)."""
+  return jnp.take_along_axis(a, index[:, None], axis=0)
+
+
 class Moe(nn.Module):
   """The routed experts (and shared experts) of one layer: x (B, T, dim) -> (B, T, dim).
 
@@ -145,10 +152,10 @@ class Moe(nn.Module):
     chosen, weights = route(c, logits, probs_bias)
     order, inverse, group_sizes = sort_by_expert(chosen, c.experts)
     token = order // k
-    expert = jnp.take(chosen.reshape(-1), order)
-    rows = jnp.take(x2, token, axis=0)
+    expert = jnp.take_along_axis(chosen.reshape(-1), order, axis=0)
+    rows = gather_rows(x2, token)
     if c.expert_weights_before_ffn:
-      w_rows = jnp.take(weights.reshape(-1), order)[:, None]
+      w_rows = jnp.take_along_axis(weights.reshape(-1), order, axis=0)[:, None]
       rows = (rows.astype(jnp.float32) * w_rows).astype(c.dtype)
     if c.expert_fused_gate_up:
       gate, up = jnp.split(self._grouped("gate_up_exps", rows, 2 * f, group_sizes, expert), 2, -1)
@@ -156,7 +163,7 @@ class Moe(nn.Module):
       gate = self._grouped("gate_exps", rows, f, group_sizes, expert)
       up = self._grouped("up_exps", rows, f, group_sizes, expert)
     down = self._grouped("down_exps", gated(c, gate, up), dim, group_sizes, expert)
-    per_slot = jnp.take(down, inverse, axis=0).reshape(b * t, k, dim).astype(jnp.float32)
+    per_slot = gather_rows(down, inverse).reshape(b * t, k, dim).astype(jnp.float32)
     if not c.expert_weights_before_ffn:
       per_slot = per_slot * weights[..., None]
     out = jnp.sum(per_slot, axis=1)
@@ -186,6 +193,7 @@ __all__ = [
   "SWIGLU_OAI_LIMIT",
   "WEIGHT_SUM_FLOOR",
   "Moe",
+  "gather_rows",
   "gated",
   "gating",
   "route",

@@ -82,7 +82,7 @@ def q8_param_spec(param: Any, spec: Any, mesh: AnyMesh, name: str) -> P:
   """
   layout = param.how.layout
   q_shape = tuple(param.array.q.shape)
-  lead = len(q_shape) - 2
+  lead = len(q_shape) - len(layout.stored_shape)  # stacked layers (a stack's experts: its own)
   entries = spec_entries(spec, lead + len(layout.shape), f"{name} (float shape {layout.shape})")
   kn = q8_spec_for_layout(layout, P(*entries[lead:]), what=name)
   return check_q8_spec(q_shape, P(*entries[:lead], *kn), mesh, what=name)

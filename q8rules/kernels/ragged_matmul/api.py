@@ -151,6 +151,12 @@ def layer_experts(w: LayerSlice, group_sizes: jax.Array) -> tuple[Q8Array, jax.A
   return flat, sizes
 
 
+def _explicitly_split(a: jax.Array) -> bool:
+  """Whether `a`'s type carries a split axis (a mesh's Explicit axes)."""
+  spec = getattr(jax.typeof(a).sharding, "spec", ())
+  return any(entry is not None for entry in spec)
+
+
 def run_ragged(
   x: jax.Array,
   w: Q8Array | LayerSlice,
@@ -161,9 +167,13 @@ def run_ragged(
   preferred_element_type: Any = None,
 ) -> tuple[jax.Array, str]:
   """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend; a
-  `LayerSlice` of stacked experts runs as `layer_experts` lays it out."""
+  `LayerSlice` of stacked experts runs as `layer_experts` lays it out (sliced out instead when
+  a mesh's Explicit axes split it)."""
   if isinstance(w, LayerSlice):
-    w, group_sizes = layer_experts(w, group_sizes)
+    if _explicitly_split(w.stacked.q):  # a reshape of split axes needs its sharding spelled out
+      w = w.take()
+    else:
+      w, group_sizes = layer_experts(w, group_sizes)
   check_ragged_operands(x, w, group_sizes)
   registry.check_implementation(implementation, OP)
   m, k = x.shape
