@@ -188,14 +188,12 @@ class Index:
     return f"[{self.index}]"
 
 
-@dataclasses.dataclass(frozen=True)
-class Scale:
-  """`w * factor` (`factor * w`), or `w / factor` with `divide`: a constant factor (a Python
-  number) on the weight. The Q8_0 values stay those of `w`; the product's output takes the
-  factor (`scale_output`), as x @ (w * c) = (x @ w) * c."""
+class Factor:
+  """What `Scale` and `ColumnScale` share: a factor on the weight's values (`w * factor`, or
+  `w / factor` with `divide`) that leaves its layout as it is."""
 
-  factor: float
-  divide: bool = False
+  factor: Any
+  divide: bool
 
   def forward(self, layout: WeightLayout) -> WeightLayout:
     return layout
@@ -206,12 +204,22 @@ class Scale:
   def array(self, w: jax.Array) -> jax.Array:
     return w / self.factor if self.divide else w * self.factor
 
+
+@dataclasses.dataclass(frozen=True)
+class Scale(Factor):
+  """`w * factor` (`factor * w`), or `w / factor` with `divide`: a constant factor (a Python
+  number) on the weight. The Q8_0 values stay those of `w`; the product's output takes the
+  factor (`scale_output`), as x @ (w * c) = (x @ w) * c."""
+
+  factor: float
+  divide: bool = False
+
   def __str__(self) -> str:
     return f"{'/' if self.divide else '*'} {self.factor:g}"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ColumnScale:
+class ColumnScale(Factor):
   """`w * c` (`c * w`), or `w / c` with `divide`: an array factor `c` that broadcasts against
   the weight without changing its shape and is constant along the product's contracted axes
   (one factor per column of the Q8_0 matrix, and per expert of a stack: a vector along N).
@@ -228,15 +236,6 @@ class ColumnScale:
   factor: Any
   divide: bool = False
   columns: Any = None
-
-  def forward(self, layout: WeightLayout) -> WeightLayout:
-    return layout
-
-  def backward(self, layout: WeightLayout, base_shape: tuple[int, ...]) -> WeightLayout:
-    return layout
-
-  def array(self, w: jax.Array) -> jax.Array:
-    return w / self.factor if self.divide else w * self.factor
 
   def placed(self, layout: WeightLayout) -> ColumnScale:
     """This factor on the columns of a weight of `layout` (`columns`).
@@ -278,7 +277,7 @@ class ColumnScale:
 Op = Transpose | Reshape | AsType | Index | Scale | ColumnScale
 
 FACTORS = (Scale, ColumnScale)
-"""The ops that put a factor on a weight (the product's output takes it)."""
+"""The ops that put a factor on a weight (the product's output takes it): `Factor`'s kinds."""
 
 
 def factor_op(factor: Any, divide: bool) -> Scale | ColumnScale | None:
@@ -400,6 +399,7 @@ def free_order_for(layout: WeightLayout, entries: Sequence[Any]) -> WeightLayout
 
 __all__ = [
   "FACTORS",
+  "Factor",
   "AsType",
   "Chain",
   "ColumnScale",
