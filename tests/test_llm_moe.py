@@ -133,7 +133,7 @@ def test_q4_k_m_loads_requantized_beside_llama_cpps_error(name):
   clearly routed positions, is within 1.25x of llama.cpp's own run of the file."""
   r, m = refs(name), model(name, "q4_k_m")
   assert sum(m.requantized.values()) > 0, m.requantized
-  assert isinstance(m.params["layers"]["moe"]["up_exps"], Q8Weight)
+  assert isinstance(m.params["layers"]["moe"]["gate_up_exps"], Q8Weight)
   _, margin = float64(name, "f32")
   clear = margin > CLEAR_MARGIN
   mine = rel_l2(on_f32_tokens(m, name)[clear], r["f32_logits"][clear])
@@ -149,26 +149,47 @@ def test_greedy_32_tokens_are_llama_cpps(name):
   np.testing.assert_array_equal(new, r["f32_tokens"][len(prompt) :])
 
 
+@functools.cache
+def unfused(name: str) -> GGUFModel:
+  return load_gguf(DATA / f"tiny-{name}-q8_0.gguf", dtype=jnp.float32, fuse=False, progress=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_gate_up_experts_are_the_file_values(name):
+  """The gate | up stack fused at load holds the file's Q8_0 values and scales as they are
+  (each expert's gate columns, then its up columns), so the logits are the unfused model's."""
+  fused, plain = model(name, "q8_0"), unfused(name)
+  both = fused.params["layers"]["moe"]["gate_up_exps"].array
+  parts = [plain.params["layers"]["moe"][k].array for k in ("gate_exps", "up_exps")]
+  for a in ("q", "scale"):
+    np.testing.assert_array_equal(
+      getattr(both, a), np.concatenate([getattr(p, a) for p in parts], -1)
+    )
+  ids = refs(name)["prompt_ids"]
+  assert rel_l2(fused.logits(ids), plain.logits(ids)) < 1e-6
+
+
 def served(m: GGUFModel) -> tuple[q8rules.Q8Provider, Any]:
   """The loaded model's rule on a fresh provider (its report is ours to read), and the model."""
   provider = q8rules.Q8Provider([m.rule])
   return provider, qwix.quantize_model(Transformer(m.config), provider)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("name", NAMES)
-def test_every_expert_weight_is_served_as_q8_0_and_a_decode_step_is_grouped(name):
-  """Each layer stack of experts is a Q8_0 param (L, E, K, N), never float, and nothing under the
-  rule's modules is left float; the router stays float; prefill and a one-token decode step run the experts through the grouped product
-  (the native CPU kernel), and the step continues the prefill as one pass does."""
-  m = model(name, "q8_0")
+def test_every_expert_weight_is_served_as_q8_0_and_a_decode_step_is_grouped(name, fuse):
+  """Each layer stack of experts is a Q8_0 param (L, E, K, N), never float (gate | up fused along
+  N at load by default: one grouped product for both), and nothing under the rule's modules is
+  left float; the router stays float; a one-token decode step runs the experts through the
+  grouped product (the native CPU kernel) and continues the prefill as one pass does."""
+  m = model(name, "q8_0") if fuse else unfused(name)
   moe = m.params["layers"]["moe"]
   c = m.config
   f = c.expert_ffn
-  for stack, (k, n) in (
-    ("gate_exps", (c.dim, f)),
-    ("up_exps", (c.dim, f)),
-    ("down_exps", (f, c.dim)),
-  ):
+  assert c.expert_fused_gate_up == fuse
+  stacks = [("gate_up_exps", (c.dim, 2 * f))] if fuse else [("gate_exps", (c.dim, f))]
+  stacks += [] if fuse else [("up_exps", (c.dim, f))]
+  for stack, (k, n) in (*stacks, ("down_exps", (f, c.dim))):
     w = moe[stack]
     assert isinstance(w, Q8Weight) and w.array.q.dtype == jnp.int8, stack
     assert w.array.q.shape == (c.layers, c.experts, k, n), stack
@@ -183,7 +204,7 @@ def test_every_expert_weight_is_served_as_q8_0_and_a_decode_step_is_grouped(name
   assert rel_l2(last[0, 0], full[0, -1]) < 1e-5
   report = provider.report()
   grouped = [r for r in report.ops if r.op.startswith("ragged_dot")]
-  assert len(grouped) == 3 and {r.m for r in grouped} == {c.experts_used}, report  # the step's
+  assert len(grouped) == 3 - fuse and {r.m for r in grouped} == {c.experts_used}, report
   assert all(r.path == "cpu" for r in grouped), report
   assert report.float_params == []  # the rule matches the served modules; the router is apart
 

@@ -1,4 +1,5 @@
-"""Fusing each layer's q | k | v and gate | up matrices at load: one product each, not 3 and 2.
+"""Fusing each layer's q | k | v and gate | up matrices (and its experts' gate | up stacks) at load:
+one product each, not 3 and 2.
 
 llama.cpp stores `attn_q`, `attn_k`, `attn_v` (and `ffn_gate`, `ffn_up`) apart; the
 `Transformer` can take them as one matrix (`fused_qkv`, `fused_gate_up`: the output axis is
@@ -23,9 +24,12 @@ from q8rules.llm.stacked import slot_name
 from q8rules.llm.tensors import TensorSlot
 from q8rules.models.config import TransformerConfig
 
-QKV = ("attn", "qkv", ("q", "k", "v"), "fused_qkv")
-GATE_UP = ("mlp", "up", ("gate", "up"), "fused_gate_up")
-"""(block module, fused module, member modules in output order, the config field)."""
+QKV = ("attn", "qkv", ("q", "k", "v"), "fused_qkv", ("kernel", "bias"))
+GATE_UP = ("mlp", "up", ("gate", "up"), "fused_gate_up", ("kernel", "bias"))
+EXPERTS_GATE_UP = ("moe", "gate_up_exps", ("gate_exps", "up_exps"), "expert_fused_gate_up", (None,))
+"""(block module, fused module or param, members in output order, the config field, the
+leaves of each: a Dense's kernel and bias, or the param itself (an expert stack (E, K, N),
+fused along N: each expert's gate columns, then its up columns))."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +62,13 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
   for name, slot in slots.items():
     if slot.layer is not None:
       by_path.setdefault(slot.path, []).append(name)
-  for block, fused, members, field in (QKV, GATE_UP):
-    if getattr(config, field):
-      continue
+  for block, fused, members, field, leaves in (QKV, GATE_UP, EXPERTS_GATE_UP):
+    if getattr(config, field) or (field == EXPERTS_GATE_UP[3] and config.expert_bias):
+      continue  # the experts' (N, E) biases would not concatenate along N
     groups = {}
-    for leaf in ("kernel", "bias"):
-      paths = [("layers", block, m, leaf) for m in members]
+    for leaf in leaves:
+      tail = (leaf,) if leaf else ()
+      paths = [("layers", block, m, *tail) for m in members]
       present = [p in by_path for p in paths]
       if not any(present):
         continue
@@ -71,8 +76,8 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
       if not all(present) or len({ckpt.served_type(n) for n in names}) != 1:
         groups = {}
         break
-      groups[("layers", block, fused, leaf)] = tuple(paths)
-    if ("layers", block, fused, "kernel") not in groups:
+      groups[("layers", block, fused, *tail)] = tuple(paths)
+    if ("layers", block, fused, *((leaves[0],) if leaves[0] else ())) not in groups:
       continue
     config = dataclasses.replace(config, **{field: True})
     for path, parts in groups.items():
@@ -82,13 +87,13 @@ def plan(ckpt: Any, config: TransformerConfig, slots: Mapping[str, TensorSlot]) 
 
 def fused_paths(paths: list[tuple[str, ...]], fusion: Fusion) -> list[tuple[str, ...]]:
   """Param paths of the file's model (`paths`) as the fused model has them: each fused
-  group's member kernels replaced by the fused kernel."""
+  group's member kernels (or expert stacks) replaced by the fused one."""
   out = list(paths)
   for fused, members in fusion.slots.items():
     kernels = [tuple(m.split("/")) for m in members]
-    if fused.endswith("/kernel") and all(k in out for k in kernels):
+    if all(k in out for k in kernels):
       out = [p for p in out if p not in kernels] + [tuple(fused.split("/"))]
   return out
 
 
-__all__ = ["GATE_UP", "QKV", "Fusion", "fused_paths", "plan"]
+__all__ = ["EXPERTS_GATE_UP", "GATE_UP", "QKV", "Fusion", "fused_paths", "plan"]

@@ -106,7 +106,8 @@ def tensor_sources(
   """
   widths: dict[str, int] = {}
   for slot in slots.values():
-    widths[slot_name(slot.path)] = slot.shape[0]  # n_out of a kernel; the length of a bias
+    # n_out of a kernel or of an expert stack [E, n_out, n_in]; the length of a bias
+    widths[slot_name(slot.path)] = slot.shape[-2] if len(slot.shape) >= 2 else slot.shape[0]
   member_of: dict[str, tuple[tuple[str, ...], tuple[int, int]]] = {}
   for fused_name, members in fused.items():
     start = 0
