@@ -292,7 +292,7 @@ def test_lora_on_expert_stacks_is_refused_naming_the_tensor(tmp_path):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight': per-expert adapters"):
+  with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight': a per-expert adapter"):
     load_gguf(SRC, lora=path, progress=False)
   m = model("mixtral", "q8_0")
   with pytest.raises(ValueError, match=r"unknown LoRA target\(s\) \['ffn_up_exps'\]"):

@@ -201,9 +201,9 @@ def read_lora_gguf(path: str | os.PathLike[str]) -> LoraFile:
     a_t, b_t = parts["a"], parts["b"]  # (rank, n_in), (n_out, rank)
     if a_t.ndim == 3 or b_t.ndim == 3:
       raise CheckpointError(
-        f"{path}: LoRA pair of {base!r}: per-expert adapters (ggml [n_in, rank, n_expert], which"
-        " llama.cpp applies to each routed expert) are not served by q8rules; adapt the"
-        " attention and dense matrices"
+        f"{path}: LoRA pair of {base!r}: a per-expert adapter (ggml [n_in, rank, n_expert], which"
+        " llama.cpp applies to each routed expert); q8rules reads the adapters of the attention"
+        " and dense matrices from GGUF adapter files, not those of expert stacks"
       )
     if a_t.ndim != 2 or b_t.ndim != 2 or a_t.shape[0] != b_t.shape[1]:
       raise CheckpointError(
