@@ -26,6 +26,7 @@ Files (in `out`):
 
 from __future__ import annotations
 
+import json
 import math
 import tarfile
 import tempfile
@@ -246,6 +247,7 @@ def tokenize_refs(path: Path) -> dict[str, np.ndarray]:
     tok_ids=np.asarray(ids, np.int32),
     tok_offsets=np.asarray(offsets, np.int32),
     chat_names=np.asarray(list(CONVERSATIONS)),
+    chat_messages=json.dumps(list(CONVERSATIONS.values()), ensure_ascii=False),
     chat_texts=np.asarray(texts),
     chat_ids=np.asarray(chat_ids, np.int32),
     chat_offsets=np.asarray(chat_offsets, np.int32),

@@ -204,8 +204,8 @@ PHI3 = DATA / "tiny-phi3-q8_0.gguf"
 
 
 def test_unsupported_rope_scaling_names_the_key(tmp_path):
-  path = rewrite_to(tmp_path, typed_meta={"llama.rope.scaling.type": ("yarn", V.STRING, None)})
-  raises(path, "llama.rope.scaling.type 'yarn' is not supported", "longrope")
+  path = rewrite_to(tmp_path, typed_meta={"llama.rope.scaling.type": ("dynamic", V.STRING, None)})
+  raises(path, "llama.rope.scaling.type 'dynamic' is not supported", "longrope, yarn")
 
 
 def test_per_layer_head_counts_are_refused(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gemma4
+from q8rules.llm import gemma4, gpt_oss
 from q8rules.llm.experts import expert_fields
 from q8rules.models.config import TransformerConfig
 
@@ -31,12 +31,17 @@ SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {
   "gemma2": dict(_GEMMA, tied_embeddings=True, post_norms=True),
   "gemma3": dict(_GEMMA, post_norms=True, qk_norm=True),
   "phi3": dict(rope_style="halves", fused_qkv=True, fused_gate_up=True),
+  gpt_oss.ARCH: gpt_oss.FIELDS,  # + experts (q8rules/llm/experts.py)
   "gemma4": dict(_GEMMA, post_norms=True, qk_norm=True),
 }
 """Archs `load_gguf` runs, with the config fields that distinguish them (the rest come from
 the metadata: `config_from_metadata`)."""
 
-SLIDING_WINDOW = {"gemma2": (4096, 2), "gemma3": (None, 6)}
+SLIDING_WINDOW = {
+  "gemma2": (4096, 2),
+  "gemma3": (None, 6),
+  gpt_oss.ARCH: (None, gpt_oss.SWA_PERIOD),
+}
 """Archs with sliding-window layers: (llama.cpp's default window, None when the layers are
 all global without the key; its default pattern period: layer i is local unless
 i % period == period - 1)."""
@@ -88,12 +93,12 @@ def _arch_fields(
   out: dict[str, Any] = {}
   if arch in SLIDING_WINDOW:
     out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, c["layers"])
-    if arch == "gemma2":  # llama.cpp: the local layers share the global base and scale
+    if arch in ("gemma2", gpt_oss.ARCH):  # llama.cpp: local layers share the base and scale
       out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", c["rope_base"]))
       out["rope_factor_local"] = c["rope_factor"]
     else:
       out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", 10000.0))
-    if c["layers"] == LARGE_GEMMA_LAYERS[arch]:
+    if c["layers"] == LARGE_GEMMA_LAYERS.get(arch):
       out["attn_scale"] = 1.0 / math.sqrt(c["dim"] / c["heads"])
   if arch == "gemma2":
     out["attn_softcap"] = float(meta.get(a + "attn_logit_softcapping", 50.0))
@@ -124,8 +129,8 @@ def config_from_metadata(
 
   Raises:
     CheckpointError: an arch not in SUPPORTED_ARCHS, a missing key, per-layer values,
-      partial rotary embeddings, a rope scaling type other than none / linear /
-      longrope, heads that do not divide, a value length other than the key length.
+      partial rotary embeddings, a rope scaling type other than none / linear / longrope /
+      yarn, heads that do not divide, a value length other than the key length.
   """
   arch = meta.get("general.architecture")
   if arch not in SUPPORTED_ARCHS:
@@ -155,11 +160,12 @@ def config_from_metadata(
     raise CheckpointError(f"{path}: {heads} heads are not a multiple of {kv_heads} KV heads")
   factor = meta.get(a + "rope.scaling.factor") or meta.get(a + "rope.scale_linear") or 1.0
   scaling = meta.get(a + "rope.scaling.type", "linear" if float(factor) != 1.0 else "none")
-  if scaling not in ("none", "linear", "longrope"):
+  if scaling not in ("none", "linear", "longrope", "yarn"):
     raise CheckpointError(
-      f"{path}: {a}rope.scaling.type {scaling!r} is not supported (none, linear, longrope)"
+      f"{path}: {a}rope.scaling.type {scaling!r} is not supported (none, linear, longrope, yarn)"
     )
   context = int(_get(meta, path, a + "context_length", 2048))
+  ffn_default = gpt_oss.default_ffn(meta) if arch == gpt_oss.ARCH else None
   fields = dict(SUPPORTED_ARCHS[arch])
   fields.setdefault("tied_embeddings", "output.weight" not in tensors)
   fields.update(
@@ -170,7 +176,9 @@ def config_from_metadata(
     heads=heads,
     kv_heads=kv_heads,
     head_dim=head_dim,
-    ffn=int(_get(meta, path, a + "feed_forward_length", None, "feed_forward_length" in arrays)),
+    ffn=int(
+      _get(meta, path, a + "feed_forward_length", ffn_default, "feed_forward_length" in arrays)
+    ),
     rope_base=float(_get(meta, path, a + "rope.freq_base", 10000.0)),
     rope_scaling=None if scaling == "none" else scaling,
     rope_factor=float(factor),
@@ -188,6 +196,8 @@ def config_from_metadata(
     fields["rope_freq_factors"] = "rope_freqs.weight" in tensors
   if arch == "phi3" or (arch == "llama" and scaling == "longrope"):
     fields["rope_long_short"] = "rope_factors_long.weight" in tensors
+  if arch == gpt_oss.ARCH:
+    gpt_oss.check_keys(meta, path)
   fields.update(_arch_fields(meta, path, arch, fields))
   fields.update(expert_fields(meta, path, arch, fields["ffn"], tensors))
   if arch == gemma4.ARCH:
