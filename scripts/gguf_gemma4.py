@@ -1,5 +1,5 @@
 """The small `gemma4` test models and llama.cpp's outputs on them, for
-scripts/make_gguf_references.py (`--only gemma4-e2b gemma4-31b`).
+scripts/make_gguf_references.py (`--only gemma4-e2b gemma4-31b gemma4-moe`).
 
 The layouts are what llama.cpp's converter writes for Gemma 4 (conversion/gemma.py,
 `Gemma4Model`) at small sizes, with the keys and tensors llama.cpp's loader reads
@@ -12,7 +12,13 @@ The layouts are what llama.cpp's converter writes for Gemma 4 (conversion/gemma.
                attn_k_norm are in the file, as HF's checkpoints have them), FFN twice as wide
                on the shared layers (`feed_forward_length` per layer), one KV head;
   gemma4-31b   as 31B: no per-layer embeddings, KV heads per kind (`attention.head_count_kv`
-               2 on local, 1 on global layers), global layers without `attn_v` (K is V).
+               2 on local, 1 on global layers), global layers without `attn_v` (K is V);
+  gemma4-moe   as 26B-A4B: 31B's attention on 4 layers, and in each 8 experts (top 2, width
+               32) beside the dense FFN: the router `ffn_gate_inp` (kept F32, as llama.cpp
+               keeps it) with its `ffn_gate_inp.scale`, the experts' gate and up as one
+               `ffn_gate_up_exps` stack, `ffn_down_exps` with a per-expert
+               `ffn_down_exps.scale`, the branches' norms `post_ffw_norm_1`, `pre_ffw_norm_2`,
+               `post_ffw_norm_2`.
 
 Both: local / global layers in Gemma 4's pattern (2 local, 1 global; window 8, shorter than
 the test sequences), head width 16 local / 32 global (`key_length_swa` / `key_length`), QK
@@ -74,9 +80,24 @@ CONFIGS = {
   "gemma4-31b": dict(
     _COMMON, kv_heads=(2, 2, 1, 2, 2, 1), ffn=(96,) * 6, per_layer=0, shared_kv=0, k_eq_v=True
   ),
+  "gemma4-moe": dict(
+    _COMMON,
+    layers=4,
+    pattern=(True, True, False, True),
+    kv_heads=(2, 2, 1, 2),
+    ffn=(64,) * 4,
+    per_layer=0,
+    shared_kv=0,
+    k_eq_v=True,
+    experts=8,
+    experts_used=2,
+    expert_ffn=32,
+  ),
 }
 """Each test model's sizes (E2B: dim 1536, 35 layers, 8 heads, one KV head, head width 256 /
-512, per-layer 256, 20 shared layers; 31B: dim 5376, 60 layers, 32 heads, KV heads 16 / 4)."""
+512, per-layer 256, 20 shared layers; 31B: dim 5376, 60 layers, 32 heads, KV heads 16 / 4;
+26B-A4B: dim 2816, 30 layers, 16 heads, KV heads 8 / 2, 128 experts of 704, top 8, beside a
+dense FFN of 2112)."""
 QK_NORM = 0.35
 """The q / k norm weights' size. Gemma 4's attention scale is 1 on RMS-normed q and k: with
 weights near 1 the random model's scores have a std of sqrt(head width), its attention picks
@@ -179,15 +200,53 @@ def make_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
       w[pre + "proj.weight"] = mat(d, p)
       w[pre + "post_norm.weight"] = norm(d)
     w[pre + "layer_output_scale.weight"] = rng.uniform(0.5, 1.5, 1).astype(np.float32)
+    if cfg.get("experts"):
+      w.update({pre + k: a for k, a in experts(cfg, rng, norm).items()})
   w["output_norm.weight"] = norm(d)
   w["rope_freqs.weight"] = rope_freqs(cfg)
   return w
 
 
+def experts(cfg: dict, rng: np.random.Generator, norm) -> dict[str, np.ndarray]:
+  """One layer's experts (names in blk.N): the router reads rms_norm(x) / sqrt(dim) times its
+  scale, entries ~ 1 / sqrt(dim), so its rows have a gain of 2 sqrt(dim) (logits of std ~ 2:
+  clear choices of experts)."""
+  d, e, f = cfg["dim"], cfg["experts"], cfg["expert_ffn"]
+
+  def stack(n_out: int, n_in: int) -> np.ndarray:
+    return (rng.standard_normal((e, n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+  return {
+    "ffn_gate_inp.weight": (rng.standard_normal((e, d)) * 2.0).astype(np.float32),
+    "ffn_gate_inp.scale": norm(d),
+    "ffn_gate_up_exps.weight": stack(2 * f, d),  # gate rows, then up rows
+    "ffn_down_exps.weight": stack(d, f),
+    "ffn_down_exps.scale": rng.uniform(0.5, 1.5, e).astype(np.float32),
+    "post_ffw_norm_1.weight": norm(d),
+    "pre_ffw_norm_2.weight": norm(d),
+    "post_ffw_norm_2.weight": norm(d),
+  }
+
+
+def zero_gelu_inputs(weights: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+  """The weights with every GELU's input zeroed: ffn_gate, inp_gate and the experts' gate rows
+  (no GELU term left in the graph)."""
+  out = {}
+  for n, a in weights.items():
+    if n.endswith(("ffn_gate.weight", "inp_gate.weight")):
+      a = 0 * a
+    elif n.endswith("ffn_gate_up_exps.weight"):
+      a = a.copy()
+      a[:, : cfg["expert_ffn"]] = 0
+    out[n] = a
+  return out
+
+
 def q8_0_in_file(name: str, w: np.ndarray) -> bool:
   """Whether the Q8_0 file stores `name` as Q8_0: the weights of two or more axes but
-  `per_layer_model_proj` (llama-quantize's rule; the converter's Q8_0 writes the same)."""
-  return w.ndim >= 2 and not name.startswith("per_layer_model_proj")
+  `per_layer_model_proj` and the router (llama-quantize's rule)."""
+  kept = name.startswith("per_layer_model_proj") or name.endswith("ffn_gate_inp.weight")
+  return w.ndim >= 2 and not kept
 
 
 def write(path: Path, cfg: dict, weights: dict[str, np.ndarray], vocab: dict, q8: bool) -> None:
@@ -217,6 +276,10 @@ def write(path: Path, cfg: dict, weights: dict[str, np.ndarray], vocab: dict, q8
   writer.add_sliding_window_pattern(list(cfg["pattern"]))
   writer.add_shared_kv_layers(cfg["shared_kv"])
   writer.add_embedding_length_per_layer_input(cfg["per_layer"])
+  if cfg.get("experts"):
+    writer.add_expert_count(cfg["experts"])
+    writer.add_expert_used_count(cfg["experts_used"])
+    writer.add_expert_feed_forward_length(cfg["expert_ffn"])
   writer.add_tokenizer_model("gemma4")
   writer.add_token_list(vocab["tokens"])
   writer.add_token_scores(vocab["scores"])
@@ -308,13 +371,9 @@ def write_model(out: Path, name: str, seed: int) -> None:
   forced = refs["f32_tokens"][:-1].tolist()
   for key in ("q8", "q4_k_m"):  # the quantized files on the F32 run's tokens: comparable rows
     refs[f"{key}_on_f32_logits"] = run_llama_cpp(paths[key.replace("q8", "q8_0")], forced, 1)[0]
-  # every GELU's input zeroed (ffn_gate, and inp_gate): no GELU term left in the graph
+  # every GELU's input zeroed: no GELU term left in the graph
   no_gelu = out / f"tiny-{name}-no-gelu.gguf"
-  zeroed = {
-    n: (0 * a if n.endswith(("ffn_gate.weight", "inp_gate.weight")) else a)
-    for n, a in weights.items()
-  }
-  write(no_gelu, cfg, zeroed, vocab, q8=False)
+  write(no_gelu, cfg, zero_gelu_inputs(weights, cfg), vocab, q8=False)
   refs["f32_no_gelu_logits"] = run_llama_cpp(no_gelu, forced, 1)[0]
   no_gelu.unlink()
   np.savez_compressed(

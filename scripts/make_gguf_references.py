@@ -42,9 +42,10 @@ template comes from llama-cpp-python's sdist (--sdist, else `pip download`ed).
 'qwen3moe' and 'mixtral' (8 experts, top 2; arch `llama` with `ffn_*_exps` for the latter) are
 written by scripts/gguf_moe.py, with a third file llama.cpp quantizes to Q4_K_M itself.
 
-'gemma4-e2b' and 'gemma4-31b' (per-layer embeddings, shared KV, per-kind head widths and KV
-heads, K as V) are written by scripts/gguf_gemma4.py with Gemma 4's own vocabulary and chat
-template, and a third file llama.cpp quantizes to Q4_K_M itself.
+'gemma4-e2b', 'gemma4-31b' and 'gemma4-moe' (per-layer embeddings, shared KV, per-kind head
+widths and KV heads, K as V, experts beside the dense FFN) are written by
+scripts/gguf_gemma4.py with Gemma 4's own vocabulary and chat template, and a third file
+llama.cpp quantizes to Q4_K_M itself.
 """
 
 from __future__ import annotations

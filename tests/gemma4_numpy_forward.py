@@ -13,6 +13,10 @@ Gemma 4 writes it (modeling_gemma4.py), with the keys llama.cpp's loader reads:
     layer without attn_v uses K's projection as V), post-attention norm, residual; GeGLU FFN,
     post-FFN norm, residual; per-layer branch x + norm(proj(gelu(inp_gate(x)) * in_i)); times
     layer_output_scale
+  with experts (expert_count), the FFN is post_ffw_norm_1(dense(ffn_norm(x))) +
+    post_ffw_norm_2(sum_j w_j s_e down_e(gelu(gate_e(y)) * up_e(y))) with y = pre_ffw_norm_2(x),
+    e the top k of softmax(ffn_gate_inp @ (rms_norm(x) / sqrt(dim) * ffn_gate_inp.scale)), w
+    those k probabilities normalized, s = ffn_down_exps.scale (HF's Gemma4 MoE block)
   logits = final soft-cap(norm(x) @ embed)
 """
 
@@ -54,6 +58,8 @@ def hparams(path) -> dict:
     shared_kv=get("attention.shared_kv_layers", 0),
     per_layer=get("embedding_length_per_layer_input", 0),
     final_softcap=get("final_logit_softcapping", 30.0),
+    experts=get("expert_count", 0),
+    experts_used=get("expert_used_count", 0),
   )
 
 
@@ -97,6 +103,27 @@ def _attention(hp, w, p, h, i, kv_of):
   return o @ w[p + "attn_output.weight"].T
 
 
+def _experts(hp, w, p, x, gelu):
+  """The expert branch of a layer (T, dim), each token through its top-k experts."""
+  eps, k = hp["eps"], hp["experts_used"]
+  router_in = _norm(x, None, eps) / math.sqrt(hp["dim"]) * w[p + "ffn_gate_inp.scale"]
+  logits = router_in @ w[p + "ffn_gate_inp.weight"].T
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  y = _norm(x, w[p + "pre_ffw_norm_2.weight"], eps)
+  gate_up, down = w[p + "ffn_gate_up_exps.weight"], w[p + "ffn_down_exps.weight"]
+  scale = w.get(p + "ffn_down_exps.scale", np.ones(len(down)))
+  half = gate_up.shape[1] // 2
+  out = np.zeros_like(x)
+  for t in range(len(x)):
+    chosen = np.argsort(-probs[t], kind="stable")[:k]
+    weights = probs[t, chosen] / probs[t, chosen].sum()
+    for e, wt in zip(chosen, weights, strict=True):
+      g, u = np.split(gate_up[e] @ y[t], [half])
+      out[t] += wt * scale[e] * (down[e] @ (gelu(g) * u))
+  return _norm(out, w[p + "post_ffw_norm_2.weight"], eps)
+
+
 def forward(hp: dict, w: dict[str, np.ndarray], ids, gelu=gelu_tanh) -> np.ndarray:
   """Logits (T, vocab) float64 of token ids (T,); `gelu` every GELU of the graph (the FFN's and
   the per-layer branch's)."""
@@ -115,8 +142,12 @@ def forward(hp: dict, w: dict[str, np.ndarray], ids, gelu=gelu_tanh) -> np.ndarr
     o = _attention(hp, w, p, h, i, kv_of)
     x = x + _norm(o, w[p + "post_attention_norm.weight"], eps)
     h = _norm(x, w[p + "ffn_norm.weight"], eps)
-    f = gelu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
-    x = x + _norm(f @ w[p + "ffn_down.weight"].T, w[p + "post_ffw_norm.weight"], eps)
+    f = (gelu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[
+      p + "ffn_down.weight"
+    ].T
+    if hp["experts"]:
+      f = _norm(f, w[p + "post_ffw_norm_1.weight"], eps) + _experts(hp, w, p, x, gelu)
+    x = x + _norm(f, w[p + "post_ffw_norm.weight"], eps)
     if pl:
       g = gelu(x @ w[p + "inp_gate.weight"].T) * per_layer[:, i]
       x = x + _norm(g @ w[p + "proj.weight"].T, w[p + "post_norm.weight"], eps)

@@ -15,11 +15,16 @@ What gemma4 reads besides the keys every arch has:
   final_logit_softcapping               default 30 (llama.cpp's hparams default)
   attention.head_count_kv, feed_forward_length   a value or one per layer (31B / 26B-A4B's
                                         KV heads per kind, E2B's wider FFN on shared layers)
+  expert_count, expert_used_count       default 0: experts (26B-A4B), beside the dense FFN
+  expert_feed_forward_length            required with experts; the experts' width
 
-and from the tensors: a layer with no `attn_v` uses K's projection as V (attention_k_eq_v), a
-`layer_output_scale` multiplies each layer's output, `rope_freqs` divides the global layers'
-frequencies (partial rotary as factors of 1e30). The attention scale is 1 (q and k are
-RMS-normalized), V is RMS-normalized without a weight.
+and from the tensors: experts as one `ffn_gate_up_exps` stack or gate and up stacks, with or
+without a per-expert `ffn_down_exps.scale`; a layer with no `attn_v` uses K's projection as V
+(attention_k_eq_v), a `layer_output_scale` multiplies each layer's output, `rope_freqs` divides
+the global layers' frequencies (partial rotary as factors of 1e30). The attention scale is 1 (q
+and k are RMS-normalized), V is RMS-normalized without a weight. The experts' routing is
+llama.cpp's for gemma4: softmax, top-k, the chosen weights normalized; the router reads
+rms_norm(x) / sqrt(dim) * `ffn_gate_inp.scale`.
 """
 
 from __future__ import annotations
@@ -100,6 +105,35 @@ def _kv_heads(
   return values
 
 
+def _experts(meta: Mapping[str, Any], path: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
+  """The expert fields (none without `expert_count`), checked as llama.cpp's loader checks
+  them."""
+  experts = int(meta.get(f"{ARCH}.expert_count", 0))
+  used = meta.get(f"{ARCH}.expert_used_count", 0)
+  if isinstance(used, list | tuple):
+    raise CheckpointError(f"{path}: per-layer values of '{ARCH}.expert_used_count': {used}")
+  if experts <= 0:
+    return {}
+  if not 1 <= int(used) <= experts:
+    raise CheckpointError(
+      f"{path}: {ARCH}.expert_used_count {used} must be in [1, {ARCH}.expert_count {experts}]"
+    )
+  ffn = _required(meta, path, "expert_feed_forward_length")
+  if isinstance(ffn, list | tuple):
+    raise CheckpointError(f"{path}: per-layer values of '{ARCH}.expert_feed_forward_length'")
+  return dict(
+    experts=experts,
+    experts_used=int(used),
+    expert_ffn=int(ffn),
+    expert_gating="softmax",
+    expert_weights_norm=True,
+    expert_fused_gate_up="blk.0.ffn_gate_up_exps.weight" in tensors,
+    expert_dense_branch=True,
+    expert_router_norm=True,
+    expert_down_scale="blk.0.ffn_down_exps.scale" in tensors,
+  )
+
+
 def gemma4_fields(
   meta: Mapping[str, Any], path: str, c: dict[str, Any], tensors: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -110,7 +144,8 @@ def gemma4_fields(
     CheckpointError naming the key (or tensor): a required key missing, a sliding-window
       pattern that is not one bool per layer, a local head width whose key and value lengths or
       rotary dims differ, shared-KV layers llama.cpp cannot reuse, KV heads that differ within a
-      kind, a fused attn_qkv.
+      kind, a fused attn_qkv, experts used outside [1, expert_count], experts without their
+      width.
   """
   layers = c["layers"]
   if "blk.0.attn_qkv.weight" in tensors:
@@ -149,6 +184,7 @@ def gemma4_fields(
     attn_scale=1.0,
     v_norm=True,
     scan_layers=False,
+    **_experts(meta, path, tensors),
   )
 
 

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gpt_oss
 from q8rules.models.config import TransformerConfig
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
@@ -45,13 +44,23 @@ _ALWAYS: Has = lambda c: True  # noqa: E731
 
 
 def _mlp(c: TransformerConfig) -> bool:
-  """The layers have the dense FFN (`mlp`)."""
-  return not c.experts
+  """The layers have the dense FFN (`mlp`): no experts, or one beside them (Gemma 4's)."""
+  return not c.experts or c.expert_dense_branch
 
 
 def _experts(c: TransformerConfig) -> bool:
   """The layers have routed experts (`moe`): a router (E, D) and three stacks (E, N, K)."""
   return c.experts > 0
+
+
+def _fused_experts(c: TransformerConfig) -> bool:
+  """The experts' gate and up are one stack (E, 2F, D), gate rows first (`ffn_gate_up_exps`)."""
+  return c.experts > 0 and c.expert_fused_gate_up
+
+
+def _split_experts(c: TransformerConfig) -> bool:
+  """The experts' gate and up are stacks of their own (not one `ffn_gate_up_exps`)."""
+  return c.experts > 0 and not c.expert_fused_gate_up
 
 
 BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
@@ -68,26 +77,24 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("attn_q_norm.weight", "attn/q_norm/scale", ("H",), lambda c: c.qk_norm),
   ("attn_k_norm.weight", "attn/k_norm/scale", ("H",), lambda c: c.qk_norm),
   ("attn_output.weight", "attn/o/kernel", ("D", "Q"), _ALWAYS),
-  ("attn_output.bias", "attn/o/bias", ("D",), lambda c: c.attn_output_bias),
-  ("attn_sinks.weight", "attn/sinks", ("NH",), lambda c: c.attn_sinks),
   ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
-  ("ffn_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch != gpt_oss.ARCH),
-  # gpt-oss stores its FFN's norm under the name of a post-attention norm
-  ("post_attention_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch == gpt_oss.ARCH),
+  ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
   ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: _mlp(c) and c.fused_gate_up),
   ("ffn_down.weight", "mlp/down/kernel", ("D", "F"), _mlp),
   ("ffn_gate_inp.weight", "moe/gate_inp/kernel", ("E", "D"), _experts),  # the router, float
-  ("ffn_gate_exps.weight", "moe/gate_exps", ("E", "EF", "D"), _experts),
-  ("ffn_up_exps.weight", "moe/up_exps", ("E", "EF", "D"), _experts),
+  ("ffn_gate_exps.weight", "moe/gate_exps", ("E", "EF", "D"), _split_experts),
+  ("ffn_up_exps.weight", "moe/up_exps", ("E", "EF", "D"), _split_experts),
   ("ffn_down_exps.weight", "moe/down_exps", ("E", "D", "EF"), _experts),
-  ("ffn_gate_inp.bias", "moe/gate_inp/bias", ("E",), lambda c: c.expert_router_bias),
-  ("ffn_gate_exps.bias", "moe/gate_exps_bias", ("E", "EF"), lambda c: c.expert_bias),
-  ("ffn_up_exps.bias", "moe/up_exps_bias", ("E", "EF"), lambda c: c.expert_bias),
-  ("ffn_down_exps.bias", "moe/down_exps_bias", ("E", "D"), lambda c: c.expert_bias),
   ("post_ffw_norm.weight", "post_mlp_norm/scale", ("D",), lambda c: c.post_norms),
   ("layer_output_scale.weight", "out_scale", ("1",), lambda c: c.layer_out_scale),
+  ("ffn_gate_up_exps.weight", "moe/gate_up_exps", ("E", "2EF", "D"), _fused_experts),
+  ("ffn_gate_inp.scale", "moe/gate_inp_scale", ("D",), lambda c: c.expert_router_norm),
+  ("ffn_down_exps.scale", "moe/down_exps_scale", ("E",), lambda c: c.expert_down_scale),
+  ("post_ffw_norm_1.weight", "post_mlp_norm_1/scale", ("D",), lambda c: c.expert_dense_branch),
+  ("pre_ffw_norm_2.weight", "mlp_norm_2/scale", ("D",), lambda c: c.expert_dense_branch),
+  ("post_ffw_norm_2.weight", "post_mlp_norm_2/scale", ("D",), lambda c: c.expert_dense_branch),
   ("inp_gate.weight", "ple/gate/kernel", ("P", "D"), lambda c: c.per_layer_dim > 0),
   ("proj.weight", "ple/proj/kernel", ("D", "P"), lambda c: c.per_layer_dim > 0),
   ("post_norm.weight", "ple/norm", ("D",), lambda c: c.per_layer_dim > 0),
@@ -125,12 +132,12 @@ def _sizes(c: TransformerConfig) -> dict[str, int]:
     "F": c.ffn,
     "2F": 2 * c.ffn,
     "V": c.vocab,
-    "NH": c.heads,
     "E": c.experts,
     "EF": c.expert_ffn or c.ffn,
     "1": 1,
     "P": c.per_layer_dim,
     "LP": c.layers * c.per_layer_dim,
+    "2EF": 2 * (c.expert_ffn or c.ffn),
   }
 
 

@@ -88,6 +88,13 @@ class TransformerConfig:
       q8rules/models/per_layer.py); 0: none.
     layer_out_scale: each layer's output is multiplied by a learned scalar (param `out_scale`
       (1,), llama.cpp's layer_output_scale).
+    expert_dense_branch: with `experts`, the dense FFN runs beside them (Gemma 4 26B-A4B's):
+      mlp_norm -> mlp -> post_mlp_norm_1 plus mlp_norm_2 -> moe -> post_mlp_norm_2, the
+      router reading the block's residual (`expert_router_norm`).
+    expert_router_norm: the router reads rms_norm(x) / sqrt(dim) * `gate_inp_scale` (dim,)
+      (Gemma 4's), not the experts' input.
+    expert_down_scale: each expert's output is multiplied by its own scale (param
+      `down_exps_scale` (E,), llama.cpp's ffn_down_exps.scale).
     fused_qkv: q, k and v come from one matrix (dim -> q | k | v).
     fused_gate_up: gate and up come from one matrix (dim -> gate | up), named 'up'.
     attn_scale: the attention scores' scale; None is 1 / sqrt(head_dim).
@@ -162,6 +169,9 @@ class TransformerConfig:
   shared_kv_layers: int = 0
   per_layer_dim: int = 0
   layer_out_scale: bool = False
+  expert_dense_branch: bool = False
+  expert_router_norm: bool = False
+  expert_down_scale: bool = False
   fused_qkv: bool = False
   fused_gate_up: bool = False
   attn_scale: float | None = None

@@ -24,6 +24,7 @@ reads only the routed experts). Shapes: x (B, T, dim) in `dtype` -> (B, T, dim) 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from q8rules.models.config import TransformerConfig
+from q8rules.models.per_layer import rms_normalize
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5
 """llama.cpp clamps the sum of the chosen weights from below by float16's smallest normal
@@ -105,8 +107,10 @@ def gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
 class Moe(nn.Module):
   """The routed experts (and shared experts) of one layer: x (B, T, dim) -> (B, T, dim).
 
-  `__call__(x, logits=None)`: `logits` (B, T, E) are the router's, computed by the caller (an
-  arch whose router reads another input, as Gemma 4's); None: `gate_inp` of x here.
+  `__call__(x, logits=None, router_x=None)`: `logits` (B, T, E) are the router's, computed by
+  the caller; None: `gate_inp` of x here, or of `router_x` (B, T, dim) when given (with
+  `expert_router_norm`, of rms_norm(router_x) / sqrt(dim) * `gate_inp_scale`: Gemma 4's).
+  With `expert_down_scale` each expert's output is times its `down_exps_scale` (E,).
   """
 
   config: TransformerConfig
@@ -135,7 +139,9 @@ class Moe(nn.Module):
     return y
 
   @nn.compact
-  def __call__(self, x: jax.Array, logits: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, logits: jax.Array | None = None, router_x: jax.Array | None = None
+  ) -> jax.Array:
     c = self.config
     b, t, dim = x.shape
     k, f = c.experts_used, c.expert_ffn or c.ffn
@@ -144,12 +150,15 @@ class Moe(nn.Module):
       router = nn.Dense(
         c.experts, use_bias=c.expert_router_bias, dtype=jnp.float32, name="gate_inp"
       )
-      logits = router(x2.astype(jnp.float32))
+      logits = router(self._router_input(x2 if router_x is None else router_x.reshape(x2.shape)))
     logits = logits.reshape(b * t, c.experts).astype(jnp.float32)
     probs_bias = None
     if c.expert_probs_bias:
       probs_bias = self.param("exp_probs_b", nn.initializers.zeros, (c.experts,), jnp.float32)
     chosen, weights = route(c, logits, probs_bias)
+    if c.expert_down_scale:
+      scale = self.param("down_exps_scale", nn.initializers.ones, (c.experts,), jnp.float32)
+      weights = weights * jnp.take_along_axis(scale[None, :], chosen, axis=1)
     order, inverse, group_sizes = sort_by_expert(chosen, c.experts)
     token = order // k
     expert = jnp.take_along_axis(chosen.reshape(-1), order, axis=0)
@@ -170,6 +179,15 @@ class Moe(nn.Module):
     if c.shared_expert_ffn:
       out = out + self._shared(x2)
     return out.reshape(b, t, dim).astype(c.dtype)
+
+  def _router_input(self, x2: jax.Array) -> jax.Array:
+    """What the router reads, (M, dim) float32: x2, or with `expert_router_norm` rms_norm(x2) /
+    sqrt(dim) * `gate_inp_scale` (dim,)."""
+    c = self.config
+    if not c.expert_router_norm:
+      return x2.astype(jnp.float32)
+    scale = self.param("gate_inp_scale", nn.initializers.ones, (c.dim,), jnp.float32)
+    return rms_normalize(x2, c.norm_eps) * jnp.float32(1.0 / math.sqrt(c.dim)) * scale
 
   def _shared(self, x2: jax.Array) -> jax.Array:
     """The shared experts' FFN of x2 (M, dim) -> (M, dim) float32, gated by sigmoid(x2 @

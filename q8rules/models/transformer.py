@@ -263,8 +263,11 @@ class Block(nn.Module):
     if c.post_norms:
       h = _norm(c.dim, "post_attn_norm", c)(h)
     x = x + h
-    ffn = Moe(c, name="moe") if c.experts else Mlp(c, name="mlp")
-    h = ffn(_norm(c.dim, "mlp_norm", c)(x))
+    if c.experts and c.expert_dense_branch:
+      h = _dense_and_experts(c, x)
+    else:
+      ffn = Moe(c, name="moe") if c.experts else Mlp(c, name="mlp")
+      h = ffn(_norm(c.dim, "mlp_norm", c)(x))
     if c.post_norms:
       h = _norm(c.dim, "post_mlp_norm", c)(h)
     x = x + h
@@ -274,6 +277,15 @@ class Block(nn.Module):
       scale = self.param("out_scale", nn.initializers.ones, (1,), jnp.float32)
       x = (x.astype(jnp.float32) * scale).astype(c.dtype)
     return (x, groups), None
+
+
+def _dense_and_experts(c: TransformerConfig, x: jax.Array) -> jax.Array:
+  """Gemma 4's FFN of the residual x (B, T, dim) in a block's scope (its modules are the
+  block's): post_mlp_norm_1(mlp(mlp_norm(x))) + post_mlp_norm_2(moe(mlp_norm_2(x))), the
+  router reading x (`expert_router_norm`)."""
+  dense = _norm(c.dim, "post_mlp_norm_1", c)(Mlp(c, name="mlp")(_norm(c.dim, "mlp_norm", c)(x)))
+  experts = Moe(c, name="moe")(_norm(c.dim, "mlp_norm_2", c)(x), router_x=x)
+  return dense + _norm(c.dim, "post_mlp_norm_2", c)(experts)
 
 
 class LayerStep(nn.Module):
