@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
+from q8rules.llm import gpt_oss
 from q8rules.models.config import TransformerConfig
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
@@ -77,8 +78,12 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("attn_q_norm.weight", "attn/q_norm/scale", ("H",), lambda c: c.qk_norm),
   ("attn_k_norm.weight", "attn/k_norm/scale", ("H",), lambda c: c.qk_norm),
   ("attn_output.weight", "attn/o/kernel", ("D", "Q"), _ALWAYS),
+  ("attn_output.bias", "attn/o/bias", ("D",), lambda c: c.attn_output_bias),
+  ("attn_sinks.weight", "attn/sinks", ("NH",), lambda c: c.attn_sinks),
   ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
-  ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
+  ("ffn_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch != gpt_oss.ARCH),
+  # gpt-oss stores its FFN's norm under the name of a post-attention norm
+  ("post_attention_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch == gpt_oss.ARCH),
   ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: _mlp(c) and c.fused_gate_up),
@@ -87,6 +92,10 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("ffn_gate_exps.weight", "moe/gate_exps", ("E", "EF", "D"), _split_experts),
   ("ffn_up_exps.weight", "moe/up_exps", ("E", "EF", "D"), _split_experts),
   ("ffn_down_exps.weight", "moe/down_exps", ("E", "D", "EF"), _experts),
+  ("ffn_gate_inp.bias", "moe/gate_inp/bias", ("E",), lambda c: c.expert_router_bias),
+  ("ffn_gate_exps.bias", "moe/gate_exps_bias", ("E", "EF"), lambda c: c.expert_bias),
+  ("ffn_up_exps.bias", "moe/up_exps_bias", ("E", "EF"), lambda c: c.expert_bias),
+  ("ffn_down_exps.bias", "moe/down_exps_bias", ("E", "D"), lambda c: c.expert_bias),
   ("post_ffw_norm.weight", "post_mlp_norm/scale", ("D",), lambda c: c.post_norms),
   ("layer_output_scale.weight", "out_scale", ("1",), lambda c: c.layer_out_scale),
   ("ffn_gate_up_exps.weight", "moe/gate_up_exps", ("E", "2EF", "D"), _fused_experts),
@@ -132,6 +141,7 @@ def _sizes(c: TransformerConfig) -> dict[str, int]:
     "F": c.ffn,
     "2F": 2 * c.ffn,
     "V": c.vocab,
+    "NH": c.heads,
     "E": c.experts,
     "EF": c.expert_ffn or c.ffn,
     "1": 1,
