@@ -1,6 +1,7 @@
 """The decoder with one position per row (what `q8rules serve` decodes with): each row of a
 batch at its own position gives that sequence's own tokens, on a model with sliding-window
-layers (ring caches) and global ones."""
+layers (ring caches) and global ones; one-token attention given a position per row is each row
+alone."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import pytest
 
 import q8rules
+from q8rules.attention_params import AttentionParams
+from q8rules.kernels.decode_attention import cpu as attention_cpu
+from q8rules.kernels.decode_attention.api import attend
+from q8rules.kernels.native import library as native_lib
 from q8rules.models.attention import init_cache
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
@@ -47,3 +54,30 @@ def test_per_row_positions_decode_each_sequence_as_alone():
   for b, (w_toks, w_logits) in enumerate(want):
     assert toks[b] == w_toks
     np.testing.assert_allclose(np.asarray(logits[b, -1]), w_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native_lib.available(), reason="the native kernel is unavailable")
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_attention_with_a_position_per_row_is_each_row_alone(dtype):
+  """One-token attention given positions (B,) (one kernel call for the batch): row b is the
+  same bits as row b alone at its own scalar position, on the native kernel and on the
+  reference; a position past the cache is clamped, and a count of positions other than 1 or
+  B is refused."""
+  rng = np.random.default_rng(0)
+  b, layers, s, kv, h, d = 4, 3, 24, 2, 6, 64
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((layers, b, s, kv, d)).astype(dtype))
+  values = jnp.asarray(rng.standard_normal((layers, b, s, kv, d)).astype(dtype))
+  pos = np.asarray([0, 11, 23, 40], np.int32)
+  params = AttentionParams.of(1 / np.sqrt(d), None, None)
+  for name in ("cpu", "xla"):
+    run = jax.jit(lambda q, k, v, p, name=name: attend(q, k, v, 1, p, params, name))
+    batch = np.asarray(run(q, keys, values, jnp.asarray(pos)))
+    for i in range(b):
+      row = [a[:, i : i + 1] for a in (keys, values)]
+      alone = np.asarray(run(q[i : i + 1], *row, jnp.int32(min(pos[i], s - 1))))
+      np.testing.assert_array_equal(batch[i : i + 1], alone)
+  with pytest.raises(Exception, match="one position, or one per row"):
+    attention_cpu.decode_attention_cpu(
+      q[:, 0], keys, values, 1, jnp.zeros((3,), jnp.int32), scale=0.125, softcap=None
+    ).block_until_ready()

@@ -16,9 +16,10 @@ the chunk is written at `pos`, then read back whole, masked causally.
 
 `pos` is one position for the whole batch (a scalar), or one per row (int32 (B,)): each row
 then writes, masks and rotates at its own position (a batch of independent sequences, as a
-server decodes them). One new token per row attends through `hooks.attend_one_token` once per
-row, on the cache viewed as (layers * B, 1, length, ...) (a reshape, no copy), so each row's
-attention is the same computation whatever the others hold.
+server decodes them). One new token per row attends through `hooks.attend_one_token` with
+the positions (B,), once for the batch: each row over its own positions alone (the native
+kernel's rows, or the XLA attention's per-row mask), so each row's attention is the same
+computation whatever the others hold.
 """
 
 from __future__ import annotations
@@ -307,16 +308,7 @@ def _global_read(c, q, pair, slot, pos, sinks=None):
   if q.shape[1] != 1 or sinks is not None:
     return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
-  if not _per_row(pos):
-    return hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how).astype(c.dtype)
-  # one row at a time, each over its own (layer, row) of the cache seen as (L * B, 1, S, ...)
-  layers, b = pair[0].shape[:2]
-  flat_k, flat_v = (a.reshape(layers * b, 1, *a.shape[2:]) for a in pair)
-  rows = [
-    hooks.attend_one_token(q[i : i + 1], flat_k, flat_v, slot * b + i, pos[i], how)
-    for i in range(b)
-  ]
-  return jnp.concatenate(rows, axis=0).astype(c.dtype)
+  return hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how).astype(c.dtype)
 
 
 def _local_read(c, q, k, v, pair, slot, pos, sinks=None):

@@ -27,7 +27,8 @@ def attend_one_token(
   q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams
 ) -> Array:
   """One new token's attention over layer `slot` of the cache: q (B, 1, H, D), keys / values
-  (L, B, S, KV, D) with the token written at `pos` -> (B, 1, H * D) float32. Here, the
+  (L, B, S, KV, D) with the token written at `pos` (a scalar, or (B,) one per row) ->
+  (B, 1, H * D) float32. Here, the
   decoder's own attention `how.reference(q, keys, values, slot, pos)`; `how.scale` and
   `how.softcap` are what a kernel needs to compute the same."""
   return how.reference(q, keys, values, slot, pos).astype("float32")

@@ -36,7 +36,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // One new token's attention over layer `slot` of the cache, positions [0, pos] (clamped to the
-// cache's length): decode_attention.h.
+// cache's length; `pos` one position for the batch, or one per row): decode_attention.h.
 inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
                                ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
@@ -58,7 +58,20 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   if (layer < 0 || layer >= layers) {
     return ffi::Error::InvalidArgument("q8_decode_attention: the layer is outside the cache");
   }
-  const int64_t n = std::clamp<int64_t>(int64_t{pos.typed_data()[0]} + 1, 1, length);
+  const int64_t positions = static_cast<int64_t>(pos.element_count());
+  if (positions != 1 && positions != batch) {
+    return ffi::Error::InvalidArgument(
+        "q8_decode_attention: expected one position, or one per row of the batch");
+  }
+  std::vector<int64_t> ns(static_cast<size_t>(batch));
+  int64_t work = 0;  // multiplications: scores and weighted values, every head
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t at = pos.typed_data()[positions == 1 ? 0 : b];
+    ns[b] = std::clamp<int64_t>(at + 1, 1, length);
+    work += 2 * ns[b] * qd[1] * d;
+  }
+  int64_t threads = std::max<int64_t>(1, work / q8mm::kWorkPerThread);
+  if (threads > 1) threads = std::min<int64_t>(threads, q8mm::UsableCpus());
   const int64_t offset = layer * batch * length * kv_heads * d;
   q8mm::Isa isa;
   if (!q8mm::SelectIsa(&isa)) {
@@ -69,14 +82,14 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     q8attn::DecodeAttention(isa, q.typed_data(),
                             static_cast<const float*>(k.untyped_data()) + offset,
                             static_cast<const float*>(v.untyped_data()) + offset,
-                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
-                            softcap);
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, ns.data(), scale,
+                            softcap, threads);
   } else if (k.element_type() == ffi::DataType::BF16) {
     q8attn::DecodeAttention(isa, q.typed_data(),
                             static_cast<const uint16_t*>(k.untyped_data()) + offset,
                             static_cast<const uint16_t*>(v.untyped_data()) + offset,
-                            out->typed_data(), batch, length, kv_heads, qd[1], d, n, scale,
-                            softcap);
+                            out->typed_data(), batch, length, kv_heads, qd[1], d, ns.data(), scale,
+                            softcap, threads);
   } else {
     return ffi::Error::InvalidArgument("q8_decode_attention: the cache must be float32 or bfloat16");
   }

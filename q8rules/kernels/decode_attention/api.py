@@ -60,8 +60,8 @@ def _run_on(platform: str, q, keys, values, slot, pos, *, problem, implementatio
 
 
 decode_attention_p = Primitive("q8_decode_attention")
-"""q (B, 1, H, D), keys, values (L, B, S, KV, D), slot (), pos () -> (B, 1, H * D) float32;
-lowered per platform by `registry.resolve`."""
+"""q (B, 1, H, D), keys, values (L, B, S, KV, D), slot (), pos () or (B,) -> (B, 1, H * D)
+float32; lowered per platform by `registry.resolve`."""
 
 
 @decode_attention_p.def_abstract_eval
@@ -138,7 +138,7 @@ def one_token(
     q: (B, 1, H, D), RoPE applied (any float dtype; the kernel reads it as float32).
     keys, values: (L, B, S, KV, D), the whole cache with the token already written at `pos`.
     slot: int32 scalar, the layer; pos: int32 scalar, the token's position (positions
-      [0, pos] are attended).
+      [0, pos] are attended), or int32 (B,), one per row (row b attends [0, pos[b]]).
     scale: the scores' factor (1 / sqrt(D) unless the model says otherwise); softcap: None,
       or the cap of `softcap * tanh(scores / softcap)`.
     reference: the caller's XLA attention ('xla'; see `Reference`), or None for the

@@ -40,7 +40,7 @@ def decode_attention_cpu(
     q: (B, H, D) float32, RoPE applied.
     keys, values: (L, B, S, KV, D) float32 or bfloat16: the cache, the token already written.
     slot: () int32, the layer; pos: () int32, the token's position (positions [0, pos] are
-      attended, clamped to S).
+      attended, clamped to S), or (B,) int32, one per row (row b attends [0, pos[b]]).
     scale: the scores' factor; softcap: None or the tanh cap of the scores.
 
   Returns:

@@ -14,9 +14,9 @@ def attend_one_token(
   q: Array, keys: Array, values: Array, slot: Any, pos: Any, *, scale: float, softcap: Any
 ) -> Array:
   """Softmax attention of q (B, 1, H, D) over positions [0, pos] of layer `slot` of keys /
-  values (L, B, S, KV, D) (grouped-query: head h reads kv head h // (H / KV)); scores times
-  `scale`, then `softcap * tanh(scores / softcap)` where `softcap`. Returns (B, 1, H * D)
-  float32."""
+  values (L, B, S, KV, D) (grouped-query: head h reads kv head h // (H / KV)); `pos` a
+  scalar, or (B,): row b over [0, pos[b]]. Scores times `scale`, then
+  `softcap * tanh(scores / softcap)` where `softcap`. Returns (B, 1, H * D) float32."""
   b, t, h, d = q.shape
   k = jax.lax.dynamic_index_in_dim(keys, slot, 0, keepdims=False).astype(jnp.float32)
   v = jax.lax.dynamic_index_in_dim(values, slot, 0, keepdims=False).astype(jnp.float32)
@@ -25,7 +25,7 @@ def attend_one_token(
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, k) * scale
   if softcap:
     scores = jnp.tanh(scores / softcap) * softcap
-  visible = jnp.arange(k.shape[1]) <= pos
+  visible = jnp.arange(k.shape[1]) <= jnp.reshape(pos, (-1, 1, 1, 1, 1))
   scores = jnp.where(visible, scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, h * d)
