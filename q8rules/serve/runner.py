@@ -1,26 +1,34 @@
-"""The batched KV cache and the two device programs a server runs on it: a prompt chunk into one
-slot, and one decode step for every slot.
+"""The batched KV cache and the device programs a server runs on it: a prompt chunk into one
+slot, one decode step for every slot, and freeing a slot.
 
 The cache is the decoder's own (`q8rules.models.init_cache`) with `slots` rows: row i is slot
 i, `context` positions long. A running request owns a slot from its first prompt chunk to its
-last token.
+last token. Beside the cache, each row's state stays on the device (`Rows`): its next input
+token and position, its sampling key and recent ids, and whether it is decoding. A decode step
+reads them and writes the next ones, so consecutive steps need nothing from the host: the host
+reads each step's tokens while the next step runs.
 
   runner = BatchRunner(model, slots=4, context=2048)
-  out = runner.prefill(slot, ids[0:64], pos=0, ...)       # a chunk: (1, T) at positions [0, 64)
-  out = runner.decode(tokens, positions, keys, history, settings)   # every row one token
+  runner.free(slot)                                    # a new request's slot: not decoding
+  out = runner.prefill(slot, ids[0:64], 0, key, history, settings, last=False)
+  out = runner.prefill(slot, ids[64:72], 64, key, history, settings, last=True)  # now decoding
+  step = runner.decode()                               # every decoding row one token
+  step.fetch(logprobs=False).tokens                    # (P,), once the step is done
 
 A decode step runs the decoder on tokens (P, 1) with one position per row (the decoder's
 per-row positions: each row writes, masks and attends at its own position), so every weight is
 read once for all P rows, and a row's logits are the same computation whatever the other rows
 hold: its product rows are computed on their own, its attention runs per row, its sampling
 (`q8rules.serve.sampling`) uses its own settings and key. Rows that are not decoding (free, or
-between prompt chunks) still run, on a dummy token at their next position: what it writes there
-is overwritten before it is ever visible (the next chunk or token writes that position first;
-in a sliding-window ring, that slot holds a position outside every later token's window).
+between prompt chunks) still run, on a dummy token at their next position, and do not move on:
+what it writes there is overwritten before it is ever visible (the next chunk or token writes
+that position first; in a sliding-window ring, that slot holds a position outside every later
+token's window).
 
 A prompt chunk runs the decoder on that slot's row alone (batch 1, copied out of the cache and
 back), T tokens at one position; the chunk sizes depend on the prompt's length only
-(`chunks`), so a request's prefill is the same computation in any slot beside any others.
+(`chunks`), so a request's prefill is the same computation in any slot beside any others. The
+prompt's last chunk samples the request's first token and makes its row decode from there.
 """
 
 from __future__ import annotations
@@ -33,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.models.attention import init_cache
-from q8rules.serve.sampling import HISTORY, MAX_TOP_LOGPROBS, RowSettings, sample_rows
+from q8rules.serve.sampling import (
+  HISTORY,
+  MAX_TOP_LOGPROBS,
+  RowSettings,
+  SamplingParams,
+  sample_rows,
+)
 
 CHUNK = 128
 """The longest prompt chunk prefilled between two decode steps (a power of 2)."""
@@ -55,31 +69,76 @@ def chunks(n: int, chunk: int = CHUNK) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+  """Each row's decode state, on the device (a pytree of (P, ...) arrays).
+
+  Attributes:
+    tokens: (P,) int32, the token a decoding row runs next (its last sampled one).
+    positions: (P,) int32, where that token goes (a row that is not decoding writes its dummy
+      token there).
+    keys: (P, 2) uint32, each row's key data.
+    history: (P, HISTORY) int32, each row's last ids, newest last (-1 for none).
+    active: (P,) bool, whether a row is decoding (its steps sample and move it on).
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  keys: jax.Array
+  history: jax.Array
+  active: jax.Array
+
+  @classmethod
+  def empty(cls, rows: int) -> Rows:
+    """`rows` rows that are not decoding, at position 0."""
+    return cls(
+      jnp.zeros((rows,), jnp.int32),
+      jnp.zeros((rows,), jnp.int32),
+      jnp.zeros((rows, 2), jnp.uint32),
+      jnp.full((rows, HISTORY), -1, jnp.int32),
+      jnp.zeros((rows,), bool),
+    )
+
+
+jax.tree_util.register_dataclass(
+  Rows, data_fields=["tokens", "positions", "keys", "history", "active"], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class Sampled:
-  """What a device program returns per row, on the host.
+  """What a device program sampled per row, on the host.
 
   Attributes:
     tokens: (P,) int32, the next token of each row.
-    keys: (P, 2) uint32, each row's next key data.
-    history: (P, HISTORY) int32, each row's last ids with the new token.
     logprobs: (P,) float32, the tokens' log-probabilities (0 when no row asked).
-    top_ids, top_logprobs: (P, MAX_TOP_LOGPROBS) int32 / float32, the most likely ids.
+    top_ids, top_logprobs: (P, MAX_TOP_LOGPROBS) int32 / float32, the most likely ids (None
+      when not fetched).
   """
 
   tokens: np.ndarray
-  keys: np.ndarray
-  history: np.ndarray
-  logprobs: np.ndarray
-  top_ids: np.ndarray
-  top_logprobs: np.ndarray
+  logprobs: np.ndarray | None = None
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
 
-  @classmethod
-  def of(cls, out: tuple[jax.Array, ...]) -> Sampled:
-    return cls(*(np.asarray(a) for a in out))
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """A program's samples, still on the device (it may still be running)."""
+
+  out: tuple[jax.Array, ...]
+  """tokens (P,), logprobs (P,), top ids and top log-probabilities (P, MAX_TOP_LOGPROBS)."""
+
+  def fetch(self, logprobs: bool) -> Sampled:
+    """The samples on the host (waits for the program); the log-probabilities too when
+    `logprobs`."""
+    if not logprobs:
+      return Sampled(np.asarray(self.out[0]))
+    return Sampled(*(np.asarray(a) for a in self.out))
 
 
 class BatchRunner:
-  """A model's batched KV cache (`slots` rows of `context` positions) and its programs.
+  """A model's batched KV cache (`slots` rows of `context` positions), its rows' state and its
+  programs.
 
   Args:
     model: a `GGUFModel` (its module and params; one device, no mesh).
@@ -103,20 +162,62 @@ class BatchRunner:
     self.chunk = chunk
     self.vocab = model.config.vocab
     self.cache = init_cache(model.config, context, slots)
-    self._decode = jax.jit(self._decode_step, donate_argnums=(1,))
-    self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
+    self.rows = Rows.empty(slots)
+    self.settings = RowSettings.empty(slots)
+    self._device_settings: RowSettings | None = None
+    self._decode = jax.jit(self._decode_step, donate_argnums=(1, 2))
+    self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
+    self._free = jax.jit(self._free_row, donate_argnums=(0,))
 
-  def _decode_step(self, params, cache, tokens, positions, keys, history, settings):
+  def _decode_step(self, params, cache, rows: Rows, settings):
+    tokens = jnp.where(rows.active, rows.tokens, 0)  # a dummy token where not decoding
+    positions = jnp.minimum(rows.positions, self.context - 1)
     logits, cache = self.model.model.apply({"params": params}, tokens[:, None], cache, positions)
-    return cache, sample_rows(logits[:, -1], keys, history, settings)
+    tok, keys, history, *rest = sample_rows(logits[:, -1], rows.keys, rows.history, settings)
+    a = rows.active
+    rows = Rows(
+      jnp.where(a, tok, rows.tokens),
+      jnp.where(a, rows.positions + 1, rows.positions),
+      jnp.where(a[:, None], keys, rows.keys),
+      jnp.where(a[:, None], history, rows.history),
+      a,
+    )
+    return cache, rows, (tok, *rest)
 
-  def _prefill_chunk(self, params, cache, slot, tokens, pos, key, history, settings):
+  def _prefill_chunk(self, params, cache, rows: Rows, slot, tokens, pos, key, history, settings,
+                     last):  # fmt: skip
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
     logits, row = self.model.model.apply({"params": params}, tokens[None], row, pos, last_only=True)
     cache = jax.tree.map(
       lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row
     )
-    return cache, sample_rows(logits[:, -1], key[None], history[None], settings)
+    tok, keys, hist, *rest = sample_rows(logits[:, -1], key[None], history[None], settings)
+    end = pos + tokens.shape[0]
+    rows = Rows(  # after the last chunk the row decodes from its first token; before, it waits
+      rows.tokens.at[slot].set(jnp.where(last, tok[0], rows.tokens[slot])),
+      rows.positions.at[slot].set(end),
+      rows.keys.at[slot].set(jnp.where(last, keys[0], rows.keys[slot])),
+      rows.history.at[slot].set(jnp.where(last, hist[0], rows.history[slot])),
+      rows.active.at[slot].set(last),
+    )
+    return cache, rows, (tok, *rest)
+
+  @staticmethod
+  def _free_row(rows: Rows, slot):
+    return dataclasses.replace(
+      rows, positions=rows.positions.at[slot].set(0), active=rows.active.at[slot].set(False)
+    )
+
+  def free(self, slot: int) -> None:
+    """Row `slot` stops decoding; its dummy token goes to position 0 (where a next request's
+    prompt writes first); its settings become greedy with nothing else on."""
+    self.rows = self._free(self.rows, jnp.int32(slot))
+    self.set_settings(slot, SamplingParams(temperature=0.0))
+
+  def set_settings(self, slot: int, params: SamplingParams) -> None:
+    """Row `slot` samples with `params` from the next decode step on."""
+    self.settings.set(slot, params)
+    self._device_settings = None
 
   def prefill(
     self,
@@ -126,55 +227,50 @@ class BatchRunner:
     key: np.ndarray,
     history: np.ndarray,
     settings: RowSettings,
-  ) -> Sampled:
+    last: bool,
+  ) -> Step:
     """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`; the token
     after it (sampled with the one-row `settings`, `key` (2,) uint32 and `history`
-    (HISTORY,) int32; meaningful after the prompt's last chunk), as a one-row `Sampled`."""
-    self.cache, out = self._prefill(
+    (HISTORY,) int32; meaningful after the prompt's `last` chunk, which makes the row decode
+    from that token at pos + T), as a one-row `Step`."""
+    self.cache, self.rows, out = self._prefill(
       self.model.params,
       self.cache,
+      self.rows,
       jnp.int32(slot),
       jnp.asarray(tokens, jnp.int32),
       jnp.int32(pos),
       jnp.asarray(key, jnp.uint32),
       jnp.asarray(history, jnp.int32),
       settings,
+      jnp.bool_(last),
     )
-    return Sampled.of(out)
+    return Step(out)
 
-  def decode(
-    self,
-    tokens: np.ndarray,
-    positions: np.ndarray,
-    keys: np.ndarray,
-    history: np.ndarray,
-    settings: RowSettings,
-  ) -> Sampled:
-    """One step for every slot: row i runs `tokens[i]` at `positions[i]` ((P,) int32 each) and
-    samples its next token (`keys` (P, 2) uint32, `history` (P, HISTORY) int32)."""
-    self.cache, out = self._decode(
-      self.model.params,
-      self.cache,
-      jnp.asarray(tokens, jnp.int32),
-      jnp.asarray(positions, jnp.int32),
-      jnp.asarray(keys, jnp.uint32),
-      jnp.asarray(history, jnp.int32),
-      settings,
+  def decode(self) -> Step:
+    """One step for every slot: each decoding row runs its token at its position and samples
+    its next (with its settings, key and recent ids), and moves on; the others write a dummy
+    token and stay. Returns at once (the step runs on the device)."""
+    if self._device_settings is None:
+      self._device_settings = jax.tree.map(jnp.asarray, self.settings)
+    self.cache, self.rows, out = self._decode(
+      self.model.params, self.cache, self.rows, self._device_settings
     )
-    return Sampled.of(out)
+    return Step(out)
 
   def warm_up(self) -> None:
-    """Compile the decode step and each chunk shape now (greedy and sampled, with and without
-    log-probabilities), writing only slot 0 at position 0 (free: nothing there is read)."""
-    settings = RowSettings.empty(self.slots)
-    keys = np.zeros((self.slots, 2), np.uint32)
-    history = np.full((self.slots, HISTORY), -1, np.int32)
-    zeros = np.zeros((self.slots,), np.int32)
-    self.decode(zeros, zeros, keys, history, settings)
+    """Compile the decode step, each chunk shape and the slot's release now (greedy and
+    sampled, with and without log-probabilities), writing only slot 0 at position 0 (free:
+    nothing there is read)."""
+    self.decode().fetch(logprobs=True)
+    key = np.zeros((2,), np.uint32)
+    history = np.full((HISTORY,), -1, np.int32)
     one = RowSettings.empty(1)
     for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
       if t <= self.context:
-        self.prefill(0, np.zeros((t,), np.int32), 0, keys[0], history[0], one)
+        self.prefill(0, np.zeros((t,), np.int32), 0, key, history, one, False).fetch(True)
+    self.free(0)
+    jax.block_until_ready(self.rows)
 
 
-__all__ = ["CHUNK", "MAX_TOP_LOGPROBS", "BatchRunner", "Sampled", "chunks"]
+__all__ = ["CHUNK", "MAX_TOP_LOGPROBS", "BatchRunner", "Rows", "Sampled", "Step", "chunks"]

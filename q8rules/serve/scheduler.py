@@ -8,7 +8,12 @@ each request's events from its own queue. Each turn of the loop:
      at once) and gives each free slot to the oldest waiting request;
   2. prefills one chunk (`runner.CHUNK` tokens at most) of the oldest request still in its
      prompt, so a long prompt never stalls the running streams for more than a chunk;
-  3. runs one decode step for all slots, and hands each decoding request its token.
+  3. starts one decode step for all slots;
+  4. hands out the tokens of the programs started before it: the device runs a step while the
+     host hands out the last one's tokens (the rows' state stays on the device, so a step
+     needs nothing from the host). A request that ends there had one more token computed for
+     it by the step already running; that token is dropped, and its slot is freed before the
+     next step.
 
 A request ends at an end-of-generation id or a stop string ('stop'), after `max_tokens` or at
 the end of its slot's context ('length'), when cancelled, or when the engine stops (its stream
@@ -29,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from q8rules.serve.output import TextStream
-from q8rules.serve.runner import BatchRunner, Sampled, chunks
-from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams, history_of
+from q8rules.serve.runner import BatchRunner, Sampled, Step, chunks
+from q8rules.serve.sampling import RowSettings, SamplingParams, history_of
 
 
 @dataclasses.dataclass
@@ -104,6 +109,7 @@ class Request:
   key: np.ndarray | None = None
   history: np.ndarray | None = None
   first_token_at: float | None = None
+  ended: bool = False
 
   @staticmethod
   def queue_for(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[Event], None]]:
@@ -153,12 +159,8 @@ class Scheduler:
     self._wake = threading.Condition()
     self._stop = False
     self._thread: threading.Thread | None = None
-    p = runner.slots
-    self._tokens = np.zeros((p,), np.int32)
-    self._positions = np.zeros((p,), np.int32)
-    self._keys = np.zeros((p, 2), np.uint32)
-    self._history = np.full((p, HISTORY), -1, np.int32)
-    self._settings = RowSettings.empty(p)
+    self._started: collections.deque[Started] = collections.deque()
+    self._last_done = 0.0
 
   # --- the API's side -------------------------------------------------------------------------
 
@@ -213,7 +215,9 @@ class Scheduler:
       self.waiting.clear()
       self._incoming.clear()
       self.slots = [None] * len(self.slots)
+      self._started.clear()
     for r in everyone:
+      r.ended = True
       self.metrics.requests["aborted"] += 1
       r.emit(ErrorEvent(message, status))
 
@@ -231,12 +235,15 @@ class Scheduler:
     prefilling = [r for r in self.slots if r is not None and r.plan]
     if prefilling:
       self._prefill(min(prefilling, key=lambda r: r.submitted))
-    if any(r is not None and not r.plan for r in self.slots):
-      self._decode()
+    decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
+    if decoding:
+      self._started.append(Started(self.runner.decode(), decoding, time.perf_counter()))
+    while len(self._started) > (1 if decoding else 0):  # the step just started keeps running
+      self._hand_out(self._started.popleft())
     return True
 
   def _busy(self) -> bool:
-    return bool(self.waiting) or any(r is not None for r in self.slots)
+    return bool(self.waiting or self._started) or any(r is not None for r in self.slots)
 
   def _drop_cancelled(self) -> None:
     for r in [r for r in self.waiting if r.cancelled]:
@@ -256,44 +263,37 @@ class Scheduler:
         nxt.history = history_of(nxt.prompt_ids)
         nxt.text = TextStream(self.tokenizer, nxt.stop)
         self.slots[i] = nxt
-        self._settings.set(i, nxt.params)
-        self._positions[i] = 0  # the dummy write of a decode step goes where the prompt will
+        self.runner.set_settings(i, nxt.params)
         self.metrics.prompt_tokens += len(nxt.prompt_ids)
 
   def _prefill(self, r: Request) -> None:
     t = r.plan.pop(0)
     ids = np.asarray(r.prompt_ids[r.prefilled : r.prefilled + t], np.int32)
     one = RowSettings.of([r.params])
-    out = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one)
+    step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan)
     r.prefilled += t
-    self._positions[r.slot] = r.prefilled
-    if r.plan:
-      return
-    r.first_token_at = time.perf_counter()
-    self._accept(r, out, 0)
+    if not r.plan:  # its first token, handed out after the steps started before it
+      self._started.append(Started(step, [(0, r)], time.perf_counter(), prompt=True))
 
-  def _decode(self) -> None:
-    for i, r in enumerate(self.slots):
-      if r is None or r.plan:
-        self._tokens[i] = 0  # a dummy token at the slot's next position
-    start = time.perf_counter()
-    out = self.runner.decode(
-      self._tokens, self._positions, self._keys, self._history, self._settings
-    )
-    decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
-    seconds = time.perf_counter() - start
-    self.metrics.decode_steps += 1
-    self.metrics.recent_decode.append((time.perf_counter(), len(decoding), seconds))
-    for i, r in decoding:
-      self._accept(r, out, i)
+  def _hand_out(self, started: Started) -> None:
+    """Each request of `started` that is still running gets its token (a request that ended
+    after the program started has none)."""
+    live = [(row, r) for row, r in started.rows if not r.ended]
+    out = started.step.fetch(logprobs=any(r.params.logprobs for _, r in live))
+    done = time.perf_counter()
+    if not started.prompt:
+      seconds = done - max(started.at, self._last_done)
+      self._last_done = done
+      self.metrics.decode_steps += 1
+      self.metrics.recent_decode.append((done, len(live), seconds))
+    for row, r in live:
+      if started.prompt:
+        r.first_token_at = done
+      self._accept(r, out, row)
 
   def _accept(self, r: Request, out: Sampled, row: int) -> None:
-    """Request `r` gets its next token from row `row` of `out` (its slot's state advances)."""
+    """Request `r` gets its next token from row `row` of `out`."""
     tok = int(out.tokens[row])
-    r.key, r.history = out.keys[row].copy(), out.history[row].copy()
-    i = r.slot
-    self._tokens[i], self._keys[i], self._history[i] = tok, r.key, r.history
-    self._positions[i] = len(r.prompt_ids) + len(r.generated)
     self.metrics.generated_tokens += 1
     if tok in r.stop_ids:
       self._finish(r, "stop")
@@ -312,17 +312,37 @@ class Scheduler:
       r.emit(TokenEvent(text, [tok], logprobs))
     if stopped:
       self._finish(r, "stop")
-    elif len(r.generated) >= r.max_tokens or self._positions[i] >= self.runner.context:
+    elif (
+      len(r.generated) >= r.max_tokens
+      or len(r.prompt_ids) + len(r.generated) >= self.runner.context
+    ):
       self._finish(r, "length")
 
   def _finish(self, r: Request, reason: str) -> None:
+    r.ended = True
     if r.slot is not None and self.slots[r.slot] is r:
       self.slots[r.slot] = None
-      self._settings.set(r.slot, SamplingParams(temperature=0.0))
-      self._positions[r.slot] = 0
+      self.runner.free(r.slot)
     self.metrics.requests[reason] += 1
     rest = r.text.flush() if r.text is not None and reason != "cancelled" else ""
     r.emit(DoneEvent(reason, rest, len(r.prompt_ids), len(r.generated)))
+
+
+@dataclasses.dataclass
+class Started:
+  """A program started on the device whose tokens are not handed out yet.
+
+  Attributes:
+    step: its samples (on the device).
+    rows: (row of `step`, request) for each request it samples a token for.
+    at: when it was started (perf_counter seconds).
+    prompt: whether it is a prompt's last chunk (its token is the request's first).
+  """
+
+  step: Step
+  rows: list[tuple[int, Request]]
+  at: float
+  prompt: bool = False
 
 
 __all__ = [
@@ -332,5 +352,6 @@ __all__ = [
   "Metrics",
   "Request",
   "Scheduler",
+  "Started",
   "TokenEvent",
 ]
