@@ -110,6 +110,20 @@ def test_logprobs_seed_and_stop(client):
   assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_ignore_eos_goes_on_to_max_tokens(server):
+  """llama-server's `ignore_eos`: the same draws, past the end-of-generation token (seed 2 at
+  temperature 2 draws it at its 35th token on this model)."""
+  body = {"model": NAME, "prompt": "a b", "max_tokens": 60, "temperature": 2.0, "seed": 2}
+  ended = httpx.post(server.url + "/v1/completions", json=body, headers=auth()).json()
+  body["ignore_eos"] = True
+  full = httpx.post(server.url + "/v1/completions", json=body, headers=auth()).json()
+  assert ended["choices"][0]["finish_reason"] == "stop"
+  assert ended["usage"]["completion_tokens"] < 60
+  assert full["choices"][0]["finish_reason"] == "length"
+  assert full["usage"]["completion_tokens"] == 60
+  assert full["choices"][0]["text"].startswith(ended["choices"][0]["text"])
+
+
 def test_tokenize_detokenize_health_metrics(server, model):
   r = httpx.post(server.url + "/tokenize", json={"content": "hello world"}, headers=auth())
   ids = r.json()["tokens"]

@@ -215,7 +215,8 @@ class API:
     except ValueError as e:
       raise P.APIError(400, str(e)) from None
     queue, emit = Request.queue_for(asyncio.get_running_loop())
-    request = Request(ids, limit, params, body.stops(), self.stop_ids, emit)
+    stop_ids = frozenset() if body.ignore_eos else self.stop_ids
+    request = Request(ids, limit, params, body.stops(), stop_ids, emit)
     try:
       self.scheduler.submit(request)
     except RuntimeError as e:

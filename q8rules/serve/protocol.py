@@ -98,6 +98,7 @@ class _Request(BaseModel):
   presence_penalty: float = Field(default=0.0, ge=-2, le=2)
   repeat_penalty: float = Field(default=1.0, gt=0)
   repeat_last_n: int = Field(default=HISTORY, ge=0, le=HISTORY)
+  ignore_eos: bool = False
   n: int = Field(default=1, ge=1, le=1)
 
   @field_validator("stop")
