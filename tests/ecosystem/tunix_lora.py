@@ -30,7 +30,6 @@ import q8rules
 from q8rules.layout import WeightLayout
 from q8rules.lora.provider import LORA_A, LORA_B
 from q8rules.providers.q8_weight import Q8Weight
-from tests._utils import weight64
 from tests.ecosystem import tunix_models as tm
 
 RANK, ALPHA = 16, 2.0
@@ -185,23 +184,29 @@ def randomize_adapters(model: nnx.Module, rng: np.random.Generator) -> None:
   """Fresh normal A (std 1/sqrt(K)) and B (std 4/sqrt(rank)): the delta A @ B * alpha / rank
   is about half the size of an entry of a weight (`tm.randomize`: std 1/sqrt(fan-in))."""
   for a, b in adapters(model).values():
-    a.set_value(jnp.asarray(rng.standard_normal(a.shape) / np.sqrt(a.shape[0]), jnp.float32))
+    a.set_value(jnp.asarray(rng.standard_normal(a.shape) / np.sqrt(a.shape[-2]), jnp.float32))
     b.set_value(jnp.asarray(4 * rng.standard_normal(b.shape) / np.sqrt(RANK), jnp.float32))
 
 
 def native64(matrix: Any, layout: WeightLayout) -> np.ndarray:
-  """The (K, N) matrix (rows past K dropped) back in the weight's own shape: K is the
-  `layout.contract` axes flattened in order, N the `layout.free` axes."""
-  order = layout.contract + layout.free
-  moved = np.asarray(matrix, np.float64)[: layout.k].reshape([layout.shape[i] for i in order])
-  return np.transpose(moved, np.argsort(order))
+  """The (K, N) matrix (rows past K dropped), or a stack of experts' (*E, K, N), back in the
+  weight's own shape: K is the `layout.contract` axes flattened in order, N the `layout.free`
+  axes, the experts the `layout.batch` axes."""
+  order = layout.batch + layout.contract + layout.free
+  moved = np.asarray(matrix, np.float64)[..., : layout.k, :]
+  return np.transpose(moved.reshape([layout.shape[i] for i in order]), np.argsort(order))
 
 
 def _native(matrix: jax.Array, layout: WeightLayout) -> jax.Array:
-  """`native64` for a traced (K, N) matrix."""
-  order = layout.contract + layout.free
+  """`native64` for a traced (K, N) matrix (or (*E, K, N) stack)."""
+  order = layout.batch + layout.contract + layout.free
   moved = matrix.reshape([layout.shape[i] for i in order])
   return jnp.transpose(moved, np.argsort(order))
+
+
+def dequantized64(q: Any, scale: Any) -> np.ndarray:
+  """Q8_0 values (..., K_padded, N) and their scales (..., K_padded/32, N) in float64."""
+  return np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), 32, axis=-2)
 
 
 @dataclasses.dataclass
@@ -244,7 +249,7 @@ def float64_twin(q8_model: nnx.Module, float64_model: nnx.Module) -> Float64Twin
     served = value(at(q8_model, path))
     if isinstance(served, Q8Weight):
       layout = served.how.layout
-      base[path] = native64(weight64(served.array.q[...], served.array.scale[...]), layout)
+      base[path] = native64(dequantized64(served.array.q[...], served.array.scale[...]), layout)
       if path in lora:
         layouts[path] = layout
     else:
@@ -306,6 +311,7 @@ __all__ = [
   "at",
   "build64",
   "case",
+  "dequantized64",
   "float64_twin",
   "grads_by_weight",
   "leaf_bytes",

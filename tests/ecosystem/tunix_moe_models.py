@@ -76,12 +76,12 @@ def _gemma4(case: Case) -> nnx.Module:
     cfg = g4.ModelConfig(**common, k_eq_v_global=True, num_global_kv_heads=1)
   else:
     cfg = g4.ModelConfig(
-      **{**common, "hidden_dim": 96},
+      **{**common, "hidden_dim": 128},
       enable_moe=True,
       num_experts=EXPERTS,
       expert_dim=64,
       num_experts_per_tok=TOP_K,
-      moe_dense_hidden_dim=96,
+      moe_dense_hidden_dim=128,
       k_eq_v_global=True,
       num_global_kv_heads=1,
     )
@@ -96,7 +96,7 @@ def _qwen3_moe(case: Case) -> nnx.Module:
     num_layers=LAYERS,
     vocab_size=VOCAB,
     embed_dim=DIM,
-    hidden_dim=96,
+    hidden_dim=128,
     num_heads=HEADS,
     head_dim=HEAD_DIM,
     num_kv_heads=KV_HEADS,
