@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue
 
 from q8rules.checkpoint._common import CheckpointError, progress_iter, region_of
-from q8rules.checkpoint.gguf import regions, repack, repack_sources
+from q8rules.checkpoint.gguf import regions, repack, repack_sources, stream
 from q8rules.checkpoint.gguf.header import GGUFFile, Tensor, open_file
 from q8rules.checkpoint.gguf.layouts import (
   PLAIN_TYPES,
@@ -188,13 +188,17 @@ class GGUFCheckpoint(MappedReader):
     on the mapping; the page cache keeps them). Reading the tensor again maps them back.
     Loading a file tensor by tensor and releasing each keeps peak memory near the size
     of what was loaded instead of twice it. A no-op where mmap.madvise is unavailable."""
+    t = self._info(name)
+    self._release_bytes(t.data_offset, t.data_offset + t.data.nbytes)
+
+  def _release_bytes(self, start: int, end: int) -> None:
+    """`release` of the whole pages inside the file's bytes [start, end)."""
     mm = self._live().mapping
     if not hasattr(mm, "madvise") or not hasattr(mmap_lib, "MADV_DONTNEED"):
       return
-    t = self._info(name)
     page = mmap_lib.PAGESIZE
-    first = -(-t.data_offset // page) * page  # whole pages inside the tensor only
-    end = (t.data_offset + t.data.nbytes) // page * page
+    first = -(-start // page) * page
+    end = end // page * page
     if end > first:
       mm.madvise(mmap_lib.MADV_DONTNEED, first, end - first)
 
@@ -312,8 +316,8 @@ class GGUFCheckpoint(MappedReader):
   ) -> Q8Array | np.ndarray:
     """Tensors `names` stacked along a new leading axis. Q8_0 tensors all of one shape are
     repacked into one stacked Q8Array (q and scale with a leading axis of len(names); the
-    checkpoint's layout; written into `out` where given): no per-tensor array is made and
-    stacked afterwards. Others are read one by one and stacked."""
+    checkpoint's layout; written into `out` where given) run by run, each run's file pages
+    released once repacked (`stream`). Others are read one by one and stacked."""
     infos = [self._info(n) for n in names]
     shapes = {self.gguf_shape(n) for n in names}
     if len(shapes) != 1 or any(self.policy.served_type(t) != Q8_0 for t in infos):
@@ -329,11 +333,16 @@ class GGUFCheckpoint(MappedReader):
     )
 
   def _stack(self, infos: Sequence[Tensor], shape: tuple[int, ...], out: Any) -> Q8Array:
-    src = self._sources(infos)
-    value = repack.repack_q8_layers(
-      src.datas, shape, src.byteorder, self.scale_dtype, self.layout, self.dtype, out, src.types
+    """Run by run, each run's file pages released once repacked (`stream.stack`)."""
+    return stream.stack(infos, shape, out, self._repacking())
+
+  def _repacking(self) -> stream.Repacking:
+    return stream.Repacking(
+      self.layout, self.scale_dtype, self.dtype, self._sources_of, self._release_bytes, self.path
     )
-    return src.checked(infos, value, self.path)
+
+  def _sources_of(self, t: Tensor) -> Sources:
+    return self._sources([t])
 
   def _read_q8(
     self,
@@ -362,38 +371,35 @@ class GGUFCheckpoint(MappedReader):
     self, groups: Sequence[Sequence[str]], *, out: Q8Array | None = None
   ) -> Q8Array | np.ndarray:
     """Stacks of Q8_0 tensors concatenated along N in one pass: `groups[j]` are member j's
-    per-layer tensors (every group as long, all of one n_in), repacked straight into the
-    columns of one (layers, K, sum of the members' N) Q8Array in the kernel layout (what
-    `get_stacked` of each, concatenated, would be, without the copy; into `out` where given).
+    per-layer tensors (every group as long, all of one n_in and leading axes: an expert stack's
+    E), repacked run by run straight into the columns of one (layers, *lead, K, sum of the
+    members' N) Q8Array in the kernel layout (`get_stacked` of each, concatenated, without the
+    copy; into `out` where given; each run's file pages released once repacked).
     Where that does not apply (another type or layout, mismatched shapes) the stacks are
     concatenated."""
     if self.layout != "kernel" or len({len(g) for g in groups}) != 1:
       return self._fused_fallback(groups, out)
     infos = [[self._info(n) for n in g] for g in groups]
     shapes = [{self.gguf_shape(n) for n in g} for g in groups]
-    if any(len(sh) != 1 or len(next(iter(sh))) != 2 for sh in shapes):
+    if any(len(sh) != 1 or len(next(iter(sh))) < 2 for sh in shapes):
       return self._fused_fallback(groups, out)
-    rows = [next(iter(sh))[0] for sh in shapes]
-    n_in = {next(iter(sh))[1] for sh in shapes}
-    if len(n_in) != 1 or any(self.policy.served_type(t) != Q8_0 for g in infos for t in g):
+    rows = [next(iter(sh))[-2] for sh in shapes]
+    lead_n = {(*next(iter(sh))[:-2], next(iter(sh))[-1]) for sh in shapes}
+    if len(lead_n) != 1 or any(self.policy.served_type(t) != Q8_0 for g in infos for t in g):
       return self._fused_fallback(groups, out)
-    n = n_in.pop()
+    *lead, n = lead_n.pop()
     return self._read_q8(
       [name for g in groups for name in g],
       [t for g in infos for t in g],
-      f"Q8_0, n_in {n}, fused along N",
-      lambda: self._fuse(infos, rows, n, out),
+      f"Q8_0, {'' if not lead else f'{tuple(lead)} matrices of '}n_in {n}, fused along N",
+      lambda: self._fuse(infos, rows, tuple(lead), n, out),
     )
 
-  def _fuse(self, infos: Sequence[Sequence[Tensor]], rows: Any, n: int, out: Any) -> Q8Array:
-    srcs = [self._sources(g) for g in infos]
-    value = repack.repack_q8_fused(
-      [s.datas for s in srcs], rows, n, self._byteorder, self.scale_dtype, self.dtype, out,
-      [s.types for s in srcs],
-    )  # fmt: skip
-    if any(s.types is not None for s in srcs):
-      repack_sources.check_requantized([t for g in infos for t in g], value, self.path)
-    return value
+  def _fuse(
+    self, infos: Sequence[Sequence[Tensor]], rows: Any, lead: tuple[int, ...], n: int, out: Any
+  ) -> Q8Array:
+    """Run by run, each run's file pages released once repacked (`stream.fuse`)."""
+    return stream.fuse(infos, rows, lead, n, out, self._repacking())
 
   def _fused_fallback(self, groups: Sequence[Sequence[str]], out: Q8Array | None) -> Any:
     if out is not None:
