@@ -49,7 +49,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from make_gguf_references import N_NEW, PROMPT, TEXT, TOKENIZER_STRINGS, run_llama_cpp
+from make_gguf_references import (
+  N_NEW,
+  PROMPT,
+  TEXT,
+  TOKENIZER_STRINGS,
+  llama_quantize,
+  run_llama_cpp,
+  write_tensors,
+)
 
 ARCH = "gemma4"
 VOCAB = 640
@@ -292,28 +300,7 @@ def write(path: Path, cfg: dict, weights: dict[str, np.ndarray], vocab: dict, q8
   writer.add_add_space_prefix(False)
   writer.add_add_bos_token(True)
   writer.add_chat_template(vocab["template"])
-  for name, w in weights.items():
-    if q8 and q8_0_in_file(name, w):
-      quant = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-      writer.add_tensor(name, quant, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:
-      writer.add_tensor(name, w)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-
-
-def quantize(src: Path, dst: Path, ftype: gguf.LlamaFileType) -> None:
-  """llama.cpp's `llama_model_quantize` of `src` to `dst`."""
-  import llama_cpp
-
-  params = llama_cpp.llama_model_quantize_default_params()
-  params.ftype = int(ftype)
-  params.nthread = 2
-  rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-  if rc != 0:
-    raise SystemExit(f"llama_model_quantize({src} -> {dst}) failed: {rc}")
+  write_tensors(writer, weights, lambda name, w: q8 and q8_0_in_file(name, w))
 
 
 def tokenize_refs(path: Path) -> dict[str, np.ndarray]:
@@ -359,7 +346,7 @@ def write_model(out: Path, name: str, seed: int) -> None:
   paths = {kind: out / f"tiny-{name}-{kind}.gguf" for kind in ("f32", "q8_0", "q4_k_m")}
   write(paths["f32"], cfg, weights, vocab, q8=False)
   write(paths["q8_0"], cfg, weights, vocab, q8=True)
-  quantize(paths["f32"], paths["q4_k_m"], gguf.LlamaFileType.MOSTLY_Q4_K_M)
+  llama_quantize(paths["f32"], paths["q4_k_m"], gguf.LlamaFileType.MOSTLY_Q4_K_M)
   prompt_ids = llama_cpp.Llama(
     model_path=str(paths["f32"]), vocab_only=True, verbose=False
   ).tokenize(PROMPT.encode(), add_bos=True, special=False)

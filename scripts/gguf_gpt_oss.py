@@ -39,8 +39,10 @@ from make_gguf_references import (
   PROMPT,
   TEXT,
   TOKENIZER_STRINGS,
+  llama_quantize,
   run_llama_cpp,
   train_vocab,
+  write_tensors,
 )
 
 NAME = "gpt-oss"
@@ -196,28 +198,7 @@ def write(
   writer.add_pad_token_id(tokens.index("<|endoftext|>"))
   writer.add_add_bos_token(False)
   writer.add_chat_template(template)
-  for name, w in weights.items():
-    if q8 and q8_0_in_file(name, w):
-      quant = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-      writer.add_tensor(name, quant, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:
-      writer.add_tensor(name, w)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-
-
-def quantize_mxfp4(src: Path, dst: Path) -> None:
-  """llama.cpp's `llama_model_quantize` of `src` to `dst` with ftype MOSTLY_MXFP4_MOE."""
-  import llama_cpp
-
-  params = llama_cpp.llama_model_quantize_default_params()
-  params.ftype = int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-  params.nthread = 2
-  rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-  if rc != 0:
-    raise SystemExit(f"llama_model_quantize({src} -> {dst}) failed: {rc}")
+  write_tensors(writer, weights, lambda name, w: q8 and q8_0_in_file(name, w))
 
 
 def tokenize_refs(path: Path) -> dict[str, np.ndarray]:
@@ -265,7 +246,7 @@ def write_all(out: Path, seed: int, sdist: Path | None) -> None:
   paths = {kind: out / f"tiny-{NAME}-{kind}.gguf" for kind in ("f32", "q8_0", "mxfp4")}
   write(paths["f32"], weights, vocab, template, q8=False)
   write(paths["q8_0"], weights, vocab, template, q8=True)
-  quantize_mxfp4(paths["f32"], paths["mxfp4"])
+  llama_quantize(paths["f32"], paths["mxfp4"], gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
   prompt_ids = llama_cpp.Llama(
     model_path=str(paths["f32"]), vocab_only=True, verbose=False
   ).tokenize(PROMPT.encode(), add_bos=False, special=False)

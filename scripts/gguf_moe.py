@@ -35,8 +35,10 @@ from make_gguf_references import (
   TEXT,
   TOKENIZER_STRINGS,
   hf_to_gguf_permute,
+  llama_quantize,
   run_llama_cpp,
   train_vocab,
+  write_tensors,
 )
 
 _COMMON = dict(vocab=320, dim=64, layers=2, heads=4, kv_heads=2, experts=8, experts_used=2)
@@ -126,28 +128,7 @@ def write(path: Path, cfg: dict, weights: dict, vocab: tuple, q8: bool) -> None:
   writer.add_bos_token_id(specials["<|bos|>"])
   writer.add_eos_token_id(specials["<|eos|>"])
   writer.add_add_bos_token(cfg["add_bos"])
-  for name, w in weights.items():
-    if q8 and q8_0_in_file(name, w):
-      quant = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-      writer.add_tensor(name, quant, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:
-      writer.add_tensor(name, w)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-
-
-def quantize_q4_k_m(src: Path, dst: Path) -> None:
-  """llama.cpp's `llama_model_quantize` of `src` to `dst` with ftype MOSTLY_Q4_K_M."""
-  import llama_cpp
-
-  params = llama_cpp.llama_model_quantize_default_params()
-  params.ftype = int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-  params.nthread = 2
-  rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-  if rc != 0:
-    raise SystemExit(f"llama_model_quantize({src} -> {dst}) failed: {rc}")
+  write_tensors(writer, weights, lambda name, w: q8 and q8_0_in_file(name, w))
 
 
 def tokenize_refs(path: Path, add_bos: bool) -> dict[str, np.ndarray]:
@@ -180,7 +161,7 @@ def write_all(out: Path, seed: int, only: list[str] | None) -> None:
     paths = {kind: out / f"tiny-{name}-{kind}.gguf" for kind in ("f32", "q8_0", "q4_k_m")}
     write(paths["f32"], cfg, weights, vocab, q8=False)
     write(paths["q8_0"], cfg, weights, vocab, q8=True)
-    quantize_q4_k_m(paths["f32"], paths["q4_k_m"])
+    llama_quantize(paths["f32"], paths["q4_k_m"], gguf.LlamaFileType.MOSTLY_Q4_K_M)
     prompt_ids = llama_cpp.Llama(
       model_path=str(paths["f32"]), vocab_only=True, verbose=False
     ).tokenize(PROMPT.encode(), add_bos=cfg["add_bos"], special=False)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -316,6 +317,37 @@ def write_gguf(
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+
+
+def write_tensors(
+  writer: gguf.GGUFWriter,
+  weights: dict[str, np.ndarray],
+  as_q8_0: Callable[[str, np.ndarray], bool],
+) -> None:
+  """Add `weights` to `writer` (Q8_0 by `gguf.quants`, llama.cpp's quantizer, where
+  `as_q8_0(name, w)`, else as they are), write the file and close it."""
+  for name, w in weights.items():
+    if as_q8_0(name, w):
+      quant = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+      writer.add_tensor(name, quant, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+      writer.add_tensor(name, w)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def llama_quantize(src: Path, dst: Path, ftype: gguf.LlamaFileType) -> None:
+  """llama.cpp's own `llama_model_quantize` of `src` to `dst` with file type `ftype`."""
+  import llama_cpp
+
+  params = llama_cpp.llama_model_quantize_default_params()
+  params.ftype = int(ftype)
+  params.nthread = 2
+  rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+  if rc != 0:
+    raise SystemExit(f"llama_model_quantize({src} -> {dst}) failed: {rc}")
 
 
 def run_llama_cpp(
