@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="the model's id in the API (None: the file's name)")  # fmt: skip
   p.add_argument("--chunk", type=E.positive_int, default=128,
                  help="the longest prompt chunk prefilled between two decode steps (a power of 2)")  # fmt: skip
+  p.add_argument("--steps", type=E.positive_int, default=4,
+                 help="the most decode steps one device program runs while no prompt waits (1: a"
+                 " program per token)")  # fmt: skip
   p.add_argument("--bf16", action="store_true",
                  help="bfloat16 activations (default float32, as llama.cpp)")  # fmt: skip
   p.add_argument("--no-progress", action="store_true",
@@ -86,5 +89,6 @@ def execute(args: argparse.Namespace) -> dict:
     api_key=args.api_key,
     name=args.alias,
     chunk=args.chunk,
+    steps=args.steps,
   )
   return dict(model=args.model)

@@ -42,6 +42,7 @@ def build(
   api_key: str | None = None,
   name: str | None = None,
   chunk: int | None = None,
+  steps: int | None = None,
   max_body: int | None = None,
   warm_up: bool = True,
 ) -> tuple[Any, Any]:
@@ -56,17 +57,19 @@ def build(
     name: the model's id in the API (default the file's name).
     chunk: the longest prompt chunk prefilled between decode steps (a power of 2; default
       `runner.CHUNK`).
+    steps: the most decode steps one device program runs while no prompt waits for a chunk
+      (default `runner.STEPS`; 1: a program per token).
     max_body: the largest request body in bytes (default `api.MAX_BODY`).
     warm_up: compile every program before returning.
   """
   from q8rules.serve.api import API, MAX_BODY, create_app
-  from q8rules.serve.runner import CHUNK, BatchRunner
+  from q8rules.serve.runner import CHUNK, STEPS, BatchRunner
   from q8rules.serve.scheduler import Scheduler
 
   if parallel < 1:
     raise ValueError(f"parallel must be >= 1, got {parallel}")
   context = min(DEFAULT_CONTEXT, model.config.context_length) if ctx is None else ctx
-  runner = BatchRunner(model, parallel, context, chunk or CHUNK)
+  runner = BatchRunner(model, parallel, context, chunk or CHUNK, steps or STEPS)
   if warm_up:
     runner.warm_up()
   scheduler = Scheduler(runner, model.tokenizer)

@@ -312,9 +312,14 @@ class API:
         yield sse(first)
       while True:
         event = await queue.get()
-        if isinstance(event, TokenEvent):
-          yield sse(chunk(event.text, None, self.logprob_entries(event.logprobs or [])))
-          continue
+        if isinstance(event, TokenEvent):  # with every token already queued: one write
+          out = []
+          while isinstance(event, TokenEvent):
+            out.append(sse(chunk(event.text, None, self.logprob_entries(event.logprobs or []))))
+            event = queue.get_nowait() if not queue.empty() else None
+          yield "".join(out)
+          if event is None:
+            continue
         ended = True
         if isinstance(event, ErrorEvent):
           yield sse(P.APIError(event.status, event.message).body())

@@ -6,14 +6,15 @@ i, `context` positions long. A running request owns a slot from its first prompt
 last token. Beside the cache, each row's state stays on the device (`Rows`): its next input
 token and position, its sampling key and recent ids, and whether it is decoding. A decode step
 reads them and writes the next ones, so consecutive steps need nothing from the host: the host
-reads each step's tokens while the next step runs.
+reads each step's tokens while the next step runs, and one program runs up to `steps` steps
+(a loop on the device whose count is an argument: the same compiled step every time).
 
   runner = BatchRunner(model, slots=4, context=2048)
   runner.free(slot)                                    # a new request's slot: not decoding
   out = runner.prefill(slot, ids[0:64], 0, key, history, settings, last=False)
   out = runner.prefill(slot, ids[64:72], 64, key, history, settings, last=True)  # now decoding
-  step = runner.decode()                               # every decoding row one token
-  step.fetch(logprobs=False).tokens                    # (P,), once the step is done
+  step = runner.decode(4)                              # every decoding row 4 tokens
+  step.fetch(logprobs=False).tokens                    # (4, P), once the steps are done
 
 A decode step runs the decoder on tokens (P, 1) with one position per row (the decoder's
 per-row positions: each row writes, masks and attends at its own position), so every weight is
@@ -51,6 +52,9 @@ from q8rules.serve.sampling import (
 
 CHUNK = 128
 """The longest prompt chunk prefilled between two decode steps (a power of 2)."""
+
+STEPS = 4
+"""The most decode steps one device program runs (when no prompt waits for its next chunk)."""
 
 
 def chunks(n: int, chunk: int = CHUNK) -> list[int]:
@@ -106,12 +110,12 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class Sampled:
-  """What a device program sampled per row, on the host.
+  """What a device program sampled per step and row, on the host (S steps, P rows).
 
   Attributes:
-    tokens: (P,) int32, the next token of each row.
-    logprobs: (P,) float32, the tokens' log-probabilities (0 when no row asked).
-    top_ids, top_logprobs: (P, MAX_TOP_LOGPROBS) int32 / float32, the most likely ids (None
+    tokens: (S, P) int32, each row's token of each step.
+    logprobs: (S, P) float32, the tokens' log-probabilities (0 when no row asked).
+    top_ids, top_logprobs: (S, P, MAX_TOP_LOGPROBS) int32 / float32, the most likely ids (None
       when not fetched).
   """
 
@@ -126,7 +130,8 @@ class Step:
   """A program's samples, still on the device (it may still be running)."""
 
   out: tuple[jax.Array, ...]
-  """tokens (P,), logprobs (P,), top ids and top log-probabilities (P, MAX_TOP_LOGPROBS)."""
+  """tokens (S, P), logprobs (S, P), top ids and top log-probabilities (S, P, MAX_TOP_LOGPROBS)
+  (S: the program's most steps; past the steps it ran, zeros)."""
 
   def fetch(self, logprobs: bool) -> Sampled:
     """The samples on the host (waits for the program); the log-probabilities too when
@@ -145,13 +150,16 @@ class BatchRunner:
     slots: the rows of the cache: the requests decoded together.
     context: positions per slot (the prompt and the generated tokens together).
     chunk: the longest prompt chunk, a power of 2.
+    steps: the most decode steps one program runs.
   """
 
-  def __init__(self, model: Any, slots: int, context: int, chunk: int = CHUNK):
+  def __init__(self, model: Any, slots: int, context: int, chunk: int = CHUNK, steps: int = STEPS):
     if model.mesh is not None:
       raise ValueError("q8rules serve runs a model on one device; this one is on a mesh")
     if chunk < 1 or chunk & (chunk - 1):
       raise ValueError(f"the prompt chunk must be a power of 2, got {chunk}")
+    if steps < 1:
+      raise ValueError(f"the decode steps a program runs must be >= 1, got {steps}")
     if not 1 <= context <= model.config.context_length:
       raise ValueError(
         f"the context must be in [1, {model.config.context_length}] (the model's), got {context}"
@@ -160,12 +168,13 @@ class BatchRunner:
     self.slots = slots
     self.context = context
     self.chunk = chunk
+    self.steps = steps
     self.vocab = model.config.vocab
     self.cache = init_cache(model.config, context, slots)
     self.rows = Rows.empty(slots)
     self.settings = RowSettings.empty(slots)
     self._device_settings: RowSettings | None = None
-    self._decode = jax.jit(self._decode_step, donate_argnums=(1, 2))
+    self._decode = jax.jit(self._decode_steps, donate_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
     self._free = jax.jit(self._free_row, donate_argnums=(0,))
 
@@ -184,6 +193,24 @@ class BatchRunner:
     )
     return cache, rows, (tok, *rest)
 
+  def _decode_steps(self, params, cache, rows: Rows, settings, n):
+    """`n` (<= `steps`, traced) decode steps in a loop; their samples stacked (steps, P, ...)."""
+    p = self.slots
+    k = min(MAX_TOP_LOGPROBS, self.vocab)
+    outs = (
+      jnp.zeros((self.steps, p), jnp.int32),
+      jnp.zeros((self.steps, p), jnp.float32),
+      jnp.zeros((self.steps, p, k), jnp.int32),
+      jnp.zeros((self.steps, p, k), jnp.float32),
+    )
+
+    def body(i, carry):
+      cache, rows, outs = carry
+      cache, rows, out = self._decode_step(params, cache, rows, settings)
+      return cache, rows, tuple(o.at[i].set(x) for o, x in zip(outs, out, strict=True))
+
+    return jax.lax.fori_loop(0, n, body, (cache, rows, outs))
+
   def _prefill_chunk(self, params, cache, rows: Rows, slot, tokens, pos, key, history, settings,
                      last):  # fmt: skip
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
@@ -200,7 +227,7 @@ class BatchRunner:
       rows.history.at[slot].set(jnp.where(last, hist[0], rows.history[slot])),
       rows.active.at[slot].set(last),
     )
-    return cache, rows, (tok, *rest)
+    return cache, rows, (tok[None], *(a[None] for a in rest))
 
   @staticmethod
   def _free_row(rows: Rows, slot):
@@ -232,7 +259,7 @@ class BatchRunner:
     """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`; the token
     after it (sampled with the one-row `settings`, `key` (2,) uint32 and `history`
     (HISTORY,) int32; meaningful after the prompt's `last` chunk, which makes the row decode
-    from that token at pos + T), as a one-row `Step`."""
+    from that token at pos + T), as a one-step, one-row `Step`."""
     self.cache, self.rows, out = self._prefill(
       self.model.params,
       self.cache,
@@ -247,14 +274,17 @@ class BatchRunner:
     )
     return Step(out)
 
-  def decode(self) -> Step:
-    """One step for every slot: each decoding row runs its token at its position and samples
-    its next (with its settings, key and recent ids), and moves on; the others write a dummy
-    token and stay. Returns at once (the step runs on the device)."""
+  def decode(self, n: int = 1) -> Step:
+    """`n` steps (1 <= n <= `steps`) for every slot: in each, each decoding row runs its token
+    at its position and samples its next (with its settings, key and recent ids), and moves
+    on; the others write a dummy token and stay. Returns at once (the steps run on the
+    device)."""
+    if not 1 <= n <= self.steps:
+      raise ValueError(f"decode runs 1 to {self.steps} steps, got {n}")
     if self._device_settings is None:
       self._device_settings = jax.tree.map(jnp.asarray, self.settings)
     self.cache, self.rows, out = self._decode(
-      self.model.params, self.cache, self.rows, self._device_settings
+      self.model.params, self.cache, self.rows, self._device_settings, jnp.int32(n)
     )
     return Step(out)
 
@@ -273,4 +303,13 @@ class BatchRunner:
     jax.block_until_ready(self.rows)
 
 
-__all__ = ["CHUNK", "MAX_TOP_LOGPROBS", "BatchRunner", "Rows", "Sampled", "Step", "chunks"]
+__all__ = [
+  "CHUNK",
+  "MAX_TOP_LOGPROBS",
+  "STEPS",
+  "BatchRunner",
+  "Rows",
+  "Sampled",
+  "Step",
+  "chunks",
+]

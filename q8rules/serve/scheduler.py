@@ -6,14 +6,18 @@ each request's events from its own queue. Each turn of the loop:
 
   1. takes in what was submitted, drops what was cancelled (a cancelled request frees its slot
      at once) and gives each free slot to the oldest waiting request;
-  2. prefills one chunk (`runner.CHUNK` tokens at most) of the oldest request still in its
-     prompt, so a long prompt never stalls the running streams for more than a chunk;
-  3. starts one decode step for all slots;
-  4. hands out the tokens of the programs started before it: the device runs a step while the
-     host hands out the last one's tokens (the rows' state stays on the device, so a step
-     needs nothing from the host). A request that ends there had one more token computed for
-     it by the step already running; that token is dropped, and its slot is freed before the
-     next step.
+  2. prefills prompt chunks of the requests still in their prompts, oldest first, up to
+     `runner.chunk` tokens in all (`runner.CHUNK` by default; at least one chunk), so a long
+     prompt never stalls the running streams for more than a chunk;
+  3. starts decode steps for all slots: one while a prompt waits for its next chunk (or a
+     waiting request for a free slot), else up to `runner.steps` in one device program (fewer
+     when every running request needs fewer), so the host's work per program is shared by
+     several tokens;
+  4. hands out the tokens of the programs started before it: the device runs the steps while
+     the host hands out the last program's tokens (the rows' state stays on the device, so a
+     step needs nothing from the host). A request that ends there had more tokens computed
+     for it by the program already running; they are dropped, and its slot is freed before the
+     next program.
 
 A request ends at an end-of-generation id or a stop string ('stop'), after `max_tokens` or at
 the end of its slot's context ('length'), when cancelled, or when the engine stops (its stream
@@ -110,6 +114,7 @@ class Request:
   history: np.ndarray | None = None
   first_token_at: float | None = None
   ended: bool = False
+  pending: int = 0
 
   @staticmethod
   def queue_for(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[Event], None]]:
@@ -232,15 +237,29 @@ class Scheduler:
       self._incoming.clear()
     self._drop_cancelled()
     self._admit()
-    prefilling = [r for r in self.slots if r is not None and r.plan]
-    if prefilling:
-      self._prefill(min(prefilling, key=lambda r: r.submitted))
+    self._prefill_some()
     decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
     if decoding:
-      self._started.append(Started(self.runner.decode(), decoding, time.perf_counter()))
+      n = self._steps(decoding)
+      for _, r in decoding:
+        r.pending += n
+      self._started.append(Started(self.runner.decode(n), decoding, time.perf_counter(), n))
     while len(self._started) > (1 if decoding else 0):  # the step just started keeps running
       self._hand_out(self._started.popleft())
     return True
+
+  def _steps(self, decoding: list[tuple[int, Request]]) -> int:
+    """The decode steps of the next program: 1 while a prompt waits for its next chunk or a
+    waiting request for a slot that is free; else, at most `runner.steps`, as many as the
+    running request that needs the most may still use (the one that needs the fewest, while
+    requests wait: its slot is freed sooner)."""
+    if any(r is not None and r.plan for r in self.slots) or (
+      self.waiting and any(r is None for r in self.slots)
+    ):
+      return 1
+    most = min if self.waiting else max
+    left = most(r.max_tokens - len(r.generated) - r.pending for _, r in decoding)
+    return max(1, min(self.runner.steps, left))
 
   def _busy(self) -> bool:
     return bool(self.waiting or self._started) or any(r is not None for r in self.slots)
@@ -266,6 +285,17 @@ class Scheduler:
         self.runner.set_settings(i, nxt.params)
         self.metrics.prompt_tokens += len(nxt.prompt_ids)
 
+  def _prefill_some(self) -> None:
+    """Prompt chunks of the requests still in their prompts, oldest first, up to `runner.chunk`
+    tokens in all (at least one chunk): running streams wait at most that long a turn."""
+    budget = self.runner.chunk
+    for r in sorted((r for r in self.slots if r is not None and r.plan), key=lambda r: r.submitted):
+      while r.plan and (budget == self.runner.chunk or r.plan[0] <= budget):
+        budget -= r.plan[0]
+        self._prefill(r)
+      if budget <= 0:
+        return
+
   def _prefill(self, r: Request) -> None:
     t = r.plan.pop(0)
     ids = np.asarray(r.prompt_ids[r.prefilled : r.prefilled + t], np.int32)
@@ -273,27 +303,33 @@ class Scheduler:
     step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan)
     r.prefilled += t
     if not r.plan:  # its first token, handed out after the steps started before it
-      self._started.append(Started(step, [(0, r)], time.perf_counter(), prompt=True))
+      r.pending += 1
+      self._started.append(Started(step, [(0, r)], time.perf_counter(), 1, prompt=True))
 
   def _hand_out(self, started: Started) -> None:
-    """Each request of `started` that is still running gets its token (a request that ended
-    after the program started has none)."""
+    """Each request of `started` gets its tokens, step after step, while it runs (a request
+    that ended after the program started gets none after its end)."""
+    for _, r in started.rows:
+      r.pending -= started.steps
     live = [(row, r) for row, r in started.rows if not r.ended]
     out = started.step.fetch(logprobs=any(r.params.logprobs for _, r in live))
     done = time.perf_counter()
     if not started.prompt:
       seconds = done - max(started.at, self._last_done)
       self._last_done = done
-      self.metrics.decode_steps += 1
-      self.metrics.recent_decode.append((done, len(live), seconds))
-    for row, r in live:
-      if started.prompt:
-        r.first_token_at = done
-      self._accept(r, out, row)
+      self.metrics.decode_steps += started.steps
+      self.metrics.recent_decode.append((done, len(live) * started.steps, seconds))
+    for step in range(started.steps):
+      for row, r in live:
+        if r.ended:
+          continue
+        if started.prompt:
+          r.first_token_at = done
+        self._accept(r, out, step, row)
 
-  def _accept(self, r: Request, out: Sampled, row: int) -> None:
-    """Request `r` gets its next token from row `row` of `out`."""
-    tok = int(out.tokens[row])
+  def _accept(self, r: Request, out: Sampled, step: int, row: int) -> None:
+    """Request `r` gets its next token from step `step`, row `row` of `out`."""
+    tok = int(out.tokens[step, row])
     self.metrics.generated_tokens += 1
     if tok in r.stop_ids:
       self._finish(r, "stop")
@@ -304,9 +340,9 @@ class Scheduler:
       n = r.params.top_logprobs
       top = [
         (int(a), float(b))
-        for a, b in zip(out.top_ids[row, :n], out.top_logprobs[row, :n], strict=True)
+        for a, b in zip(out.top_ids[step, row, :n], out.top_logprobs[step, row, :n], strict=True)
       ]
-      logprobs = [(tok, float(out.logprobs[row]), top)]
+      logprobs = [(tok, float(out.logprobs[step, row]), top)]
     text, stopped = r.text.add(tok)
     if text or logprobs:
       r.emit(TokenEvent(text, [tok], logprobs))
@@ -334,14 +370,16 @@ class Started:
 
   Attributes:
     step: its samples (on the device).
-    rows: (row of `step`, request) for each request it samples a token for.
+    rows: (row of `step`, request) for each request it samples tokens for.
     at: when it was started (perf_counter seconds).
+    steps: the steps it runs (a token each for every row).
     prompt: whether it is a prompt's last chunk (its token is the request's first).
   """
 
   step: Step
   rows: list[tuple[int, Request]]
   at: float
+  steps: int = 1
   prompt: bool = False
 
 
