@@ -1,0 +1,60 @@
+"""The server's runner (`q8rules.serve.runner`): one program of several decode steps gives each
+row the tokens of as many one-step programs, whatever rows decode beside it; a freed row stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+import q8rules
+from q8rules.serve.runner import BatchRunner
+from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams
+
+DATA = Path(__file__).parent / "data" / "gguf_models"
+
+
+def test_several_steps_a_program_are_the_steps_one_at_a_time():
+  m = q8rules.load_gguf(DATA / "tiny-qwen2-q8_0.gguf", dtype=jnp.float32, progress=False)
+  prompts = [[1, 5, 7, 9, 11, 13], [2, 3, 4], [4, 8, 15, 16, 23]]
+  params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7)]
+
+  def tokens(schedule: list[int], rows: list[int]) -> list[list[int]]:
+    runner = BatchRunner(m, 3, 64, chunk=8, steps=4)
+    out = [[] for _ in rows]
+    for i, row in enumerate(rows):
+      p = params[i % 2]
+      runner.set_settings(row, p)
+      ids = np.asarray(prompts[i], np.int32)
+      first = runner.prefill(row, ids, 0, p.key(), np.full(HISTORY, -1, np.int32),
+                             RowSettings.of([p]), True)  # fmt: skip
+      out[i].append(int(first.fetch(False).tokens[0, 0]))
+    for n in schedule:
+      got = runner.decode(n).fetch(False).tokens
+      for i, row in enumerate(rows):
+        out[i].extend(int(t) for t in got[:n, row])
+    return out
+
+  one_at_a_time = tokens([1] * 8, [0, 1, 2])
+  assert tokens([4, 4], [0, 1, 2]) == one_at_a_time
+  assert tokens([3, 1, 2, 2], [2, 0, 1]) == one_at_a_time  # other slots, other counts
+  alone = tokens([4, 1, 3], [1])
+  assert alone == one_at_a_time[:1]
+
+
+def test_a_freed_row_stops_and_the_others_go_on():
+  m = q8rules.load_gguf(DATA / "tiny-qwen2-q8_0.gguf", dtype=jnp.float32, progress=False)
+  runner = BatchRunner(m, 2, 64, chunk=8, steps=4)
+  greedy = RowSettings.of([SamplingParams(temperature=0.0)])
+  for row in (0, 1):
+    ids = np.asarray([3, 1, 4, 1, 5], np.int32)
+    runner.prefill(row, ids, 0, np.zeros(2, np.uint32), np.full(HISTORY, -1, np.int32), greedy,
+                   True)  # fmt: skip
+  runner.decode(2)
+  runner.free(1)
+  rows = runner.rows
+  assert np.asarray(rows.positions).tolist() == [7, 0]
+  assert np.asarray(rows.active).tolist() == [True, False]
+  runner.decode(3)
+  assert np.asarray(runner.rows.positions).tolist() == [10, 0]
