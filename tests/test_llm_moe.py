@@ -276,6 +276,64 @@ def test_qwen3moe_without_experts_is_refused(tmp_path):
     load_gguf(dst, progress=False)
 
 
+def without_keys(dst: Path, src: Path, keys: tuple[str, ...], meta: dict | None = None) -> Path:
+  """A copy of `src` without the metadata `keys` (and `meta`'s values replacing others')."""
+  r = gguf.GGUFReader(src)
+  w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+  for key, field in r.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture" or key in keys:
+      continue
+    vtype = V(field.types[0])
+    sub = V(field.types[-1]) if vtype == V.ARRAY else None
+    w.add_key_value(key, (meta or {}).get(key, field.contents()), vtype, sub)
+  for t in r.tensors:
+    w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return dst
+
+
+@pytest.mark.parametrize(
+  "drop, meta, ffn",
+  [
+    (("qwen3moe.feed_forward_length",), {}, 0),
+    (("qwen3moe.expert_feed_forward_length",), {"qwen3moe.feed_forward_length": 64}, 64),
+  ],
+)
+def test_qwen3moe_optional_widths_are_llama_cpps(tmp_path, drop, meta, ffn):
+  """llama.cpp reads `feed_forward_length` as optional (0) and takes the experts' width from
+  `expert_feed_forward_length`, else feed_forward_length / expert_used_count (src/llama-model.cpp
+  load_hparams, src/models/qwen3moe.cpp). A file without the one key (or with the other's
+  fallback) is the same model to llama.cpp (its logits bit for bit those on the source file)
+  and to us, within 1e-5 of llama.cpp per position (F32 file)."""
+  from tests._llamacpp import llama_logits
+
+  src = DATA / "tiny-qwen3moe-f32.gguf"
+  dst = without_keys(tmp_path / "w.gguf", src, drop, meta)
+  m = load_gguf(dst, dtype=jnp.float32, progress=False)
+  assert (m.config.ffn, m.config.expert_ffn) == (ffn, 32)
+  ids = refs("qwen3moe")["f32_tokens"][:-1]
+  ours = m.logits(ids)
+  np.testing.assert_array_equal(ours, on_f32_tokens(model("qwen3moe", "f32"), "qwen3moe"))
+  assert rel_l2(ours, refs("qwen3moe")["f32_logits"], axis=-1).max() < 1e-5
+  np.testing.assert_array_equal(llama_logits(dst, ids), llama_logits(src, ids))
+
+
+def test_qwen3moe_without_any_expert_width_is_refused(tmp_path):
+  """Neither width key: llama.cpp's experts would be 0 wide (its tensors' shapes fail); we name
+  both keys."""
+  keys = ("qwen3moe.feed_forward_length", "qwen3moe.expert_feed_forward_length")
+  dst = without_keys(tmp_path / "w.gguf", DATA / "tiny-qwen3moe-q8_0.gguf", keys)
+  with pytest.raises(
+    CheckpointError,
+    match=r"experts' width is unknown: qwen3moe.expert_feed_forward_length is absent and"
+    r" qwen3moe.feed_forward_length is 0 \(absent: 0",
+  ):
+    load_gguf(dst, progress=False)
+
+
 def test_lora_on_expert_stacks_is_refused_naming_the_tensor(tmp_path):
   """llama.cpp applies a per-expert adapter ([n_in, rank, n_expert]) to each routed expert;
   q8rules serves adapters on the attention and dense matrices only, and says so. The default

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
 from q8rules.llm import gemma4, gpt_oss
-from q8rules.llm.experts import expert_fields
+from q8rules.llm.experts import MOE_ARCHS, expert_fields
 from q8rules.models.config import TransformerConfig
 
 _GEMMA = dict(rope_style="halves", embed_scale=True, activation="gelu_tanh")
@@ -64,6 +64,15 @@ def _get(
       return value[0]
     raise CheckpointError(f"{path}: per-layer values of {key!r} are not supported: {value}")
   return value
+
+
+def _ffn_default(arch: str) -> int | None:
+  """`feed_forward_length` where a file lacks it: llama.cpp's 0 in an arch whose experts have
+  their own width (qwen3moe: the key only gives that width when `expert_feed_forward_length`
+  is absent: `expert_fields`); None (required) where dense FFN tensors or llama's experts are
+  as wide as it (llama.cpp reads 0 there too, then fails on those tensors' shapes)."""
+  moe = MOE_ARCHS.get(arch)
+  return 0 if moe is not None and moe.own_ffn else None
 
 
 def _local_layers(meta: Mapping[str, Any], path: str, arch: str, layers: int) -> tuple:
@@ -165,7 +174,7 @@ def config_from_metadata(
       f"{path}: {a}rope.scaling.type {scaling!r} is not supported (none, linear, longrope, yarn)"
     )
   context = int(_get(meta, path, a + "context_length", 2048))
-  ffn_default = gpt_oss.default_ffn(meta) if arch == gpt_oss.ARCH else None
+  ffn_default = gpt_oss.default_ffn(meta) if arch == gpt_oss.ARCH else _ffn_default(arch)
   fields = dict(SUPPORTED_ARCHS[arch])
   fields.setdefault("tied_embeddings", "output.weight" not in tensors)
   fields.update(

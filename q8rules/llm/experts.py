@@ -82,13 +82,14 @@ def expert_fields(
     meta: the file's metadata.
     path: the file, for messages.
     arch: its `general.architecture`.
-    ffn: its `feed_forward_length`.
+    ffn: its `feed_forward_length` (qwen3moe: 0 when absent, as llama.cpp reads it).
     tensors: its tensor names (a llama file with `ffn_*_exps` and no `expert_count` is
       refused, naming the key).
 
   Raises:
     CheckpointError naming the key: no experts in an arch that needs them, experts used
-      outside [1, expert_count], an unknown gating function, expert tensors without a count.
+      outside [1, expert_count], an unknown gating function, expert tensors without a count,
+      no experts' width (neither `expert_feed_forward_length` nor `feed_forward_length`).
   """
   moe = MOE_ARCHS.get(arch)
   if moe is None:
@@ -110,6 +111,11 @@ def expert_fields(
   expert_ffn = ffn
   if moe.own_ffn:
     expert_ffn = _int(meta, path, a + "expert_feed_forward_length", 0) or ffn // used
+  if expert_ffn <= 0:
+    raise CheckpointError(
+      f"{path}: the experts' width is unknown: {a}expert_feed_forward_length is absent and"
+      f" {a}feed_forward_length is {ffn} (absent: 0; llama.cpp takes it / expert_used_count)"
+    )
   return dict(
     experts=experts,
     experts_used=used,
