@@ -81,3 +81,32 @@ def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
     dims = ",".join(map(str, s))
     updates = re.findall(rf"= (\w+)\[{dims}\]\S* (?:dynamic-update-slice|scatter)\(", text)
     assert updates and "f32" not in updates, (s, updates)
+
+
+def test_a_decode_step_copies_no_cache(rng):
+  """The compiled one-token step of a scanned float32 model with global and sliding-window
+  layers, its cache donated (as the decode loop donates it), updates every cache in place: no
+  copy of a whole cache. A ring read before its write was copied twice per layer (the read is no input
+  of the write, so XLA could not order it before an in-place update); one token is now
+  written first, then read."""
+  config = TransformerConfig(
+    vocab=64,
+    dim=32,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    ffn=64,
+    local_layers=(True, False, True, False),
+    sliding_window=4,
+  )
+  model = Transformer(config)
+  tokens = jnp.asarray(rng.integers(0, 64, (1, 5)), jnp.int32)
+  cache = init_cache(config, 16)
+  params = model.init(jax.random.key(0), tokens, cache)
+  step = jnp.zeros((1, 1), jnp.int32)
+  apply = jax.jit(model.apply, donate_argnums=(2,))
+  text = apply.lower(params, step, cache, jnp.int32(5)).compile().as_text()
+  for shape in {tuple(a.shape) for a in jax.tree.leaves(cache)}:
+    dims = ",".join(map(str, shape))
+    assert not re.findall(rf"= \w+\[{dims}\]\S* copy\(", text), shape

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from q8rules.llm.sampling import Sampler, filtered, reference_probabilities, sample
+from q8rules.llm.sampling import Sampler, filtered, first_max, reference_probabilities, sample
 
 CASES = [
   Sampler(temperature=0.8),
@@ -128,3 +128,26 @@ def test_top_k_never_sorts_the_vocabulary():
   assert "top_k" in topk and "sort" not in topk
   assert "sort" not in primitives(Sampler(top_k=40, top_p=0.95).settings())  # greedy
   assert "sort" in primitives(Sampler(temperature=0.8, top_p=0.95).settings())  # top-p alone
+
+
+def test_first_max_is_argmax(rng):
+  """`first_max` gives `jnp.argmax`'s index on every row: the first of tied maxima, the first
+  NaN where a row has one, the first of a row all -inf, +0 and -0 as equal."""
+  rows = rng.choice(
+    np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.0, 2.0], np.float32),
+    size=(64, 3000),
+    p=[0.2, 0.005, 0.001, 0.2, 0.2, 0.2, 0.194],
+  )
+  rows[1] = -np.inf
+  rows[2, :] = 0.0
+  rows[2, 5] = -0.0
+  rows[3] = rng.standard_normal(3000)
+  rows[4] = rows[3]
+  rows[4, 2999] = np.nan
+  x = jnp.asarray(rows)
+  want = np.asarray(jnp.argmax(x, axis=-1))
+  got = np.asarray(jax.jit(first_max)(x))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, want)
+  for row, index in zip(rows, want, strict=True):  # one row at a time, as the decode loop
+    assert int(first_max(jnp.asarray(row))) == index

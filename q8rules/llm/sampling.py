@@ -94,6 +94,18 @@ class Sampler:
     return jnp.asarray(out)
 
 
+def first_max(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` as int32 (each row's first index of its largest value; of its
+  first NaN where it has one) in plain reductions, which XLA:CPU vectorizes: a max, then the
+  least index that holds it. XLA:CPU runs argmax's reduction of (value, index) pairs an element
+  at a time: 1.1-2 ms a decode step over Gemma's 262,144 logits, against 0.2 ms."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  nan = jnp.isnan(x)
+  hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+  index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def _penalize(logits: jax.Array, recent: jax.Array, penalty: float) -> jax.Array:
   seen = jnp.zeros(logits.shape, bool).at[jnp.where(recent >= 0, recent, logits.shape[0])]
   seen = seen.set(True, mode="drop")
@@ -158,7 +170,7 @@ def sample(
   greedy, _, _, _, penalty, history = settings
   if greedy:
     x = _penalize(logits.astype(jnp.float32), recent, penalty) if history else logits
-    tok = jnp.argmax(x).astype(jnp.int32)
+    tok = first_max(x)
   else:
     x, ids = candidates(logits, recent, settings)
     key, sub = jax.random.split(key)
@@ -201,4 +213,12 @@ def reference_probabilities(logits: np.ndarray, recent: list[int], sampler: Samp
   return out
 
 
-__all__ = ["Sampler", "candidates", "chain_errors", "filtered", "reference_probabilities", "sample"]
+__all__ = [
+  "Sampler",
+  "candidates",
+  "chain_errors",
+  "filtered",
+  "first_max",
+  "reference_probabilities",
+  "sample",
+]

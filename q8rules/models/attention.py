@@ -368,15 +368,34 @@ def attention(
   layer's kind is computed; the caches go in read-only), and both caches are written with
   the other kind's write made a no-op (it writes back the T entries it read), so no
   branch carries a whole cache: shapes stay uniform across the scan without copies.
+
+  One new token (T = 1) is written into its ring before it is read, as a full cache is: the
+  entry it replaces (position pos - R) is one the window no longer sees, so the ring then
+  holds exactly the visible keys, in slots [0, min(pos + 1, R)), and is read as a full cache
+  (`_global_read`: the decode-attention kernel where it runs). Reading a ring before writing
+  it made XLA copy every layer's ring of the scan twice per layer (the read is not an input
+  of the write, so it could not be ordered before an in-place update).
   """
   kinds = c.layer_kinds
+  one = q.shape[1] == 1
   if len(kinds) == 1 or isinstance(local, bool):
     if kinds == ("local",) or local is True:
+      if one:
+        ring = _local_write(groups["local"], k, v, slot, pos)
+        return _global_read(c, q, ring, slot, pos, sinks), {**groups, "local": ring}
       out = _local_read(c, q, k, v, groups["local"], slot, pos, sinks)
       return out, {**groups, "local": _local_write(groups["local"], k, v, slot, pos)}
     pair = _global_write(groups["global"], k, v, slot, pos)
     return _global_read(c, q, pair, slot, pos, sinks), {**groups, "global": pair}
   glob = _global_write(groups["global"], k, v, slot, pos, keep=local)
+  if one:
+    loc = _local_write(groups["local"], k, v, slot, pos, keep=jnp.logical_not(local))
+    out = jax.lax.cond(
+      local,
+      lambda: _global_read(c, q, loc, slot, pos, sinks),
+      lambda: _global_read(c, q, glob, slot, pos, sinks),
+    )
+    return out, {"global": glob, "local": loc}
   out = jax.lax.cond(
     local,
     lambda: _local_read(c, q, k, v, groups["local"], slot, pos, sinks),
