@@ -11,9 +11,10 @@ from typing import Any
 
 import jax
 
-Reference = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], jax.Array]
-"""`reference(q (B, 1, H, D), keys, values (L, B, S, KV, D), slot, pos) -> (B, 1, H * D)`: a
-caller's own XLA attention of the token at `pos` over layer `slot` of the cache."""
+Reference = Callable[[jax.Array, jax.Array, jax.Array, Any, Any, Any], jax.Array]
+"""`reference(q (B, 1, H, D), keys, values (L, B, S, KV, D), slot, pos, sinks) -> (B, 1, H * D)`:
+a caller's own XLA attention of the token at `pos` over layer `slot` of the cache, `sinks` each
+head's sink logit (H,) float32 (one more term of its softmax's denominator), or None."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,7 @@ def test_attention_with_a_position_per_row_is_each_row_alone(dtype):
   pos = np.asarray([0, 11, 23, 40], np.int32)
   params = AttentionParams.of(1 / np.sqrt(d), None, None)
   for name in ("cpu", "xla"):
-    run = jax.jit(lambda q, k, v, p, name=name: attend(q, k, v, 1, p, params, name))
+    run = jax.jit(lambda q, k, v, p, name=name: attend(q, k, v, 1, p, params, implementation=name))
     batch = np.asarray(run(q, keys, values, jnp.asarray(pos)))
     for i in range(b):
       row = [a[:, i : i + 1] for a in (keys, values)]

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 
+from q8rules import Q8Provider
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import rope_angles, rope_mscale
 from tests.gpt_oss_numpy_forward import attention, yarn_inv_freq
@@ -97,15 +99,19 @@ def float64_logits(config: TransformerConfig, params: dict, ids: np.ndarray) -> 
   return rms(x, p64["norm"]["scale"]) @ p64["lm_head"]["kernel"]
 
 
+@pytest.mark.parametrize("served", [False, True], ids=["flax", "provider"])
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
-def test_sinks_biases_yarn_match_float64(rng, scan):
+def test_sinks_biases_yarn_match_float64(rng, scan, served):
   """One pass, then the same tokens decoded one at a time through the cache (the sinks on the
-  one-token path, the local ring wrapped): within float32 rounding of float64."""
+  one-token path, the local ring wrapped): within float32 rounding of float64. Under a q8rules
+  provider the one-token attention is op 'decode_attention' (the native kernel, sinks
+  included, where it runs)."""
   config = TransformerConfig(**{**CONFIG.__dict__, "scan_layers": scan})
   params = random_params(config, 0)
   ids = rng.integers(0, config.vocab, T)
   want = float64_logits(config, params, ids)
-  apply = jax.jit(Transformer(config).apply)
+  model = Transformer(config)
+  apply = jax.jit(qwix.quantize_model(model, Q8Provider([])).apply if served else model.apply)
   tokens = jnp.asarray(ids, jnp.int32)[None]
   whole, _ = apply({"params": params}, tokens, init_cache(config, 16), 0)
   assert rel(whole[0], want) < 1e-5

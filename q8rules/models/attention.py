@@ -293,22 +293,23 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
 
 
 def _global_read(c, q, pair, slot, pos, sinks=None):
-  """Attend causally over layer `slot`'s full cache (the chunk already written). One new
-  token goes through `hooks.attend_one_token` (this XLA attention; under a q8rules provider,
-  the decode-attention kernel where it runs), unless the heads have sinks (`sinks` (heads,):
-  the kernel has none)."""
+  """Attend causally over layer `slot`'s full cache (the chunk already written), with the
+  heads' sink logits `sinks` (heads,) when given. One new token goes through
+  `hooks.attend_one_token` (this XLA attention; under a q8rules provider, the
+  decode-attention kernel where it runs, sinks included)."""
 
-  def xla(q, cache_k, cache_v, slot, pos):
+  def xla(q, cache_k, cache_v, slot, pos, sinks):
     keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
     values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
     positions = jnp.asarray(pos)[..., None] + jnp.arange(q.shape[1])  # (T,) or (B, T)
     visible = jnp.arange(keys.shape[1]) <= positions[..., None]  # (T, S) or (B, T, S)
     return _attend_f32(c, q, keys, values, visible, sinks)
 
-  if q.shape[1] != 1 or sinks is not None:
-    return xla(q, pair[0], pair[1], slot, pos).astype(c.dtype)
+  if q.shape[1] != 1:
+    return xla(q, pair[0], pair[1], slot, pos, sinks).astype(c.dtype)
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
-  return hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how).astype(c.dtype)
+  out = hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how, sinks=sinks)
+  return out.astype(c.dtype)
 
 
 def _local_read(c, q, k, v, pair, slot, pos, sinks=None):

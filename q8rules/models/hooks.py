@@ -24,14 +24,20 @@ def take_layer(tree: Any, i: jax.Array | int) -> Any:
 
 
 def attend_one_token(
-  q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  how: AttentionParams,
+  sinks: Array | None = None,
 ) -> Array:
   """One new token's attention over layer `slot` of the cache: q (B, 1, H, D), keys / values
-  (L, B, S, KV, D) with the token written at `pos` (a scalar, or (B,) one per row) ->
-  (B, 1, H * D) float32. Here, the
-  decoder's own attention `how.reference(q, keys, values, slot, pos)`; `how.scale` and
-  `how.softcap` are what a kernel needs to compute the same."""
-  return how.reference(q, keys, values, slot, pos).astype("float32")
+  (L, B, S, KV, D) with the token written at `pos` (a scalar, or (B,) one per row), `sinks`
+  each head's sink logit (H,) float32 or None -> (B, 1, H * D) float32. Here, the decoder's
+  own attention `how.reference(q, keys, values, slot, pos, sinks)`; `how.scale`,
+  `how.softcap` and `sinks` are what a kernel needs to compute the same."""
+  return how.reference(q, keys, values, slot, pos, sinks).astype("float32")
 
 
 __all__ = ["attend_one_token", "take_layer"]

@@ -6,8 +6,11 @@
 // bfloat16 (the cache's dtype); row b attends positions [0, n[b]) (its new token's own,
 // n[b] - 1, already written): one length for the batch, or one per row (a batch of sequences
 // each at its own position, as `q8rules serve` decodes). Head h reads KV head h / (H / KV)
-// (grouped-query attention). In float32, as the XLA path: scores = scale * q . k (then softcap * tanh(scores / softcap) when softcap > 0),
-// p = exp(scores - max) / sum, out = sum_s p_s v_s. Only the n written positions are read
+// (grouped-query attention). In float32, as the XLA path: scores = scale * q . k (then
+// softcap * tanh(scores / softcap) when softcap > 0), p = exp(scores - max) / sum, out =
+// sum_s p_s v_s. With sinks (H,) (gpt-oss's attn_sinks), head h's sink logit is one more term
+// of its softmax, in the denominator only, as ggml's soft_max with sinks: max = max(scores,
+// sink), sum += exp(sink - max), and no value row for it. Only the n written positions are read
 // (XLA's path reads, masks and multiplies the whole cache length S, and copies the layer's
 // keys and values into the layouts of its two dots first). Each (row, KV head) pair is one
 // unit of work, shared by the caller and the library's helper threads (helper_threads.h); a
@@ -56,17 +59,23 @@ inline float Dot(const float* a, const E* b, int64_t d) {
 // keys k and values v (B, S, KV, D) of one layer, over positions [0, n) (1 <= n <= S); p holds
 // group * n floats and top group floats of scratch. The H / KV query heads that share a KV head
 // go together, so each key and value row is read once for its whole group (not once per head);
-// each head's sums are the same, in the same order, as it alone would make. Compiled once per
+// each head's sums are the same, in the same order, as it alone would make. `sinks` (H,), or
+// null: none. Compiled once per
 // path (see DecodeAttention), each making the same multiplications and additions in the same
 // order, only in wider vectors: the same bits on every path.
 template <typename E>
 Q8_ALWAYS_INLINE void AttendUnit(const float* q, const E* k, const E* v, float* out, int64_t b,
                                  int64_t g, int64_t length, int64_t kv_heads, int64_t heads,
-                                 int64_t d, int64_t n, float scale, float softcap, float* p,
-                                 float* top) {
+                                 int64_t d, int64_t n, float scale, float softcap,
+                                 const float* sinks, float* p, float* top) {
   const int64_t group = heads / kv_heads;
   const float* qg = q + (b * heads + g * group) * d;  // the group's heads, one after another
-  std::fill(top, top + group, -std::numeric_limits<float>::infinity());
+  const float* sg = sinks ? sinks + g * group : nullptr;  // the group's sink logits
+  if (sg) {
+    std::copy(sg, sg + group, top);
+  } else {
+    std::fill(top, top + group, -std::numeric_limits<float>::infinity());
+  }
   for (int64_t s = 0; s < n; ++s) {
     const E* ks = k + ((b * length + s) * kv_heads + g) * d;
     for (int64_t j = 0; j < group; ++j) {
@@ -85,6 +94,7 @@ Q8_ALWAYS_INLINE void AttendUnit(const float* q, const E* k, const E* v, float* 
       pj[s] = std::exp(pj[s] - top[j]);
       sum += pj[s];
     }
+    if (sg) sum += std::exp(sg[j] - top[j]);
     for (int64_t s = 0; s < n; ++s) pj[s] /= sum;
   }
   for (int64_t s = 0; s < n; ++s) {
@@ -107,6 +117,7 @@ struct Operands {
   int64_t length, kv_heads, heads, d;
   const int64_t* ns;
   float scale, softcap;
+  const float* sinks;  // (H,), or null: no sinks
 };
 
 // Units [first, last) (unit u: row u / KV, KV head u % KV), with scratch p and top.
@@ -116,7 +127,7 @@ Q8_ALWAYS_INLINE void AttendUnits(const Operands<E>& a, int64_t first, int64_t l
   for (int64_t u = first; u < last; ++u) {
     const int64_t b = u / a.kv_heads, g = u % a.kv_heads;
     AttendUnit(a.q, a.k, a.v, a.out, b, g, a.length, a.kv_heads, a.heads, a.d, a.ns[b], a.scale,
-               a.softcap, p, top);
+               a.softcap, a.sinks, p, top);
   }
 }
 
@@ -168,14 +179,14 @@ struct Work final : q8helpers::Task {
   }
 };
 
-// Attention of a batch on the path `isa` names (0 scalar / SSE2, 1 AVX2, 2 AVX-512: q8mm::Isa,
+// Attention of a batch (`sinks` (H,) or null) on the path `isa` names (0 scalar / SSE2, 1 AVX2, 2 AVX-512: q8mm::Isa,
 // which the caller picks as for the products), on the caller and up to threads - 1 helpers.
 template <typename E>
-void DecodeAttention(int isa, const float* q, const E* k, const E* v, float* out, int64_t batch,
-                     int64_t length, int64_t kv_heads, int64_t heads, int64_t d,
-                     const int64_t* ns, float scale, float softcap, int64_t threads) {
+void DecodeAttention(int isa, const float* q, const E* k, const E* v, const float* sinks,
+                     float* out, int64_t batch, int64_t length, int64_t kv_heads, int64_t heads,
+                     int64_t d, const int64_t* ns, float scale, float softcap, int64_t threads) {
   auto* work = new Work<E>;  // reference counted: helpers that start late hold it
-  work->a = {q, k, v, out, length, kv_heads, heads, d, ns, scale, softcap};
+  work->a = {q, k, v, out, length, kv_heads, heads, d, ns, scale, softcap, sinks};
   work->isa = isa;
   work->units = batch * kv_heads;
   work->most = *std::max_element(ns, ns + batch);

@@ -36,9 +36,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 // One new token's attention over layer `slot` of the cache, positions [0, pos] (clamped to the
-// cache's length; `pos` one position for the batch, or one per row): decode_attention.h.
+// cache's length; `pos` one position for the batch, or one per row), each head's sink logit in
+// its softmax when `sinks` holds H of them (none when it is empty): decode_attention.h.
 inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
+                               ffi::Buffer<ffi::F32> sinks,
                                ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
                                float softcap) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -63,6 +65,12 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     return ffi::Error::InvalidArgument(
         "q8_decode_attention: expected one position, or one per row of the batch");
   }
+  const int64_t sink_count = static_cast<int64_t>(sinks.element_count());
+  if (sink_count != 0 && sink_count != qd[1]) {
+    return ffi::Error::InvalidArgument(
+        "q8_decode_attention: expected sinks of one logit per head (H), or none");
+  }
+  const float* sink = sink_count ? sinks.typed_data() : nullptr;
   std::vector<int64_t> ns(static_cast<size_t>(batch));
   int64_t work = 0;  // multiplications: scores and weighted values, every head
   for (int64_t b = 0; b < batch; ++b) {
@@ -81,13 +89,13 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   if (k.element_type() == ffi::DataType::F32) {
     q8attn::DecodeAttention(isa, q.typed_data(),
                             static_cast<const float*>(k.untyped_data()) + offset,
-                            static_cast<const float*>(v.untyped_data()) + offset,
+                            static_cast<const float*>(v.untyped_data()) + offset, sink,
                             out->typed_data(), batch, length, kv_heads, qd[1], d, ns.data(), scale,
                             softcap, threads);
   } else if (k.element_type() == ffi::DataType::BF16) {
     q8attn::DecodeAttention(isa, q.typed_data(),
                             static_cast<const uint16_t*>(k.untyped_data()) + offset,
-                            static_cast<const uint16_t*>(v.untyped_data()) + offset,
+                            static_cast<const uint16_t*>(v.untyped_data()) + offset, sink,
                             out->typed_data(), batch, length, kv_heads, qd[1], d, ns.data(), scale,
                             softcap, threads);
   } else {
@@ -119,7 +127,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()         // keys (L, B, S, KV, D)
                                   .Arg<ffi::AnyBuffer>()         // values (L, B, S, KV, D)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot () int32: the layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos () int32: the new token's
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos () or (B,) int32
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks (H,), or (0,): none
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, H, D)
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")

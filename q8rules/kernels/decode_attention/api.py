@@ -6,7 +6,7 @@ Implementations, chosen by `kernels.registry.resolve` like every op's:
   'xla'  the caller's own softmax attention (`reference=`, e.g. the decoder's), else the
          plain-JAX reference (`reference.attend_one_token`): every backend, differentiable.
   'cpu'  the native library's kernel (`cpu.py`): float32, reads only the positions written so
-         far, one custom call where XLA runs about a dozen.
+         far, one custom call where XLA runs about a dozen; attention sinks included.
 
 `implementation=None` takes 'cpu' where it can run (the native library builds here, one token,
 a float32 or bfloat16 cache, no mesh in context: a sharded cache stays with XLA's partitioner)
@@ -19,6 +19,9 @@ A model does not call this: `q8rules.models` calls its own hook
 to `attend` (the same arguments), as they route the model's products to the Q8_0 kernels.
 
     out = one_token(q, keys, values, slot, pos, scale=0.125, softcap=None, reference=ref)
+
+Heads with sinks (gpt-oss's attn_sinks: one more logit per head, in its softmax's denominator
+only) pass `sinks=` (H,) float32, an operand like q (a scanned decoder's are traced).
 """
 
 from __future__ import annotations
@@ -53,48 +56,59 @@ IMPLEMENTATIONS = OP.names
 """The implementations `one_token` takes by name."""
 
 
-def _run_on(platform: str, q, keys, values, slot, pos, *, problem, implementation, how):
+def _sinks_or_none(sinks: Array) -> Array | None:
+  """The primitive's sinks operand ((H,), or (0,): none) as the implementations take it."""
+  return sinks if sinks.shape[0] else None
+
+
+def _run_on(platform: str, q, keys, values, slot, pos, sinks, *, problem, implementation, how):
   """The attention as `platform` runs it: (B, 1, H * D) float32."""
   name = registry.resolve(OP, problem.on(platform), implementation)
-  return OP.implementations[name].run(q, keys, values, slot, pos, how)
+  run = OP.implementations[name].run
+  return run(q, keys, values, slot, pos, how, _sinks_or_none(sinks))
 
 
 decode_attention_p = Primitive("q8_decode_attention")
-"""q (B, 1, H, D), keys, values (L, B, S, KV, D), slot (), pos () or (B,) -> (B, 1, H * D)
-float32; lowered per platform by `registry.resolve`."""
+"""q (B, 1, H, D), keys, values (L, B, S, KV, D), slot (), pos () or (B,), sinks (H,) float32
+((0,): none) -> (B, 1, H * D) float32; lowered per platform by `registry.resolve`."""
 
 
 @decode_attention_p.def_abstract_eval
-def _abstract_eval(q, keys, values, slot, pos, **params):
-  del keys, values, slot, pos, params
+def _abstract_eval(q, keys, values, slot, pos, sinks, **params):
+  del keys, values, slot, pos, sinks, params
   b, t, h, d = q.shape
   return jax.core.ShapedArray((b, t, h * d), jnp.float32)
 
 
 @decode_attention_p.def_impl
-def _impl(q, keys, values, slot, pos, **params):
-  return _run_on(platform_of(), q, keys, values, slot, pos, **params)
+def _impl(q, keys, values, slot, pos, sinks, **params):
+  return _run_on(platform_of(), q, keys, values, slot, pos, sinks, **params)
 
 
 lowering.lower_per_platform(decode_attention_p, _run_on)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel(problem, implementation, how, q, keys, values, slot, pos):
+def _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks):
   params = {"problem": problem, "implementation": implementation, "how": how}
-  return decode_attention_p.bind(q, keys, values, slot, pos, **params)
+  return decode_attention_p.bind(q, keys, values, slot, pos, sinks, **params)
 
 
-def _kernel_fwd(problem, implementation, how, q, keys, values, slot, pos):
-  out = _kernel(problem, implementation, how, q, keys, values, slot, pos)
-  return out, (q, keys, values, slot, pos)
+def _kernel_fwd(problem, implementation, how, q, keys, values, slot, pos, sinks):
+  out = _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks)
+  return out, (q, keys, values, slot, pos, sinks)
 
 
 def _kernel_bwd(problem, implementation, how, residuals, g):
   del problem, implementation
-  q, keys, values, slot, pos = residuals
-  _, vjp = jax.vjp(lambda q, k, v: xla.run(q, k, v, slot, pos, how), q, keys, values)
-  return (*vjp(g), None, None)
+  q, keys, values, slot, pos, sinks = residuals
+
+  def ref(q, k, v, sinks):
+    return xla.run(q, k, v, slot, pos, how, _sinks_or_none(sinks))
+
+  _, vjp = jax.vjp(ref, q, keys, values, sinks)
+  dq, dk, dv, dsinks = vjp(g)
+  return dq, dk, dv, None, None, dsinks
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
@@ -107,17 +121,21 @@ def attend(
   slot: Any,
   pos: Any,
   how: AttentionParams,
+  sinks: Array | None = None,
   implementation: str | None = None,
 ) -> Array:
   """`one_token` with its params as one `AttentionParams` (`AttentionParams.of` makes them):
   what a q8rules provider runs in place of the decoder's hook `attend_one_token`, which takes
   the same arguments."""
+  if sinks is not None and jnp.shape(sinks) != (q.shape[2],):
+    raise ValueError(f"sinks must be one logit per head ({q.shape[2]},), got {jnp.shape(sinks)}")
   problem = AttentionProblem.of(q, keys)
   name = registry.resolve(OP, problem, implementation)
   if name == xla.NAME:
-    return xla.run(q, keys, values, slot, pos, how)
+    return xla.run(q, keys, values, slot, pos, how, sinks)
   slot, pos = jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32)
-  return _kernel(problem, implementation, how, q, keys, values, slot, pos)
+  sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
+  return _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks)
 
 
 def one_token(
@@ -131,6 +149,7 @@ def one_token(
   softcap: Any,
   reference: Reference | None = None,
   implementation: str | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """The attention of one new token over layer `slot` of the cache.
 
@@ -144,16 +163,18 @@ def one_token(
     reference: the caller's XLA attention ('xla'; see `Reference`), or None for the
       plain-JAX reference.
     implementation: None (the best that runs), 'cpu' or 'xla'.
+    sinks: (H,) float32, each head's sink logit: one more term of its softmax's denominator,
+      with no value (ggml's soft_max with sinks; gpt-oss's attn_sinks); None: none.
 
   Returns:
     (B, 1, H * D) float32.
 
   Raises:
-    ValueError: an unknown implementation, or 'cpu' where it cannot run (the reason named).
+    ValueError: an unknown implementation, or 'cpu' where it cannot run (the reason named);
+      sinks of another shape than (H,).
   """
-  return attend(
-    q, keys, values, slot, pos, AttentionParams.of(scale, softcap, reference), implementation
-  )
+  how = AttentionParams.of(scale, softcap, reference)
+  return attend(q, keys, values, slot, pos, how, sinks, implementation)
 
 
 __all__ = [

@@ -33,6 +33,7 @@ def decode_attention_cpu(
   *,
   scale: float,
   softcap: float | None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """One new token's attention with the native kernel (`kernels/cpu/decode_attention.h`).
 
@@ -42,6 +43,8 @@ def decode_attention_cpu(
     slot: () int32, the layer; pos: () int32, the token's position (positions [0, pos] are
       attended, clamped to S), or (B,) int32, one per row (row b attends [0, pos[b]]).
     scale: the scores' factor; softcap: None or the tanh cap of the scores.
+    sinks: (H,) float32, each head's sink logit (one more term of its softmax's denominator,
+      as ggml's soft_max with sinks), or None (none).
 
   Returns:
     (B, H, D) float32.
@@ -53,6 +56,7 @@ def decode_attention_cpu(
     values,
     jnp.asarray(slot, jnp.int32),
     jnp.asarray(pos, jnp.int32),
+    jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
     scale=np.float32(scale),
     softcap=np.float32(softcap or 0.0),
   )
@@ -78,10 +82,21 @@ def slower(p: AttentionProblem) -> None:
   del p
 
 
-def run(q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams) -> Array:
-  """(B, 1, H * D) float32 from q (B, 1, H, D) and the cache (L, B, S, KV, D)."""
+def run(
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  how: AttentionParams,
+  sinks: Array | None = None,
+) -> Array:
+  """(B, 1, H * D) float32 from q (B, 1, H, D), the cache (L, B, S, KV, D) and sinks (H,)
+  or None."""
   b, _, h, d = q.shape
-  out = decode_attention_cpu(q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap)
+  out = decode_attention_cpu(
+    q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap, sinks=sinks
+  )
   return out.reshape(b, 1, h * d)
 
 

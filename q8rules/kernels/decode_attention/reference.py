@@ -11,12 +11,22 @@ from jax import Array
 
 
 def attend_one_token(
-  q: Array, keys: Array, values: Array, slot: Any, pos: Any, *, scale: float, softcap: Any
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  *,
+  scale: float,
+  softcap: Any,
+  sinks: Array | None = None,
 ) -> Array:
   """Softmax attention of q (B, 1, H, D) over positions [0, pos] of layer `slot` of keys /
   values (L, B, S, KV, D) (grouped-query: head h reads kv head h // (H / KV)); `pos` a
   scalar, or (B,): row b over [0, pos[b]]. Scores times `scale`, then
-  `softcap * tanh(scores / softcap)` where `softcap`. Returns (B, 1, H * D) float32."""
+  `softcap * tanh(scores / softcap)` where `softcap`. `sinks` (H,) float32: head h's sink
+  logit is one more term of its softmax, in the denominator only (ggml's soft_max with
+  sinks); None: none. Returns (B, 1, H * D) float32."""
   b, t, h, d = q.shape
   k = jax.lax.dynamic_index_in_dim(keys, slot, 0, keepdims=False).astype(jnp.float32)
   v = jax.lax.dynamic_index_in_dim(values, slot, 0, keepdims=False).astype(jnp.float32)
@@ -27,7 +37,12 @@ def attend_one_token(
     scores = jnp.tanh(scores / softcap) * softcap
   visible = jnp.arange(k.shape[1]) <= jnp.reshape(pos, (-1, 1, 1, 1, 1))
   scores = jnp.where(visible, scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:
+    sink = jnp.asarray(sinks, jnp.float32).reshape(1, kv, h // kv, 1, 1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, h * d)
 
 

@@ -26,12 +26,22 @@ def slower(p: AttentionProblem) -> None:
   del p
 
 
-def run(q: Array, keys: Array, values: Array, slot: Any, pos: Any, how: AttentionParams) -> Array:
-  """(B, 1, H * D) float32: the caller's `how.reference(q, keys, values, slot, pos)`, or the
-  plain-JAX reference."""
+def run(
+  q: Array,
+  keys: Array,
+  values: Array,
+  slot: Any,
+  pos: Any,
+  how: AttentionParams,
+  sinks: Array | None = None,
+) -> Array:
+  """(B, 1, H * D) float32: the caller's `how.reference(q, keys, values, slot, pos, sinks)`,
+  or the plain-JAX reference."""
   if how.reference is None:
-    return attend_one_token(q, keys, values, slot, pos, scale=how.scale, softcap=how.softcap)
-  return how.reference(q, keys, values, slot, pos).astype(jnp.float32)
+    return attend_one_token(
+      q, keys, values, slot, pos, scale=how.scale, softcap=how.softcap, sinks=sinks
+    )
+  return how.reference(q, keys, values, slot, pos, sinks).astype(jnp.float32)
 
 
 __all__ = ["NAME", "SUMMARY", "cannot", "run", "slower"]
