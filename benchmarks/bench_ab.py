@@ -1,5 +1,6 @@
 """Two checkouts of q8rules, A and B, against each other and against a native llama.cpp, on
-bench_decode.py's GGUF files: a refactor's proof that it costs no speed.
+bench_decode.py's GGUF files (`file_path`: the synthetic a, b, c and the real Gemma 3 270M g, h):
+a refactor's proof that it costs no speed, or a change's gain.
 
     python benchmarks/bench_ab.py --a /path/to/old/checkout --b . \
         --llama-cpp-python /work/venv-llamacpp/bin/python --files cb --threads 2 --rounds 3
@@ -8,7 +9,10 @@ Each measurement is a fresh interpreter on one checkout (its own `PYTHONPATH`), 
 the same CPUs, the same warm compilation cache per side; rounds interleave A, B and llama.cpp so
 the machine's drift falls on all three alike. Per run: load time, decode tokens/s (the device
 loop, 64 tokens after the first, the best of two passes; bench_decode.py's measure) and
-128-token prefill tokens/s. The table gives medians, B / A, and each side / llama.cpp.
+128-token prefill tokens/s. The table gives medians, B / A, and each side / llama.cpp. With
+`--idle F` each run first waits (up to `--idle-wait` seconds) until the CPUs are at least F idle
+over a second, so that other jobs on a shared machine fall on fewer runs; the idle fraction seen
+is printed with each run.
 """
 
 from __future__ import annotations
@@ -24,10 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_decode import FILES, NEW, PROMPT, pin, theirs  # noqa: E402
-from benchmarks.bench_gguf import make_file  # noqa: E402
+from benchmarks.bench_decode import NEW, PROMPT, file_path, pin, theirs  # noqa: E402
 from benchmarks.llamacpp_native import describe, query  # noqa: E402
-from benchmarks.results_md import load_average, machine  # noqa: E402
+from benchmarks.results_md import load_average, machine, wait_for_idle  # noqa: E402
 from scripts.run_json import run  # noqa: E402
 
 OURS = r"""
@@ -89,6 +92,13 @@ def main() -> None:
   ap.add_argument("--files", default="cb")
   ap.add_argument("--threads", default="2")
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument(
+    "--idle",
+    type=float,
+    default=0.0,
+    help="before each run, wait (up to --idle-wait s) until the CPUs are this idle (0 to 1)",
+  )
+  ap.add_argument("--idle-wait", type=float, default=300.0)
   args = ap.parse_args()
   threads = [int(t) for t in args.threads.split(",")]
   if args.llama_cpp_python:
@@ -101,22 +111,21 @@ def main() -> None:
   sides = ["A", "B"] + (["llama.cpp"] if args.llama_cpp_python else [])
   results: dict[tuple[str, int, str], list[dict]] = {}
   for f in args.files:
-    name, shapes, vocab, tied = FILES[f]
-    path = Path(args.dir) / name
-    if not path.exists():
-      make_file(path, shapes, vocab, tied)
+    path = file_path(f, Path(args.dir), args.llama_cpp_python)
     for s, root in roots.items():  # fills each side's compilation cache
       ours(root, path, max(threads), caches[s])
     for r in range(args.rounds):
       for t in threads:
         for s in sides if r % 2 == 0 else sides[::-1]:
+          idle = wait_for_idle(args.idle, args.idle_wait) if args.idle else None
           res = (
             theirs(args.llama_cpp_python, path, t)
             if s == "llama.cpp"
             else ours(roots[s], path, t, caches[s])
           )
           results.setdefault((f, t, s), []).append(res)
-          print(f, t, s, r, json.dumps(res), f"load {load_average()}", flush=True)
+          note = f" idle before {idle:.2f}" if idle is not None else ""
+          print(f, t, s, r, json.dumps(res), f"load {load_average()}{note}", flush=True)
   print(f"\nMachine: {machine()}. A = {roots['A']}, B = {roots['B']}. CPUs: {os.cpu_count()}.")
   print(table(results, args.files, threads, sides))
 

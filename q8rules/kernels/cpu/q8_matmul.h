@@ -48,7 +48,8 @@ constexpr int64_t kStreamColumns = 4096;
 constexpr int64_t kStreamAheadL2 = q8act::kStreamAheadL2;
 
 // One product, all arrays row-major. A thread's share is a run of 32-row blocks: the same struct with x, q and
-// scale advanced to its first block, k its rows, and y its own accumulator.
+// scale advanced to its first block, k its rows, and y its own accumulator; or a stripe of
+// columns, with y a stripe-sized accumulator (ldy its width, y_col its first column).
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 inline constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
 
@@ -57,9 +58,11 @@ struct Problem {
   const int8_t* q;      // (k, N)
   const void* scale;    // (k/32, N) float32 or float16
   bool scale_f16;
-  float* y;             // (M, N), accumulated into (+=)
+  float* y;             // (M, N), accumulated into (+=): column c of row r at YAt(r, c)
   int64_t m, k, n;
   int64_t ldx;          // x's row stride (the full K)
+  int64_t ldy = 0;      // y's row stride (N; a stripe's width for its partial sums)
+  int64_t y_col = 0;    // the column y[0] holds (0; a stripe's first column)
   Isa isa;              // the path every thread runs
   // Q8_0 activations (q8_act_int8.h), else null: x's values (M, K), scales and -128 * block
   // sums (M, K/32), row strides ldx and ldx / 32; y is then stretch-permuted until the end.
@@ -83,6 +86,11 @@ inline Problem Blocks(const Problem& p, int64_t b0, int64_t b1, float* y) {
   s.k = (b1 - b0) * kBlock;
   s.y = y;
   return s;
+}
+
+// Where y keeps column col of x row `row`.
+inline float* YAt(const Problem& p, int64_t row, int64_t col) {
+  return p.y + (row * p.ldy + (col - p.y_col));
 }
 
 // IEEE half -> float without F16C (the scalar path).
@@ -113,7 +121,7 @@ inline void ColumnsScalar(const Problem& p, int64_t n0, int64_t n1, int64_t m0, 
       }
     }
     for (int64_t r = 0; r < mg; ++r) {  // y += scale * s
-      float* yr = p.y + (m0 + r) * p.n + n0;
+      float* yr = YAt(p, m0 + r, n0);
       const float* sr = s + r * w;
       for (int64_t j = 0; j < w; ++j) yr[j] += ScaleAt(p, b, n0 + j) * sr[j];
     }
@@ -196,8 +204,9 @@ inline bool SelectIsa(Isa* isa) {
   return true;
 }
 
-// All x rows of p (groups of <= 16 rows), all columns, accumulated into p.y.
-inline void Columns(const Problem& p) {
+// All x rows of p (groups of <= 16 rows), columns [n0, n1) (every column on the Q8_0-activation
+// path), accumulated into p.y.
+inline void Columns(const Problem& p, int64_t n0, int64_t n1) {
   std::vector<float> s;  // the scalar path's partial sums
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
     const int64_t mg = std::min(kMaxRows, p.m - m0);
@@ -212,18 +221,20 @@ inline void Columns(const Problem& p) {
     }
 #if Q8_X86
     if (p.isa == kAvx512) {
-      avx512::Columns(p, 0, p.n, m0, mg);
+      avx512::Columns(p, n0, n1, m0, mg);
       continue;
     }
     if (p.isa == kAvx2) {
-      avx2::Columns(p, 0, p.n, m0, mg);
+      avx2::Columns(p, n0, n1, m0, mg);
       continue;
     }
 #endif
-    s.resize(static_cast<size_t>(mg * p.n));
-    ColumnsScalar(p, 0, p.n, m0, mg, s.data());
+    s.resize(static_cast<size_t>(mg * (n1 - n0)));
+    ColumnsScalar(p, n0, n1, m0, mg, s.data());
   }
 }
+
+inline void Columns(const Problem& p) { Columns(p, 0, p.n); }
 
 // Values of q x M a product multiplies: what its thread count and units follow.
 inline int64_t WorkOf(const Problem& p) { return p.k * p.n * std::max<int64_t>(p.m, 1); }
@@ -278,6 +289,68 @@ struct Shared final : q8helpers::Task {
   }
 };
 
+// Columns a stripe of a column-split product spans (Stripes): a multiple of 64, so each
+// stripe's columns take the paths they take in the whole product. Each q row is read in 16 KiB
+// runs, and y's stripe and a unit's partial sums (64 KiB each a row of x) stay in L2. On one
+// core (CPU time a call, 2-core EPYC): Gemma 3's head 640 x 262144 6.9-7.3 ms against 7.9-8.8
+// as units over all N, a 2048 x 128256 head 10.5-10.8 against 10.3-10.9; 4096-column stripes
+// took 7.4-7.7 and 11.6-11.7 (each row's run one page), 32768 7.9-8.0 and 11.1-11.6.
+constexpr int64_t kStripeColumns = 16384;
+
+// Stripe i of p: every unit of K (BlocksPerUnit) in order over the stripe's columns, unit 0
+// into y, each other one into `buf` (zeroed, M x the stripe's width) added into y as it is
+// done: each column's sums are the units' over all of N (Shared), in the same order.
+inline void RunStripe(const Problem& p, int64_t per_unit, int64_t units, int64_t i,
+                      std::vector<float>& buf) {
+  const int64_t blocks = p.k / kBlock;
+  const int64_t n0 = i * kStripeColumns, n1 = std::min(p.n, n0 + kStripeColumns);
+  const int64_t w = n1 - n0;
+  Columns(Blocks(p, 0, std::min(blocks, per_unit), p.y), n0, n1);
+  if (units == 1) return;
+  buf.resize(static_cast<size_t>(p.m * w));
+  Problem s = p;
+  s.ldy = w;
+  s.y_col = n0;
+  for (int64_t u = 1; u < units; ++u) {
+    std::fill(buf.begin(), buf.end(), 0.0f);
+    Columns(Blocks(s, u * per_unit, std::min(blocks, (u + 1) * per_unit), buf.data()), n0, n1);
+    for (int64_t r = 0; r < p.m; ++r)
+      AddInto(YAt(p, r, n0), buf.data() + r * w, static_cast<size_t>(w));
+  }
+}
+
+// A product whose units' (M, N) buffers would be large (a vocabulary's output head: 1 MiB a
+// unit at N = 262144, M = 1), done as stripes of kStripeColumns columns, claimed one at a time
+// by the caller and its helpers (RunStripe). The sums are Shared's, so y is the same bit for
+// bit; y and the partial sums of a stripe stay in the cache, where the units' buffers were
+// written to memory, read back and added on the caller alone at the end.
+struct Stripes final : q8helpers::Task {
+  Problem p;
+  int64_t units = 1;
+  int64_t blocks_per_unit = 1;
+  int64_t stripes = 1;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() override {
+    std::vector<float> buf;
+    for (int64_t i = next.fetch_add(1); i < stripes; i = next.fetch_add(1)) {
+      RunStripe(p, blocks_per_unit, units, i, buf);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Whether p runs as column stripes (Stripes) rather than units of K over all of N (Shared): on
+// the float path, more than one stripe, and a unit's (M, N) buffer of kStripeMinValues values
+// or more (256 KiB). Below that the buffers stay in cache and the whole rows stream faster:
+// TinyLlama's 2048 x 11264 gate | up at M = 8 took 2.41 ms in 4096-column stripes against 2.22.
+constexpr int64_t kStripeMinValues = int64_t{1} << 16;
+inline bool Striped(const Problem& p, int64_t units) {
+  return p.xq == nullptr && units > 1 && p.m * p.n >= kStripeMinValues &&
+         p.n > kStripeColumns;
+}
+
 // The most threads one native call may run on, the caller included; 0: no limit but the CPUs
 // (Q8SetThreadLimit: q8rules.set_cpu_threads, $Q8RULES_THREADS).
 inline std::atomic<int> g_thread_limit{0};
@@ -327,13 +400,47 @@ inline int64_t Threads(const Problem& p, int64_t pool_threads) {
   return std::max<int64_t>(t, 1);
 }
 
+// Runs `task` (`count` pieces, each counted in its `done` when finished) on the caller and up to
+// threads - 1 helpers, and returns when every piece is done. Helpers hold a reference on the
+// task, so one that starts after the caller has done every piece finds nothing to claim and
+// touches no buffer. Helpers another caller is using are replaced by threads of XLA's pool.
+template <typename T>
+inline void Share(ffi::ThreadPool& pool, T* task, int64_t threads, int64_t count) {
+  auto& helpers = q8helpers::Helpers::Get();
+  const int want = static_cast<int>(threads - 1);
+  for (int t = want > 0 ? helpers.Post(task, want) : 0; t < want; ++t) {
+    task->Hold();
+    pool.Schedule([task] {
+      task->Run();
+      task->Release();
+    });
+  }
+  task->Run();
+  // Wait for the pieces the helpers claimed (at most one each is still running).
+  q8helpers::WaitFor(task->done, count);
+  if (want > 0) helpers.Retract(task);
+}
+
 // The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
 // of q's and scale's) and first elements; y (M, N).
-// The product p (y zeroed) on the caller and up to threads - 1 helpers, in units (Shared).
+// The product p (y zeroed) on the caller and up to threads - 1 helpers, in units (Shared) or
+// column stripes (Stripes).
 inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t blocks = p.k / kBlock;
   const int64_t per_unit = BlocksPerUnit(p);
   const int64_t units = (blocks + per_unit - 1) / per_unit;
+  if (Striped(p, units)) {
+    auto* task = new Stripes;
+    task->p = p;
+    task->blocks_per_unit = per_unit;
+    task->units = units;
+    task->stripes = (p.n + kStripeColumns - 1) / kStripeColumns;
+    const int64_t threads = std::min(task->stripes, Threads(p, pool.num_threads()));
+    g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
+    Share(pool, task, threads, task->stripes);
+    task->Release();
+    return;
+  }
   const int64_t threads = std::min(units, Threads(p, pool.num_threads()));
   g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
   if (units == 1) {
@@ -356,22 +463,7 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   shared->blocks_per_unit = per_unit;
   shared->units = units;
   shared->partial.resize(static_cast<size_t>(units - 1));
-  // Helpers hold a reference on the shared state, so one that starts after the caller has
-  // done every unit finds nothing to claim and touches no buffer. Helpers another caller is
-  // using are replaced by threads of XLA's pool.
-  auto& helpers = q8helpers::Helpers::Get();
-  const int want = static_cast<int>(threads - 1);
-  for (int t = helpers.Post(shared, want); t < want; ++t) {
-    shared->Hold();
-    pool.Schedule([shared] {
-      shared->Run();
-      shared->Release();
-    });
-  }
-  shared->Run();
-  // Wait for the units the helpers claimed (at most one each is still running).
-  q8helpers::WaitFor(shared->done, shared->units);
-  helpers.Retract(shared);
+  Share(pool, shared, threads, units);
   for (const auto& buf : shared->partial) AddInto(p.y, buf);  // in unit order
   shared->Release();
 }
@@ -405,6 +497,7 @@ inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span
   p.q = q;
   p.scale = scale;
   p.y = y->typed_data();
+  p.ldy = p.n;
   if (!SelectIsa(&p.isa)) {
     return ffi::Error::InvalidArgument(
         "q8_gemv: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");

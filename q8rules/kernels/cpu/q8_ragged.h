@@ -119,6 +119,7 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   base.scale_f16 = scale.element_type() == ffi::DataType::F16;
   base.k = k;
   base.n = n;
+  base.ldy = n;
   base.ldx = k;
   float* out = y->typed_data();
   std::fill(out, out + m * n, 0.0f);

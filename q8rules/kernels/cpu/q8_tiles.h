@@ -4,7 +4,7 @@
 // text, and each keeps the FMAs of the hand-written code it replaced, in the same order.
 //
 // Needs, from the including namespace: Problem, kBlock, kStreamRows, kStreamColumns,
-// kStreamAheadL2, q8simd::kPrefetch and ScaleAt.
+// kStreamAheadL2, q8simd::kPrefetch, ScaleAt and YAt.
 
 using V = typename Vec::V;
 constexpr int L = Vec::kLanes;
@@ -18,7 +18,7 @@ Q8_ALWAYS_INLINE void FoldIntoY(const Problem& p, int64_t b, int64_t col, int64_
   for (int v = 0; v < NV; ++v) {
     const V d = Vec::Scale(p.scale, p.scale_f16, b * p.n + col + L * v);
     for (int r = 0; r < MR; ++r) {
-      float* yr = p.y + (m0 + r) * p.n + col + L * v;
+      float* yr = YAt(p, m0 + r, col + L * v);
       Vec::StoreU(yr, Vec::Fma(d, acc[r][v], Vec::LoadU(yr)));
     }
   }
@@ -109,7 +109,6 @@ inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
                         float* s_buf) {
   const int8_t* qb = p.q + b * kBlock * p.n;
   const float* xb = p.x + m0 * p.ldx + b * kBlock;
-  float* yr = p.y + m0 * p.n;
   const int64_t ahead = p.n * std::max<int64_t>(R, (kStreamAheadL2 + p.n - 1) / p.n);
   for (int64_t r0 = 0; r0 < kBlock; r0 += R) {
     V xv[R];
@@ -129,7 +128,7 @@ inline void StreamBlock(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
         continue;
       }
       for (int v = 0; v < NV; ++v) {
-        float* yc = yr + c + L * v;
+        float* yc = YAt(p, m0, c + L * v);
         const V d = Vec::Scale(p.scale, p.scale_f16, b * p.n + c + L * v);
         Vec::StoreU(yc, Vec::Fma(d, acc[v], Vec::LoadU(yc)));
       }
@@ -149,7 +148,7 @@ inline void ColumnsTail(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
       float acc = 0.0f;
       for (int64_t i = 0; i < kBlock; ++i)
         acc = std::fma(x[i], static_cast<float>(p.q[(b * kBlock + i) * p.n + c]), acc);
-      p.y[(m0 + r) * p.n + c] += d * acc;
+      *YAt(p, m0 + r, c) += d * acc;
     }
   }
 }
