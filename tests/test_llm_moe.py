@@ -334,10 +334,10 @@ def test_qwen3moe_without_any_expert_width_is_refused(tmp_path):
     load_gguf(dst, progress=False)
 
 
-def test_lora_on_expert_stacks_is_refused_naming_the_tensor(tmp_path):
-  """llama.cpp applies a per-expert adapter ([n_in, rank, n_expert]) to each routed expert;
-  q8rules serves adapters on the attention and dense matrices only, and says so. The default
-  targets of a MoE model are its attention matrices."""
+def test_lora_on_expert_stacks_loads_as_llama_cpp_stores_it(tmp_path):
+  """llama.cpp applies a per-expert adapter (lora_a ggml [n_in, rank, n_expert]) to each routed
+  expert; so does `load_gguf(lora=)` (tests/test_lora_gguf_experts.py against llama.cpp). The
+  default targets of a MoE model are its attention matrices; the stacks are targets on request."""
   rng = np.random.default_rng(0)
   path = tmp_path / "exps-lora.gguf"
   w = gguf.GGUFWriter(path, "llama")
@@ -350,11 +350,11 @@ def test_lora_on_expert_stacks_is_refused_naming_the_tensor(tmp_path):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight': a per-expert adapter"):
-    load_gguf(SRC, lora=path, progress=False)
+  loaded = load_gguf(SRC, lora=path, progress=False)
+  assert loaded.lora.targets == ("ffn_up_exps",)
+  assert loaded.params["layers"]["moe"]["up_exps_lora_a"].shape == (2, 8, 64, 4)
   m = model("mixtral", "q8_0")
-  with pytest.raises(ValueError, match=r"unknown LoRA target\(s\) \['ffn_up_exps'\]"):
-    m.with_lora(rank=4, alpha=8.0, targets=["ffn_up_exps"])
+  assert m.with_lora(rank=4, alpha=8.0, targets=["ffn_up_exps"]).lora.targets == ("ffn_up_exps",)
   assert m.with_lora(rank=4, alpha=8.0).lora.targets == (
     "attn_q",
     "attn_k",

@@ -20,6 +20,7 @@ from q8rules.lora.gguf_model import (
   KINDS,
   LoraSpec,
   adapter_sites,
+  check_expert_targets,
   file_kinds,
   lora_model,
   placed_like_base,
@@ -83,7 +84,7 @@ def attach_lora_files(m: LoadedModel, files: Sequence[Any], scales: Sequence[flo
       )
     for name in f.adapters:
       _site(name, m.config, present, f.path)
-    file_ranks = {a.shape[1] for a, _ in f.adapters.values()}
+    file_ranks = {a.shape[-1] for a, _ in f.adapters.values()}
     if len(file_ranks) != 1:
       raise CheckpointError(
         f"{f.path}: adapters of different ranks {sorted(file_ranks)}; q8rules serves one rank"
@@ -100,24 +101,31 @@ def attach_lora_files(m: LoadedModel, files: Sequence[Any], scales: Sequence[flo
     combined = {}
     for n in sorted(names):
       a_parts, b_parts = [], []
-      for f, r, lora_scale in zip(files, ranks, scales, strict=True):
+      for f, lora_scale in zip(files, scales, strict=True):
         a, b = f.adapters.get(n, (None, None))
         if a is None:  # this file does not adapt the tensor: a zero delta of its rank
-          a_parts.append(np.zeros((0, r), np.float32))
+          a_parts.append(None)
           b_parts.append(None)
           continue
         a_parts.append(a)
         b_parts.append((b * np.float32(f.scale(n, lora_scale))).astype(np.float32))
-      k = next(a.shape[0] for a in a_parts if a.shape[0])
-      n_out = next(b.shape[1] for b in b_parts if b is not None)
-      a_parts = [a if a.shape[0] else np.zeros((k, a.shape[1]), np.float32) for a in a_parts]
+      a0 = next(a for a in a_parts if a is not None)  # (*E, K, r)
+      n_out = next(b.shape[-1] for b in b_parts if b is not None)
+      a_parts = [
+        a if a is not None else np.zeros((*a0.shape[:-1], r), np.float32)
+        for a, r in zip(a_parts, ranks, strict=True)
+      ]
       b_parts = [
-        b if b is not None else np.zeros((r, n_out), np.float32)
+        b if b is not None else np.zeros((*a0.shape[:-2], r, n_out), np.float32)
         for b, r in zip(b_parts, ranks, strict=True)
       ]
-      combined[n] = (np.concatenate(a_parts, axis=1), np.concatenate(b_parts, axis=0))
+      combined[n] = (np.concatenate(a_parts, axis=-1), np.concatenate(b_parts, axis=-2))
   kinds = {_site(n, m.config, present, "")[0] for n in combined}
   spec = LoraSpec(rank, alpha, tuple(k for k in KINDS if k in kinds))
+  try:
+    check_expert_targets(m.config, spec.targets, [f.path for f in files])
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
   config, params, split = unfuse(m.config, m.params, spec.targets, present)
   spec = dataclasses.replace(spec, unfused=split)
   stacked = {}
@@ -128,19 +136,20 @@ def attach_lora_files(m: LoadedModel, files: Sequence[Any], scales: Sequence[flo
         f"{m.path}: LoRA target {kind} ({'/'.join(path)}) is not a Q8_0 weight; load the base"
         " with quantize='q8_0'"
       )
-    k, n = base.how.layout.shape
+    *experts, k, n = base.how.layout.shape  # experts: (E,) for a stack
     layers = range(config.layers) if config.scan_layers else [int(path[0].split("_")[1])]
-    a_all = np.zeros((len(layers), k, rank), np.float32)
-    b_all = np.zeros((len(layers), rank, n), np.float32)
+    a_all = np.zeros((len(layers), *experts, k, rank), np.float32)
+    b_all = np.zeros((len(layers), *experts, rank, n), np.float32)
     for j, layer in enumerate(layers):
       name = tensor_name(kind, layer)
       if name not in combined:
         continue
       a, b = combined[name]
-      if a.shape != (k, rank) or b.shape != (rank, n):
+      if a.shape != (*experts, k, rank) or b.shape != (*experts, rank, n):
+        stack = f"{experts[0]} experts, " if experts else ""
         raise CheckpointError(
           f"{[f.path for f in files]}: LoRA tensor {name!r}: A {a.shape} and B {b.shape} do not"
-          f" fit the base's (K={k}, N={n}) at rank {rank} (wrong base model?)"
+          f" fit the base's ({stack}K={k}, N={n}) at rank {rank} (wrong base model?)"
         )
       a_all[j], b_all[j] = a, b
     if not config.scan_layers:
@@ -177,7 +186,8 @@ def merged(m: LoadedModel) -> Any:
     layers = range(m.config.layers) if m.config.scan_layers else [int(path[0].split("_")[1])]
     q_out, s_out = np.empty_like(q_all), np.empty_like(s_all)
     for j, layer in enumerate(layers):
-      one = Q8Array(q=q_all[j], scale=s_all[j], axis=0, dtype=base.array.dtype)
+      axis = q_all.ndim - 3  # K: 0 for a matrix, 1 for a stack of experts (E, K, N)
+      one = Q8Array(q=q_all[j], scale=s_all[j], axis=axis, dtype=base.array.dtype)
       adapter = LoraAdapter(a_all[j], b_all[j], m.lora.alpha)
       out = merged_q8(one, adapter, tensor_name(kind, layer))
       q_out[j], s_out[j] = np.asarray(out.q), np.asarray(out.scale)

@@ -21,9 +21,13 @@ from q8rules.providers.q8_weight import Q8Weight
 GROUPS = (
   ("attn", "qkv", ("attn_q", "attn_k", "attn_v"), "fused_qkv"),
   ("mlp", "up", ("ffn_gate", "ffn_up"), "fused_gate_up"),
+  ("moe", "gate_up_exps", ("ffn_gate_exps", "ffn_up_exps"), "expert_fused_gate_up"),
 )
 """Groups `load_gguf` fuses: (block module, fused module, member kinds in column order, config
-field)."""
+field). The expert stacks' group is of params of the Moe module (E, K, N), not of modules."""
+
+_PARAMS = {"moe"}
+"""Blocks whose group members are params (a stack each) rather than Dense modules."""
 
 
 def _columns(leaf: Any, start: int, stop: int, name: str) -> Any:
@@ -47,6 +51,8 @@ def _sizes(config: Any) -> dict[str, int]:
     "attn_v": config.kv_heads * config.head_dim,
     "ffn_gate": config.ffn,
     "ffn_up": config.ffn,
+    "ffn_gate_exps": config.expert_ffn or config.ffn,
+    "ffn_up_exps": config.expert_ffn or config.ffn,
   }
 
 
@@ -70,10 +76,13 @@ def unfuse(
       for kind in members:
         stop = start + sizes[kind]
         module = KINDS[kind][1]
-        new_block[module] = {
-          leaf: _columns(value, start, stop, f"{root}/{block}/{module}/{leaf}")
-          for leaf, value in fused_module.items()
-        }
+        if block in _PARAMS:
+          new_block[module] = _columns(fused_module, start, stop, f"{root}/{block}/{module}")
+        else:
+          new_block[module] = {
+            leaf: _columns(value, start, stop, f"{root}/{block}/{module}/{leaf}")
+            for leaf, value in fused_module.items()
+          }
         start = stop
       params = set_in(params, (root, block), new_block)
     config = dataclasses.replace(config, **{field: False})
@@ -106,11 +115,13 @@ def refuse(config: Any, params: Any, fields: Sequence[str]) -> tuple[Any, Any]:
     for root in layer_roots(config):
       node = get_in(params, (root, block))
       new_block = {k: v for k, v in node.items() if k not in modules}
-      leaves = node[modules[0]].keys()
-      new_block[fused] = {
-        leaf: _joined([node[m][leaf] for m in modules], f"{root}/{block}/{fused}/{leaf}")
-        for leaf in leaves
-      }
+      if block in _PARAMS:
+        new_block[fused] = _joined([node[m] for m in modules], f"{root}/{block}/{fused}")
+      else:
+        new_block[fused] = {
+          leaf: _joined([node[m][leaf] for m in modules], f"{root}/{block}/{fused}/{leaf}")
+          for leaf in node[modules[0]]
+        }
       params = set_in(params, (root, block), new_block)
     config = dataclasses.replace(config, **{field: True})
   return config, params

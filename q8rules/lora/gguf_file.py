@@ -8,8 +8,16 @@ named after the base tensor they adapt: `<base>.lora_a` with ggml ne = [n_in, ra
 B transposed). llama.cpp adds `scale * B @ (A @ x)` to the base's product, with
 `scale = lora_scale * alpha / rank` (`lora_scale` when alpha is 0), rank = `lora_b`'s ne[0].
 
+A stack of experts' tensor (`blk.N.ffn_up_exps.weight`, ggml [n_in, n_out, n_expert]) has one
+adapter per expert: `lora_a` ne = [n_in, rank, n_expert] (numpy (E, rank, n_in)) and `lora_b`
+ne = [rank, n_out, n_expert] (numpy (E, n_out, rank)); llama.cpp's `build_lora_mm_id`
+(src/llama-graph.cpp) runs each routed row through its expert's pair by `ggml_mul_mat_id` and
+adds `scale * B_e @ (A_e @ x)` to that expert's product (its loader, src/llama-adapter.cpp, checks
+ne[0] and ne[1] as for a matrix).
+
 Here an adapter is (A (n_in, rank), B (rank, n_out)) float32, the orientation of
-`q8rules.Q8LoraProvider`'s params (x @ A @ B).
+`q8rules.Q8LoraProvider`'s params (x @ A @ B); an expert stack's (A (E, n_in, rank),
+B (E, rank, n_out)).
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ class LoraFile(NamedTuple):
     path: the file.
     arch: its `general.architecture`.
     alpha: its `adapter.lora.alpha` (0.0 when absent: llama.cpp then scales by lora_scale alone).
-    adapters: base tensor name -> (A (n_in, rank), B (rank, n_out)) float32.
+    adapters: base tensor name -> (A (n_in, rank), B (rank, n_out)) float32; an expert
+      stack's (A (E, n_in, rank), B (E, rank, n_out)).
   """
 
   path: str
@@ -54,7 +63,7 @@ class LoraFile(NamedTuple):
   def scale(self, name: str, lora_scale: float) -> float:
     """llama.cpp's factor on `name`'s delta: lora_scale * alpha / rank, or lora_scale when
     alpha is 0."""
-    rank = self.adapters[name][0].shape[1]
+    rank = self.adapters[name][0].shape[-1]
     return lora_scale * self.alpha / rank if self.alpha else lora_scale
 
 
@@ -71,7 +80,8 @@ def save_lora_gguf(
 
   Args:
     path: the file to write; written to a temporary file beside it, then renamed.
-    adapters: base tensor name ('blk.0.attn_q.weight') -> (A (n_in, rank), B (rank, n_out)).
+    adapters: base tensor name ('blk.0.attn_q.weight') -> (A (n_in, rank), B (rank, n_out));
+      an expert stack's ('blk.0.ffn_up_exps.weight') -> (A (E, n_in, rank), B (E, rank, n_out)).
     arch: the base model's `general.architecture`.
     alpha: `adapter.lora.alpha` (> 0).
     dtype: 'f32' or 'f16', the tensors' type in the file.
@@ -81,7 +91,8 @@ def save_lora_gguf(
     The path written.
 
   Raises:
-    ValueError naming the tensor: shapes that are not (n_in, r) and (r, n_out), non-finite
+    ValueError naming the tensor: shapes that are not (n_in, r) and (r, n_out) (or
+      (E, n_in, r) and (E, r, n_out)), non-finite
     values, values that overflow float16 with dtype='f16'; an alpha that is not finite and > 0.
     CheckpointError naming the path: it cannot be written (nothing is left behind).
   """
@@ -98,18 +109,23 @@ def save_lora_gguf(
   tensors: list[tuple[str, np.ndarray]] = []
   for base, (a, b) in adapters.items():
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+    if (
+      a.ndim not in (2, 3)
+      or b.ndim != a.ndim
+      or a.shape[:-2] != b.shape[:-2]
+      or a.shape[-1] != b.shape[-2]
+    ):
       raise ValueError(
         f"{path}: LoRA adapter of {base}: A {a.shape} and B {b.shape} are not (n_in, rank) and"
-        " (rank, n_out)"
+        " (rank, n_out), or (E, n_in, rank) and (E, rank, n_out) for a stack of experts"
       )
     for part, value in (("A", a), ("B", b)):
       if not np.isfinite(value).all():
         raise ValueError(f"{path}: LoRA {part} of {base} holds non-finite values")
       if dtype == "f16" and np.abs(value).max(initial=0) > np.finfo(np.float16).max:
         raise ValueError(f"{path}: LoRA {part} of {base} overflows float16; write dtype='f32'")
-    tensors.append((base + SUFFIX_A, np.ascontiguousarray(a.T, np_dtype)))
-    tensors.append((base + SUFFIX_B, np.ascontiguousarray(b.T, np_dtype)))
+    tensors.append((base + SUFFIX_A, np.ascontiguousarray(np.swapaxes(a, -1, -2), np_dtype)))
+    tensors.append((base + SUFFIX_B, np.ascontiguousarray(np.swapaxes(b, -1, -2), np_dtype)))
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   try:  # created with the umask's mode, as `open` makes any other file (mkstemp's is 0600)
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
@@ -150,7 +166,8 @@ def read_lora_gguf(path: str | os.PathLike[str]) -> LoraFile:
   Raises:
     CheckpointError naming the file (and tensor): not a GGUF or truncated, `general.type` not
     'adapter', `adapter.type` not 'lora', a tensor of another suffix, a pair missing a half,
-    A and B of different ranks, per-expert (3-D) pairs, non-finite values.
+    A and B of different ranks (or, for an expert stack's pair, expert counts), non-finite
+    values.
   """
   path = str(path)
   try:
@@ -198,19 +215,22 @@ def read_lora_gguf(path: str | os.PathLike[str]) -> LoraFile:
       raise CheckpointError(
         f"{path}: the LoRA pair of {base!r} is missing its lora_{'ab'[('a' in parts)]}"
       )
-    a_t, b_t = parts["a"], parts["b"]  # (rank, n_in), (n_out, rank)
-    if a_t.ndim == 3 or b_t.ndim == 3:
-      raise CheckpointError(
-        f"{path}: LoRA pair of {base!r}: a per-expert adapter (ggml [n_in, rank, n_expert], which"
-        " llama.cpp applies to each routed expert); q8rules reads the adapters of the attention"
-        " and dense matrices from GGUF adapter files, not those of expert stacks"
-      )
-    if a_t.ndim != 2 or b_t.ndim != 2 or a_t.shape[0] != b_t.shape[1]:
+    a_t, b_t = parts["a"], parts["b"]  # (*E, rank, n_in), (*E, n_out, rank)
+    if (
+      a_t.ndim not in (2, 3)
+      or b_t.ndim != a_t.ndim
+      or a_t.shape[:-2] != b_t.shape[:-2]
+      or a_t.shape[-2] != b_t.shape[-1]
+    ):
       raise CheckpointError(
         f"{path}: LoRA pair of {base!r}: lora_a {a_t.shape[::-1]} and lora_b {b_t.shape[::-1]}"
-        " (ggml ne) are not [n_in, rank] and [rank, n_out] of one rank"
+        " (ggml ne) are not [n_in, rank] and [rank, n_out] of one rank (or [n_in, rank,"
+        " n_expert] and [rank, n_out, n_expert] for a stack of experts)"
       )
-    adapters[base] = (np.ascontiguousarray(a_t.T), np.ascontiguousarray(b_t.T))
+    adapters[base] = (
+      np.ascontiguousarray(np.swapaxes(a_t, -1, -2)),
+      np.ascontiguousarray(np.swapaxes(b_t, -1, -2)),
+    )
   if not adapters:
     raise CheckpointError(f"{path}: the adapter file holds no LoRA pair")
   return LoraFile(path, str(arch), alpha, adapters)

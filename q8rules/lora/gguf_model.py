@@ -4,7 +4,10 @@
 
 gives each targeted weight matrix of every layer (by GGUF tensor kind: `attn_q`, `attn_k`,
 `attn_v`, `attn_output`, `ffn_gate`, `ffn_up`, `ffn_down`; `attn_qkv` where the file itself
-fuses q | k | v) a trainable adapter A (K, rank), B (rank, N) on its frozen Q8_0 base, served by
+fuses q | k | v; on request, the expert stacks `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`
+(`ffn_gate_up_exps` where the file fuses them), one adapter per expert, A (E, K, rank) and
+B (E, rank, N), as llama.cpp's adapter files hold them) a trainable adapter A (K, rank), B
+(rank, N) on its frozen Q8_0 base, served by
 `q8rules.Q8LoraProvider` (the base through the same kernels, no float copy; the delta
 `x @ A @ B * alpha / rank` in float32). With scanned layers the adapters are stacked like their
 base: `<param>_lora_a` (L, K, rank) and `<param>_lora_b` (L, rank, N) beside `<param>`
@@ -43,7 +46,7 @@ from q8rules.llm.tensors import q8_rule
 from q8rules.lora.fuse import unfuse
 from q8rules.lora.names import LORA_A, LORA_B, adapter_spec
 from q8rules.lora.provider import Q8LoraProvider, Q8LoraRule
-from q8rules.lora.tree import KINDS, get_in, kernel_path, layer_roots, set_in
+from q8rules.lora.tree import EXPERT_KINDS, KINDS, get_in, kernel_path, layer_roots, set_in
 from q8rules.models.transformer import Transformer
 from q8rules.providers.placement import placed_sharding
 from q8rules.providers.q8_weight import Q8Weight
@@ -181,13 +184,13 @@ def initial_adapters(
         f" ({type(unbox(base)).__name__}); load the file with quantize='q8_0' to adapt float"
         " weights"
       )
-    k, n = base.how.layout.shape
+    k, n = base.how.layout.shape[-2:]
     if spec.rank > min(k, n):
       raise ValueError(
         f"{where}: LoRA rank {spec.rank} exceeds min(K, N) = {min(k, n)} of {kind}"
         f" ({'/'.join(path)}: K={k}, N={n})"
       )
-    lead = tuple(base.array.q.shape[:-2])
+    lead = tuple(base.array.q.shape[:-2])  # (layers,) and (experts,) where stacked
     keys = jax.random.split(jax.random.fold_in(key, i), max(1, math.prod(lead)))
 
     def one(k_: jax.Array, k=k) -> jax.Array:
@@ -209,16 +212,39 @@ def with_adapters(params: Any, adapters: Mapping[tuple[str, ...], tuple[Any, Any
 
 
 def lora_rule(config: Any, spec: LoraSpec, *, dropout: float = 0.0) -> Q8LoraRule:
-  """The `Q8LoraRule` matching exactly the adapted modules (GGUF's float16 scales)."""
+  """The `Q8LoraRule` matching exactly the adapted modules (GGUF's float16 scales); with expert
+  targets, the Moe module with only the targeted stacks among its params (`Q8LoraRule.params`)."""
   roots = "layers" if config.scan_layers else r"layers_\d+"
-  modules = "|".join(re.escape("/".join(KINDS[k])) for k in spec.targets)
+  dense = [k for k in spec.targets if k not in EXPERT_KINDS]
+  stacks = [KINDS[k][1] for k in spec.targets if k in EXPERT_KINDS]
+  modules = {re.escape("/".join(KINDS[k])) for k in dense}
+  if stacks:
+    modules.add(re.escape(KINDS[EXPERT_KINDS[0]][0]))
   return Q8LoraRule(
-    module_path=f"{roots}/(?:{modules})",
+    module_path=f"{roots}/(?:{'|'.join(sorted(modules))})",
     rank=spec.rank,
     alpha=spec.alpha,
     dropout=dropout,
     scale_dtype=jnp.float16,
+    params=(*(("kernel",) if dense else ()), *stacks) if stacks else (),
   )
+
+
+def check_expert_targets(config: Any, targets: Iterable[str], where: Any) -> None:
+  """Refuse expert-stack targets llama.cpp would apply otherwise than q8rules does.
+
+  Raises:
+    ValueError naming the kind: `ffn_down_exps` on a model with a per-expert output scale
+      (Gemma 4's `ffn_down_exps.scale`): llama.cpp adds the adapter's delta after that scale
+      (`build_lora_mm_id` in src/llama-graph.cpp), q8rules' Moe scales the expert's whole
+      output, delta included.
+  """
+  if "ffn_down_exps" in targets and getattr(config, "expert_down_scale", False):
+    raise ValueError(
+      f"{where}: LoRA target ffn_down_exps on a model with a per-expert ffn_down_exps.scale:"
+      " llama.cpp adds the adapter's delta after that scale, q8rules scales the delta with the"
+      " expert's output; adapt ffn_gate_exps / ffn_up_exps / ffn_gate_up_exps instead"
+    )
 
 
 def q8_paths(params: Any) -> list[tuple[str, ...]]:
@@ -263,6 +289,7 @@ def with_lora(
   Q8LoraRule(module_path=".*", rank=rank, alpha=alpha, dropout=dropout)  # checks the numbers
   present = file_kinds(m.path)
   spec = dataclasses.replace(spec, targets=resolve_targets(targets, present, m.path))
+  check_expert_targets(m.config, spec.targets, m.path)
   config, params, split = unfuse(m.config, m.params, spec.targets, present)
   spec = dataclasses.replace(spec, unfused=split)
   params = with_adapters(params, initial_adapters(config, params, spec, seed, m.path))
@@ -272,7 +299,8 @@ def with_lora(
 
 def adapters_of(m: LoadedModel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """The adapters of `m` per GGUF tensor: 'blk.3.attn_q.weight' -> (A (K, rank), B (rank, N)),
-  float32 numpy, one layer each (a stacked adapter split by layer)."""
+  an expert stack's 'blk.3.ffn_up_exps.weight' -> (A (E, K, rank), B (E, rank, N)), float32
+  numpy, one layer each (a stacked adapter split by layer)."""
   if m.lora is None:
     raise ValueError(f"{m.path}: the model has no LoRA adapters (use with_lora first)")
   out = {}
@@ -294,6 +322,7 @@ __all__ = [
   "LoraSpec",
   "adapter_sites",
   "adapters_of",
+  "check_expert_targets",
   "file_kinds",
   "has_adapters",
   "lora_model",

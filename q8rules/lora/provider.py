@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,9 @@ class Q8LoraRule(Q8Rule):
     lora_a_initializer: `init(key, shape, dtype)` of A (default He-uniform, as Qwix's).
     lora_b_initializer: `init(key, shape, dtype)` of B (default zeros: the adapted model starts
       as the Q8_0 model, bit for bit).
+    params: regexes, one of which must fullmatch the name of a product's Q8 param in its module
+      ('kernel', 'up_exps') for the product to get an adapter; the rule's other products are
+      served as Q8_0 without one. (): every product the rule matches (the default).
   """
 
   rank: int
@@ -76,6 +80,7 @@ class Q8LoraRule(Q8Rule):
   dropout: float = 0.0
   lora_a_initializer: Callable[..., jax.Array] = initializers.he_uniform()
   lora_b_initializer: Callable[..., jax.Array] = initializers.zeros
+  params: tuple[str, ...] = ()
 
   def __post_init__(self) -> None:
     """Refuse a rank below 1, alpha <= 0 or a dropout rate outside [0, 1), naming the rule."""
@@ -235,6 +240,11 @@ class LoraPolicy(ServePolicy):
     if not isinstance(rule, Q8LoraRule):
       return y
     where = op_where(product.op_id)
+    name = _param_name(q8)
+    if name is None:
+      raise ValueError(f"{where}: cannot find the param of the Q8 weight to attach LoRA to")
+    if rule.params and not any(re.fullmatch(p, name) for p in rule.params):
+      return y
     experts = experts_of(product, q8, layout, where)
     k, n = layout.weight.k, layout.weight.n
     if rule.rank > min(k, n):
@@ -242,9 +252,6 @@ class LoraPolicy(ServePolicy):
         f"{where}: LoRA rank {rule.rank} exceeds min(K, N) = {min(k, n)} of its weight"
         f" (K={k}, N={n}); in {describe(rule)}"
       )
-    name = _param_name(q8)
-    if name is None:
-      raise ValueError(f"{where}: cannot find the param of the Q8 weight to attach LoRA to")
     shape_a, shape_b = (*experts.shape, k, rule.rank), (*experts.shape, rule.rank, n)
     a = get_or_create_param(
       name + LORA_A,

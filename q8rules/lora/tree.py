@@ -15,8 +15,18 @@ KINDS: dict[str, tuple[str, str]] = {
   "ffn_gate": ("mlp", "gate"),
   "ffn_up": ("mlp", "up"),
   "ffn_down": ("mlp", "down"),
+  "ffn_gate_exps": ("moe", "gate_exps"),
+  "ffn_up_exps": ("moe", "up_exps"),
+  "ffn_gate_up_exps": ("moe", "gate_up_exps"),
+  "ffn_down_exps": ("moe", "down_exps"),
 }
-"""GGUF tensor kind (`blk.N.<kind>.weight`) -> (block module, Dense module) in the Transformer."""
+"""GGUF tensor kind (`blk.N.<kind>.weight`) -> (block module, Dense module) in the Transformer;
+for an expert stack (`EXPERT_KINDS`), (block module, its param): the Moe module holds the
+stacks (E, K, N) as params of its own."""
+
+EXPERT_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
+"""The kinds that are stacks of experts: one adapter per expert, A (E, K, rank), B (E, rank, N),
+as llama.cpp's adapter files hold them (`lora_a` ggml [n_in, rank, n_expert])."""
 
 
 def layer_roots(config: Any) -> list[str]:
@@ -24,9 +34,11 @@ def layer_roots(config: Any) -> list[str]:
   return ["layers"] if config.scan_layers else [f"layers_{i}" for i in range(config.layers)]
 
 
-def kernel_path(root: str, kind: str) -> tuple[str, str, str, str]:
+def kernel_path(root: str, kind: str) -> tuple[str, ...]:
+  """The path of the param `kind` adapts under the layer root `root`: the Dense module's
+  kernel, or the Moe module's stack."""
   block, module = KINDS[kind]
-  return (root, block, module, "kernel")
+  return (root, block, module) if kind in EXPERT_KINDS else (root, block, module, "kernel")
 
 
 def get_in(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
@@ -46,4 +58,4 @@ def set_in(tree: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, A
   return out
 
 
-__all__ = ["KINDS", "get_in", "kernel_path", "layer_roots", "set_in"]
+__all__ = ["EXPERT_KINDS", "KINDS", "get_in", "kernel_path", "layer_roots", "set_in"]
