@@ -2,13 +2,14 @@
 the decode's read bandwidth counted over the routed bytes only.
 
     python benchmarks/bench_moe_gguf.py --llama-cpp-python /work/venv-llamacpp/bin/python \
-        [--models qwen3moe,gpt-oss] [--rounds 2] [--dir /tmp] [--write]
+        [--models qwen3moe,gpt-oss,gpt-oss-q8_0] [--rounds 2] [--dir /tmp] [--write]
 
 Files (`benchmarks/moe_files.py`, written once into --dir): Qwen3-30B-A3B's layer shapes (128
 experts, top 8, dim 2048, expert FFN 768) in Q8_0, 8 of its 48 layers; gpt-oss-20b's (32
 experts, top 4, dim 2880) with MXFP4 experts as its files ship, 4 of its 24 layers; both with
 Qwen's real 151,936-token vocabulary. q8rules requantizes MXFP4 to Q8_0 at load; llama.cpp
-runs MXFP4 as stored, so on that file the two read different bytes (both are given).
+runs MXFP4 as stored, so on that file the two read different bytes (both are given);
+`gpt-oss-q8_0` is the same file with Q8_0 experts, where both read the same bytes.
 
 Each measurement is a fresh interpreter, ours and llama.cpp's interleaved round by round, 2
 threads each (XLA's pool and the native kernels; llama.cpp's n_threads=2); medians. Decode:
@@ -23,6 +24,7 @@ Peak RSS is the process's high-water mark minus its RSS before the model, agains
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -36,7 +38,11 @@ from benchmarks.llamacpp_native import describe, query, refusal  # noqa: E402
 from benchmarks.moe_files import GPT_OSS_20B, QWEN3_30B_A3B, MoeShape, make_file  # noqa: E402
 from benchmarks.results_md import load_average, machine, markers, write_section  # noqa: E402
 
-MODELS = {"qwen3moe": QWEN3_30B_A3B, "gpt-oss": GPT_OSS_20B}
+MODELS = {
+  "qwen3moe": QWEN3_30B_A3B,
+  "gpt-oss": GPT_OSS_20B,
+  "gpt-oss-q8_0": dataclasses.replace(GPT_OSS_20B, expert_type="Q8_0"),
+}
 
 OURS = """
 import json, resource, sys, time
@@ -108,8 +114,6 @@ def _median(runs: list[dict]) -> dict:
 
 def _routed_q8_bytes(shape: MoeShape, vocab: int) -> int:
   """Routed bytes of `shape` once its experts are Q8_0 (what q8rules reads per step)."""
-  import dataclasses
-
   return dataclasses.replace(shape, expert_type="Q8_0").routed_bytes(vocab)
 
 
@@ -147,7 +151,7 @@ def bench(name: str, shape: MoeShape, folder: Path, args: argparse.Namespace) ->
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--llama-cpp-python", required=True)
-  ap.add_argument("--models", default="qwen3moe,gpt-oss")
+  ap.add_argument("--models", default="qwen3moe,gpt-oss,gpt-oss-q8_0")
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--dir", default="/tmp")
   ap.add_argument("--write", action="store_true", help="write the table to benchmarks/RESULTS.md")
