@@ -52,11 +52,10 @@ def test_local_write_is_exact(rng, dtype):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
-  """The compiled decode step of a 16-bit model (global and sliding-window layers), on whatever
-  backend runs the tests, updates each cache (a dynamic-update-slice or a scatter of a whole
-  cache's shape) on 16-bit values, never on float32 ones."""
+def _compiled_step(rng, dtype, donate: bool) -> tuple[str, dict]:
+  """The compiled one-token decode step (its HLO text) of a scanned model with global and
+  sliding-window layers whose activations are `dtype`, and its cache; `donate`: the cache is
+  donated, as the decode loop donates it."""
   config = TransformerConfig(
     vocab=64,
     dim=32,
@@ -74,7 +73,16 @@ def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
   cache = init_cache(config, 16)
   params = model.init(jax.random.key(0), tokens, cache)
   step = jnp.zeros((1, 1), jnp.int32)
-  text = jax.jit(model.apply).lower(params, step, cache, jnp.int32(5)).compile().as_text()
+  apply = jax.jit(model.apply, donate_argnums=(2,) if donate else ())
+  return apply.lower(params, step, cache, jnp.int32(5)).compile().as_text(), cache
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
+  """The compiled decode step of a 16-bit model (global and sliding-window layers), on whatever
+  backend runs the tests, updates each cache (a dynamic-update-slice or a scatter of a whole
+  cache's shape) on 16-bit values, never on float32 ones."""
+  text, cache = _compiled_step(rng, dtype, donate=False)
   shapes = {tuple(a.shape) for a in jax.tree.leaves(cache)}
   assert shapes == {(2, 1, 16, 2, 8), (2, 1, 4, 2, 8)}
   for s in shapes:
@@ -85,28 +93,10 @@ def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
 
 def test_a_decode_step_copies_no_cache(rng):
   """The compiled one-token step of a scanned float32 model with global and sliding-window
-  layers, its cache donated (as the decode loop donates it), updates every cache in place: no
-  copy of a whole cache. A ring read before its write was copied twice per layer (the read is no input
-  of the write, so XLA could not order it before an in-place update); one token is now
-  written first, then read."""
-  config = TransformerConfig(
-    vocab=64,
-    dim=32,
-    layers=4,
-    heads=4,
-    kv_heads=2,
-    head_dim=8,
-    ffn=64,
-    local_layers=(True, False, True, False),
-    sliding_window=4,
-  )
-  model = Transformer(config)
-  tokens = jnp.asarray(rng.integers(0, 64, (1, 5)), jnp.int32)
-  cache = init_cache(config, 16)
-  params = model.init(jax.random.key(0), tokens, cache)
-  step = jnp.zeros((1, 1), jnp.int32)
-  apply = jax.jit(model.apply, donate_argnums=(2,))
-  text = apply.lower(params, step, cache, jnp.int32(5)).compile().as_text()
+  layers, its cache donated, updates every cache in place: no copy of a whole cache. This holds
+  only if each ring is written before it is read (a read that is no input of the write cannot
+  be ordered before an in-place update, so XLA copies the ring)."""
+  text, cache = _compiled_step(rng, jnp.float32, donate=True)
   for shape in {tuple(a.shape) for a in jax.tree.leaves(cache)}:
     dims = ",".join(map(str, shape))
     assert not re.findall(rf"= \w+\[{dims}\]\S* copy\(", text), shape
