@@ -351,7 +351,14 @@ def test_sigterm_ends_the_server_cleanly(model):
       assert "error" in last or last["choices"][0]["finish_reason"] in ("stop", "length"), last
     assert any("error" in json.loads(lines[-2][6:]) for lines in finals)  # one was cut short
     with socket.socket() as s:
-      s.bind(("127.0.0.1", port))  # the port is free
+      # The port is free for a new server. Connections the server closed first linger in
+      # TIME_WAIT, so the bind is done as every server does it (uvicorn, llama-server): with
+      # SO_REUSEADDR, which on Linux still fails while anything listens on the port.
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      s.bind(("127.0.0.1", port))
+      s.listen()
+    with pytest.raises(httpx.ConnectError):
+      httpx.get(url + "/health", timeout=2)
   finally:
     if proc.poll() is None:
       proc.kill()
