@@ -127,6 +127,24 @@ def test_q8_0_is_its_float64_and_no_farther_from_f32_than_llama_cpp(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_q8_0_activations_give_llama_cpps_own_q8_0_logits(name):
+  """With `act_qtype='q8_0'` every product, the grouped experts' included, quantizes its
+  activations as llama.cpp does for Q8_0 weights: on the clearly routed positions the logits
+  are llama.cpp's Q8_0 run's to float32 rounding, where the weight-only default differs by the
+  activations' rounding (and is closer to the F32 model)."""
+  r = refs(name)
+  m = load_gguf(DATA / f"tiny-{name}-q8_0.gguf", dtype=jnp.float32, progress=False,
+                act_qtype="q8_0")  # fmt: skip
+  ours = on_f32_tokens(m, name)
+  _, margin = float64(name, "f32")
+  clear = margin > CLEAR_MARGIN
+  theirs = r["q8_on_f32_logits"][clear]
+  assert rel_l2(ours[clear], theirs, axis=-1).max() < 1e-6
+  plain = on_f32_tokens(model(name, "q8_0"), name)
+  assert rel_l2(plain[clear], theirs) > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_q4_k_m_loads_requantized_beside_llama_cpps_error(name):
   """llama.cpp's Q4_K_M file (its fallbacks Q5_0, Q5_1, Q8_0 at these widths) loads with no
   flag, the expert stacks requantized to Q8_0; its error against the F32 model, on the

@@ -341,23 +341,19 @@ def _run_grouped(
   mesh. Grouped (`jax.lax.ragged_dot`, `group_sizes` given): lhs (M, K) rows sorted by group.
   Batched (`layout.batched`, an einsum over the expert axis): each expert's M rows of the
   activation (`layout.lhs_matrix`, (E, M, K_padded)) are its group, all groups of M rows. The
-  rule's `implementation` applies where the op has one of that name; `act_qtype` is refused
-  (the grouped product takes float activations)."""
+  rule's `implementation` applies where the op has one of that name, and its `act_qtype` (Q8_0
+  activations, as llama.cpp multiplies its experts)."""
   names = options["implementation"]
   names = (names,) if isinstance(names, str) else tuple(names or ())
   served = tuple(n for n in names if n in kernels.RAGGED_IMPLEMENTATIONS)
   try:
     layout.check_lhs(tuple(lhs.shape))
-    if options["act_qtype"] is not None:
-      raise NotImplementedError(
-        f"act_qtype={options['act_qtype']!r} on a grouped product of experts (float"
-        " activations only)"
-      )
     run = functools.partial(
       kernels.run_ragged,
       implementation=served or None,
       interpret=options["interpret"],
       preferred_element_type=preferred_element_type,
+      act_qtype=options["act_qtype"],
     )
     if group_sizes is not None:
       return run(lhs, weight, group_sizes)

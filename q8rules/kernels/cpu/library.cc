@@ -118,8 +118,10 @@ Q8_LAYER_PRODUCT_HANDLER(Q8GemvActQ8Layer, q8mm::Q8GemvLayerImpl<true>);
 Q8_PRODUCT_HANDLER(Q8MatmulT, q8mmt::Q8MatmulTImpl);
 
 // The grouped product of experts (q8_ragged.h): a layer product's operands, the int32 operand
-// being the group sizes (E) and q, scale the experts' (E, K, N) and (E, K/32, N).
-Q8_LAYER_PRODUCT_HANDLER(Q8RaggedMatmul, q8ragged::Q8RaggedImpl);
+// being the group sizes (E) and q, scale the experts' (E, K, N) and (E, K/32, N); weight-only
+// and with Q8_0 activations.
+Q8_LAYER_PRODUCT_HANDLER(Q8RaggedMatmul, q8ragged::Q8RaggedImpl<false>);
+Q8_LAYER_PRODUCT_HANDLER(Q8RaggedMatmulActQ8, q8ragged::Q8RaggedImpl<true>);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -5,6 +5,9 @@
 // 16 of its rows, converted in registers) on its own run of rows of x and y, and all of them
 // are one piece of work for the caller and the library's helper threads; an expert with no
 // rows is never touched. The numerics are the weight-only product's, per expert, bit for bit.
+// With Q8_0 activations (kActQ8, op 'ragged_matmul' with act_qtype='q8_0'), every row of x is
+// quantized once (q8_act_int8.h) and each expert's rows are that product's int8 block dots,
+// per expert bit for bit with the dense Q8_0 x Q8_0 product on the same rows.
 
 #ifndef Q8RULES_Q8_RAGGED_H_
 #define Q8RULES_Q8_RAGGED_H_
@@ -92,7 +95,9 @@ struct Experts final : q8helpers::Task {
 };
 
 // x (M, K) f32, q (E, K, N) int8, scale (E, K/32, N) f32 or f16, group_sizes (E) int32 summing
-// to at most M (rows past their sum get zeros), y (M, N) f32.
+// to at most M (rows past their sum get zeros), y (M, N) f32. kActQ8: x quantized to Q8_0
+// first (on AVX-512 VNNI where the CPU has it, else the scalar int8 path).
+template <bool kActQ8>
 inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scale,
                                ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
@@ -123,6 +128,18 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   base.ldx = k;
   float* out = y->typed_data();
   std::fill(out, out + m * n, 0.0f);
+  const int64_t nb = k / q8mm::kBlock;
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> xc;
+  if (kActQ8 && m > 0 && k > 0) {  // every row once, for every expert's share
+    base.vnni = base.isa == q8mm::kAvx512 && q8act::HasVnni();
+    xq.resize(static_cast<size_t>(m * k));
+    dx.resize(static_cast<size_t>(m * nb));
+    xc.resize(dx.size());
+    q8act::QuantizeRows(x.typed_data(), m, k, k, xq.data(), dx.data(), xc.data(), base.vnni);
+    q8mm::g_last_act_vnni.store(base.vnni ? 1 : 0, std::memory_order_relaxed);
+  }
   const int32_t* sizes = group_sizes.typed_data();
   const int64_t scale_bytes = base.scale_f16 ? 2 : 4;
   auto* work = new Experts;  // reference counted: helpers that start late hold it
@@ -143,6 +160,11 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.scale = static_cast<const char*>(scale.untyped_data()) +
                 e * (k / q8mm::kBlock) * n * scale_bytes;
       p.y = out + start * n;
+      if (kActQ8) {
+        p.xq = xq.data() + start * k;
+        p.dx = dx.data() + start * nb;
+        p.xc = xc.data() + start * nb;
+      }
       Experts::Expert ex;
       ex.p = p;
       ex.blocks_per_unit = q8mm::BlocksPerUnit(p);
@@ -169,6 +191,7 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (size_t e = 0; e < work->experts.size(); ++e) work->left[e].store(work->experts[e].units);
   if (count > 0) work->Compute(pool, threads);
   work->Release();
+  if (kActQ8) q8act::UnpermuteColumns(out, m, n);  // y's stretches back in column order
   return ffi::Error::Success();
 }
 

@@ -45,6 +45,9 @@ TARGET_MATMUL_T = "q8rules_q8_matmul_t"
 TARGET_RAGGED = "q8rules_q8_ragged_matmul"
 """The FFI target of the grouped product of experts (`q8rules.kernels.ragged_matmul`)."""
 
+TARGET_RAGGED_ACT_Q8 = "q8rules_q8_ragged_matmul_act_q8"
+"""The FFI target of the grouped product of experts with Q8_0 activations (`act_qtype='q8_0'`)."""
+
 TARGET_DECODE_ATTENTION = "q8rules_decode_attention"
 """The FFI target of one new token's attention over a layer of the KV cache
 (`q8rules.kernels.decode_attention`)."""
@@ -135,6 +138,7 @@ def _load() -> ctypes.CDLL | None:
         (TARGET_MATMUL_T, lib.Q8MatmulT),
         (TARGET_DECODE_ATTENTION, lib.Q8DecodeAttention),
         (TARGET_RAGGED, lib.Q8RaggedMatmul),
+        (TARGET_RAGGED_ACT_Q8, lib.Q8RaggedMatmulActQ8),
       ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
       lib.Q8SetThreadLimit(ctypes.c_int(settings.thread_limit() or 0))

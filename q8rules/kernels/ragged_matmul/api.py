@@ -8,9 +8,16 @@ mode on CPU), 'cpu' (the native kernel), 'xla' and 'reference'. `kernels.registr
 picks one at trace time for the default backend and again when the product is lowered, per
 platform (`q8_ragged_product_p`), so one `jax.export` artifact runs each platform's kernel.
 
+With `act_qtype='q8_0'` the activations are quantized to Q8_0 first, as llama.cpp multiplies
+its Q8_0 experts (`kernels.matmul_act_q8`'s numerics): the native kernel's int8 block dots where
+the CPU has AVX-512 VNNI, else the chosen implementation on the activations' Q8_0 round trip
+(the same product to float32 rounding).
+
 The gradient with respect to x is the transposed grouped product dx[m] = dy[m] @ W[g(m)]^T
 (a loop over the routed experts in XLA, or the reference's when `implementation='reference'`),
-and the scales' is XLA's too; the int8 values and the group sizes get none.
+and the scales' is XLA's too; the int8 values and the group sizes get none. With Q8_0
+activations the gradients are the weight-only product's (a straight-through estimator on the
+activations' rounding).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from jax.interpreters import batching
 
 from q8rules.kernels import lowering, registry
 from q8rules.kernels.layer import LayerSlice
+from q8rules.kernels.matmul_act_q8 import api as act_q8
+from q8rules.kernels.matmul_act_q8.reference import round_trip
 from q8rules.kernels.ragged_matmul import cpu, pallas, reference, xla
 from q8rules.kernels.ragged_matmul.problem import RaggedProblem, check_ragged_operands
 from q8rules.kernels.registry import ImplementationArg
@@ -64,10 +73,15 @@ def resolve_ragged(
   return registry.resolve(OP, problem, implementation)
 
 
-def _run_on(platform: str, x2d, q, scale, group_sizes, *, implementation, interpret):
-  """The product as `platform` runs it: (m, K) rows against (E, K, N) -> (m, N) float32."""
+def _run_on(platform: str, x2d, q, scale, group_sizes, *, implementation, interpret, act_qtype):
+  """The product as `platform` runs it: (m, K) rows against (E, K, N) -> (m, N) float32; with
+  `act_qtype='q8_0'` on Q8_0 activations (the native int8 kernel, else the round trip)."""
   experts, k, n = q.shape
   name = resolve_ragged(x2d.shape[0], k, n, experts, x2d.dtype, platform, implementation)
+  if act_qtype is not None:
+    if name == cpu.NAME and act_q8.int8_kernel_runs():
+      return cpu.ragged_cpu(x2d, q, scale, group_sizes, act_q8=True)
+    x2d = round_trip(x2d)
   return OP.implementations[name].run(x2d, q, scale, group_sizes, platform, interpret)
 
 
@@ -92,23 +106,29 @@ def _batch(args, dims, **params):
 batching.primitive_batchers[q8_ragged_product_p] = _batch
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _product(x2d, q, scale, group_sizes, implementation, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _product(x2d, q, scale, group_sizes, implementation, interpret, act_qtype):
   return q8_ragged_product_p.bind(
-    x2d, q, scale, group_sizes, implementation=implementation, interpret=interpret
+    x2d,
+    q,
+    scale,
+    group_sizes,
+    implementation=implementation,
+    interpret=interpret,
+    act_qtype=act_qtype,
   )
 
 
-def _product_fwd(x2d, q, scale, group_sizes, implementation, interpret):
-  y = _product(x2d, q, scale, group_sizes, implementation, interpret)
+def _product_fwd(x2d, q, scale, group_sizes, implementation, interpret, act_qtype):
+  y = _product(x2d, q, scale, group_sizes, implementation, interpret, act_qtype)
   return y, (x2d, q, scale, group_sizes)
 
 
-def _product_bwd(implementation, interpret, residuals, dy):
+def _product_bwd(implementation, interpret, act_qtype, residuals, dy):
   """dx[m] = dy[m] @ W[g(m)]^T (the reference's loop when `implementation` is 'reference', else
   the XLA walk over the routed experts); the scales' gradient by the XLA walk; no gradient for
   the int8 values or the group sizes."""
-  del interpret
+  del interpret, act_qtype  # a straight-through estimator on the activations' rounding
   x2d, q, scale, group_sizes = residuals
   if implementation == "reference":
     dx = reference.ragged_reference_t(dy, q, scale, group_sizes)
@@ -165,6 +185,7 @@ def run_ragged(
   implementation: ImplementationArg = None,
   interpret: bool | None = None,
   preferred_element_type: Any = None,
+  act_qtype: str | None = None,
 ) -> tuple[jax.Array, str]:
   """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend; a
   `LayerSlice` of stacked experts runs as `layer_experts` lays it out (sliced out instead when
@@ -176,6 +197,7 @@ def run_ragged(
       w, group_sizes = layer_experts(w, group_sizes)
   check_ragged_operands(x, w, group_sizes)
   registry.check_implementation(implementation, OP)
+  act_q8.check_act_qtype(act_qtype)
   m, k = x.shape
   experts, k_pad, n = w.shape
   chosen = resolve_ragged(m, k_pad, n, experts, x.dtype, None, implementation)
@@ -185,7 +207,7 @@ def run_ragged(
   if m == 0 or n == 0:
     y = jnp.zeros((m, n), jnp.float32)
   else:
-    y = _product(x, w.q, w.scale, group_sizes, _hashable(implementation), interpret)
+    y = _product(x, w.q, w.scale, group_sizes, _hashable(implementation), interpret, act_qtype)
   return y.astype(preferred_element_type or x.dtype), chosen
 
 
@@ -205,6 +227,8 @@ def q8_ragged_matmul(x: jax.Array, w: Q8Array, group_sizes: jax.Array, **options
         resolved again per platform when the program is lowered.
       interpret: run the Pallas kernels in interpret mode (None: on CPU only).
       preferred_element_type: the output's dtype (default: x's).
+      act_qtype: None (weight-only: float32-accurate, the default) or 'q8_0': the
+        activations quantized to Q8_0 along K first, as llama.cpp does (opt-in).
 
   Returns:
     (M, N), accumulated in float32, in `preferred_element_type`.
