@@ -2,7 +2,7 @@
 device program `GGUFModel.stream` runs), each op's time per step by kind, with the bytes each
 kind of Q8_0 product reads and its rate against the read probe.
 
-    python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2]
+    python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2] [--top 0]
 
 Kinds: the output head (the one product outside the layers), the layers' products (q | k | v
 and the output projection; a dense model's FFN too), the expert products (op
@@ -13,7 +13,8 @@ the embedding row, sampling, the loop). Op times are the profiler's, summed over
 per step; "wall" is a stream of the same tokens without the profiler, and what the ops leave
 of it is dispatch, launches and the host. Bytes per step come from each product's operands in
 the compiled program (int8 values and float16 scales; an expert product reads one expert per
-routed row).
+routed row). `--top N` also lists the N XLA ops (not the kernels) that take the most time a
+step, each with its opcode, output shape and where the model makes it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def main() -> None:
   ap.add_argument("file")
   ap.add_argument("--tokens", type=int, default=32, help="decode steps measured")
   ap.add_argument("--threads", type=int, default=2, help="the read probe's threads")
+  ap.add_argument("--top", type=int, default=0, help="list the N slowest XLA ops")
   args = ap.parse_args()
   dump = tempfile.mkdtemp(prefix="decode-breakdown-")
   flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*_loop.* --xla_dump_hlo_as_text"
@@ -142,7 +144,7 @@ def main() -> None:
   hlo = sorted(glob.glob(f"{dump}/*jit__loop*after_optimizations.txt"))
   ins = instructions(Path(hlo[-1]).read_text())
   pb = max(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
-  ms, calls = collections.Counter(), collections.Counter()
+  ms, calls, each = collections.Counter(), collections.Counter(), collections.Counter()
   for plane in ProfileData.from_file(pb).planes:
     for line in plane.lines:
       for ev in line.events:
@@ -153,6 +155,7 @@ def main() -> None:
         if kind is not None:
           ms[kind] += ev.duration_ns / 1e6 / steps
           calls[ev.name] += 1
+          each[ev.name] += ev.duration_ns / 1e6 / steps
   read = collections.Counter()
   for name, n in calls.items():
     if ins[name]["target"] in CUSTOM:
@@ -186,6 +189,21 @@ def main() -> None:
       f" a block of 32 values, not 34) at the same rate they would take {half:.2f} ms: a step"
       f" of {wall - half:.2f} ms, {1e3 / (wall - half):.1f} tokens/s.",
     ]
+  xla_ops = [(n, t) for n, t in each.most_common() if ins[n]["target"] not in CUSTOM]
+  if args.top:
+    rows += [
+      "",
+      f"The {args.top} slowest XLA ops:",
+      "",
+      "| op | opcode | output | where | ms / step | calls / step |",
+      "|---|---|---|---|---|---|",
+    ]
+    for name, t in xla_ops[: args.top]:
+      i = ins[name]
+      where = i["op_name"].split("/", 1)[-1][-70:]
+      rows.append(
+        f"| {name} | {i['opcode']} | {i['out']} | {where} | {t:.3f} | {calls[name] / steps:.0f} |"
+      )
   print("\n".join(rows))
 
 
