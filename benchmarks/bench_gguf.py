@@ -145,7 +145,7 @@ prompt = [(7 * i + 3) % m.config.vocab for i in range(128)]
 prefill = []
 for _ in range(3):  # the first call compiles
   t = time.perf_counter()
-  jax.block_until_ready(m.logits(prompt))
+  jax.block_until_ready(m.prefill(prompt))  # the head on the last position, as llama.cpp's eval
   prefill.append(time.perf_counter() - t)
 prefill_tps = 128 / min(prefill[1:])
 print(json.dumps(dict(load_s=load_s, base=base, peak=peak, after=after, decode_tps=decode_tps,

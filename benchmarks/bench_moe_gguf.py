@@ -11,14 +11,20 @@ Qwen's real 151,936-token vocabulary. q8rules requantizes MXFP4 to Q8_0 at load;
 runs MXFP4 as stored, so on that file the two read different bytes (both are given);
 `gpt-oss-q8_0` is the same file with Q8_0 experts, where both read the same bytes.
 
-Each measurement is a fresh interpreter, ours and llama.cpp's interleaved round by round, 2
+Each measurement is a fresh interpreter, ours and llama.cpp's interleaved round by round (each
+round starting with the next runner), 2
 threads each (XLA's pool and the native kernels; llama.cpp's n_threads=2); medians. Decode:
 32 greedy tokens after the first, which follows an 8-token prompt (q8rules: its second run,
 the first compiles; it decodes on the device in chunks, so the rate is the tokens over the
-time from the first token to the last). Routed bytes: what one decode
+time from the first token to the last). Prefill: a 128-token prompt's forward pass with the
+output head on its last position (`GGUFModel.prefill`, as `stream` runs it; llama.cpp's `eval`
+computes that position's logits only too). Routed bytes: what one decode
 step must read (every tensor but the expert stacks, `used` experts of each stack, one row of
 the embedding table): over the step's time, as a fraction of `bandwidth.py`'s read probe.
 Peak RSS is the process's high-water mark minus its RSS before the model, against the file.
+q8rules runs twice a round: weight-only (the default, float32-accurate products) and with
+`act_qtype='q8_0'` (activations quantized to Q8_0 as llama.cpp does: its own arithmetic, int8
+block dots on AVX-512 VNNI, the experts' included).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def rss():
       return int(line.split()[1]) * 1024
 base = rss()
 t = time.perf_counter()
-m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False)
+m = q8rules.load_gguf(sys.argv[1], dtype=jnp.float32, progress=False, act_qtype=ACT_QTYPE)
 jax.block_until_ready(m.params)
 load_s = time.perf_counter() - t
 ids = [9707, 11, 1879, 0, 576, 3974, 13876, 38835]
@@ -69,7 +75,7 @@ prompt = [(7919 * i + 3) % 150000 for i in range(128)]
 prefill = []
 for _ in range(3):  # the first call compiles
   t = time.perf_counter()
-  jax.block_until_ready(m.logits(prompt))
+  jax.block_until_ready(m.prefill(prompt))
   prefill.append(time.perf_counter() - t)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps(dict(load_s=load_s, rss=peak - base, decode_tps=decode_tps,
@@ -125,24 +131,37 @@ def bench(name: str, shape: MoeShape, folder: Path, args: argparse.Namespace) ->
     make_file(path, shape)
   size = path.stat().st_size
   read_s = min(read_file_s(path) for _ in range(2))
-  ours, theirs = [], []
-  for _ in range(args.rounds):
-    ours.append(run(sys.executable, OURS, path))
-    theirs.append(run(args.llama_cpp_python, LLAMA_CPP, path))
-  o, t = _median(ours), _median(theirs)
+  runs: dict[str, list[dict]] = {"ours": [], "act": [], "theirs": []}
+  commands = {
+    "ours": (sys.executable, OURS.replace("ACT_QTYPE", "None")),
+    "act": (sys.executable, OURS.replace("ACT_QTYPE", "'q8_0'")),
+    "theirs": (args.llama_cpp_python, LLAMA_CPP),
+  }
+  runners = list(commands)
+  for r in range(args.rounds):  # each round starts with the next runner: no one always first
+    for runner in runners[r % 3 :] + runners[: r % 3]:
+      runs[runner].append(run(*commands[runner], path))
+  ours, act, theirs = runs["ours"], runs["act"], runs["theirs"]
+  o, a, t = _median(ours), _median(act), _median(theirs)
   vocab = 151936
   probe = args.probe
   ours_bytes, their_bytes = _routed_q8_bytes(shape, vocab), shape.routed_bytes(vocab)
   ours_bw, their_bw = o["decode_tps"] * ours_bytes / 1e9, t["decode_tps"] * their_bytes / 1e9
+  act_bw = a["decode_tps"] * ours_bytes / 1e9
   label = f"{name} ({shape.layers} of {shape.real_layers} layers, {shape.experts} experts top {shape.used}, {shape.expert_type} experts), {size / 1e9:.2f} GB, read {read_s:.1f} s"
+
+  def ratio(key: str, faster_is_smaller: bool = False) -> str:
+    pair = [(t[key] / x[key]) if faster_is_smaller else (x[key] / t[key]) for x in (o, a)]
+    return " | ".join(f"{r:.2f}x" for r in pair)
+
   rows = [
-    f"| {label} | | | |",
-    f"| load s | {o['load_s']:.1f} | {t['load_s']:.1f} | {t['load_s'] / o['load_s']:.2f}x |",
-    f"| decode tokens/s | {o['decode_tps']:.2f} | {t['decode_tps']:.2f} | {o['decode_tps'] / t['decode_tps']:.2f}x |",
-    f"| prefill-128 tokens/s | {o['prefill_tps']:.1f} | {t['prefill_tps']:.1f} | {o['prefill_tps'] / t['prefill_tps']:.2f}x |",
-    f"| routed bytes per step (MB) | {ours_bytes / 1e6:.0f} | {their_bytes / 1e6:.0f} | |",
-    f"| decode GB/s over routed bytes (of the {probe:.1f} GB/s read probe) | {ours_bw:.1f} ({ours_bw / probe:.0%}) | {their_bw:.1f} ({their_bw / probe:.0%}) | |",
-    f"| peak RSS - RSS before, GB (x the file) | {o['rss'] / 1e9:.2f} ({o['rss'] / size:.2f}x) | {t['rss'] / 1e9:.2f} ({t['rss'] / size:.2f}x) | |",
+    f"| {label} | | | | | |",
+    f"| load s | {o['load_s']:.1f} | {a['load_s']:.1f} | {t['load_s']:.1f} | {ratio('load_s', True)} |",
+    f"| decode tokens/s | {o['decode_tps']:.2f} | {a['decode_tps']:.2f} | {t['decode_tps']:.2f} | {ratio('decode_tps')} |",
+    f"| prefill-128 tokens/s | {o['prefill_tps']:.1f} | {a['prefill_tps']:.1f} | {t['prefill_tps']:.1f} | {ratio('prefill_tps')} |",
+    f"| routed bytes per step (MB) | {ours_bytes / 1e6:.0f} | {ours_bytes / 1e6:.0f} | {their_bytes / 1e6:.0f} | | |",
+    f"| decode GB/s over routed bytes (of the {probe:.1f} GB/s read probe) | {ours_bw:.1f} ({ours_bw / probe:.0%}) | {act_bw:.1f} ({act_bw / probe:.0%}) | {their_bw:.1f} ({their_bw / probe:.0%}) | | |",
+    f"| peak RSS - RSS before, GB (x the file) | {o['rss'] / 1e9:.2f} ({o['rss'] / size:.2f}x) | {a['rss'] / 1e9:.2f} ({a['rss'] / size:.2f}x) | {t['rss'] / 1e9:.2f} ({t['rss'] / size:.2f}x) | | |",
   ]
   print("\n".join(rows), flush=True)
   return rows
@@ -161,7 +180,10 @@ def main() -> None:
   if missing:
     raise SystemExit(refusal(missing))
   args.probe = read_bandwidth(2, gib=2.0)
-  header = ["| measure | q8rules | llama.cpp | q8rules / llama.cpp |", "|---|---|---|---|"]
+  header = [
+    "| measure | q8rules | q8rules, act_qtype='q8_0' | llama.cpp | q8rules / llama.cpp | act_qtype='q8_0' / llama.cpp |",
+    "|---|---|---|---|---|---|",
+  ]
   rows = []
   for name in args.models.split(","):
     rows += bench(name, MODELS[name], Path(args.dir), args)
