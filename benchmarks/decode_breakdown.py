@@ -2,7 +2,7 @@
 device program `GGUFModel.stream` runs), each op's time per step by kind, with the bytes each
 kind of Q8_0 product reads and its rate against the read probe.
 
-    python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2] [--top 0]
+    python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2] [--top 0] [--act-qtype q8_0]
 
 Kinds: the output head (the one product outside the layers), the layers' products (q | k | v
 and the output projection; a dense model's FFN too), the expert products (op
@@ -40,6 +40,7 @@ CUSTOM = {
   "q8rules_q8_gemv_layer": "layer products",
   "q8rules_q8_gemv_act_q8_layer": "layer products",
   "q8rules_q8_ragged_matmul": "expert products",
+  "q8rules_q8_ragged_matmul_act_q8": "expert products",
   "q8rules_decode_attention": "one-token attention",
 }
 """Custom-call target -> kind."""
@@ -100,7 +101,7 @@ def product_bytes(ins: dict) -> int:
     return 0
   k, n = q[-2], q[-1]
   per = k * n + s[-2] * n * 2
-  if ins["target"] == "q8rules_q8_ragged_matmul":
+  if ins["target"] in ("q8rules_q8_ragged_matmul", "q8rules_q8_ragged_matmul_act_q8"):
     rows = [int(d) for dt, sh in ins["operands"] if dt == "f32" for d in sh.split(",") if d][0]
     return per * min(rows, q[0])
   return per
@@ -112,6 +113,7 @@ def main() -> None:
   ap.add_argument("--tokens", type=int, default=32, help="decode steps measured")
   ap.add_argument("--threads", type=int, default=2, help="the read probe's threads")
   ap.add_argument("--top", type=int, default=0, help="list the N slowest XLA ops")
+  ap.add_argument("--act-qtype", default=None, choices=("q8_0",), help="load_gguf's act_qtype")
   args = ap.parse_args()
   dump = tempfile.mkdtemp(prefix="decode-breakdown-")
   flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*_loop.* --xla_dump_hlo_as_text"
@@ -124,7 +126,7 @@ def main() -> None:
   import q8rules
   from benchmarks.bandwidth import read_bandwidth
 
-  m = q8rules.load_gguf(args.file, dtype=jnp.float32, progress=False)
+  m = q8rules.load_gguf(args.file, dtype=jnp.float32, progress=False, act_qtype=args.act_qtype)
   steps = args.tokens
 
   def stream() -> float:
