@@ -29,6 +29,7 @@ from jax.sharding import AxisType
 
 import q8rules
 from q8rules.checkpoint import CheckpointError
+from q8rules.kernels.ragged_matmul import api as ragged_api
 from q8rules.llm import GGUFModel, load_gguf
 from q8rules.models.transformer import Transformer, init_cache
 from q8rules.providers.q8_weight import Q8Weight
@@ -142,6 +143,12 @@ def test_q8_0_activations_give_llama_cpps_own_q8_0_logits(name):
   clear = margin > CLEAR_MARGIN
   theirs = r["q8_on_f32_logits"][clear]
   assert np.mean(rel_l2(ours[clear], theirs, axis=-1) < 1e-6) >= 0.8
+  provider, model_ = served(m)
+  ids = jnp.asarray(r["f32_tokens"][:8], jnp.int32)[None]
+  jax.eval_shape(lambda t: model_.apply({"params": m.params}, t, init_cache(m.config, 8), 0), ids)
+  paths = {op.path for op in provider.report().ops if op.op.startswith("ragged_dot")}
+  order = ragged_api.DEFAULT_ORDER[jax.default_backend()]
+  assert paths and all(p.endswith(" (act q8_0)") and p.split()[0] in order for p in paths), paths
   plain = on_f32_tokens(model(name, "q8_0"), name)
   assert np.mean(rel_l2(plain[clear], theirs, axis=-1) < 1e-6) == 0
 

@@ -187,7 +187,8 @@ def run_ragged(
   preferred_element_type: Any = None,
   act_qtype: str | None = None,
 ) -> tuple[jax.Array, str]:
-  """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend; a
+  """`q8_ragged_matmul`, and the name of the implementation it chose for the default backend
+  (followed by ' (act q8_0)' with Q8_0 activations, as `kernels.run_product` names it); a
   `LayerSlice` of stacked experts runs as `layer_experts` lays it out (sliced out instead when
   a mesh's Explicit axes split it)."""
   if isinstance(w, LayerSlice):
@@ -208,7 +209,8 @@ def run_ragged(
     y = jnp.zeros((m, n), jnp.float32)
   else:
     y = _product(x, w.q, w.scale, group_sizes, _hashable(implementation), interpret, act_qtype)
-  return y.astype(preferred_element_type or x.dtype), chosen
+  ran = chosen if act_qtype is None else f"{chosen} (act {act_qtype})"
+  return y.astype(preferred_element_type or x.dtype), ran
 
 
 def q8_ragged_matmul(x: jax.Array, w: Q8Array, group_sizes: jax.Array, **options: Any) -> jax.Array:
