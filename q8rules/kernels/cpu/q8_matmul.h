@@ -468,6 +468,35 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
   shared->Release();
 }
 
+// Rows of x as the Q8_0-activation product takes them (q8_act_int8.h), quantized once for every
+// thread's share: the path (VNNI, else scalar) follows the ISA the product runs.
+struct ActivationsQ8 {
+  std::vector<int8_t> xq;   // (m, k)
+  std::vector<float> dx;    // (m, k / 32)
+  std::vector<int32_t> xc;  // (m, k / 32)
+  int64_t k = 0;
+  bool vnni = false;
+
+  // Rows [0, m) of x (row stride ldx), k values each.
+  void Quantize(const float* x, int64_t m, int64_t k_, int64_t ldx, Isa isa) {
+    k = k_;
+    vnni = isa == kAvx512 && q8act::HasVnni();
+    xq.resize(static_cast<size_t>(m * k));
+    dx.resize(static_cast<size_t>(m * (k / kBlock)));
+    xc.resize(dx.size());
+    q8act::QuantizeRows(x, m, k, ldx, xq.data(), dx.data(), xc.data(), vnni);
+    g_last_act_vnni.store(vnni ? 1 : 0, std::memory_order_relaxed);
+  }
+
+  // p on these activations from row `row` on (p.x's first row), row strides k and k / 32.
+  void Attach(Problem& p, int64_t row) const {
+    p.vnni = vnni;
+    p.xq = xq.data() + row * k;
+    p.dx = dx.data() + row * (k / kBlock);
+    p.xc = xc.data() + row * (k / kBlock);
+  }
+};
+
 inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
                const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
                const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool act_q8) {
@@ -505,19 +534,10 @@ inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span
   g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
-  std::vector<int8_t> xq;
-  std::vector<float> dx;
-  std::vector<int32_t> xc;
+  ActivationsQ8 act;
   if (act_q8) {  // Q8_0 activations, once for every thread's share (q8_act_int8.h)
-    p.vnni = p.isa == kAvx512 && q8act::HasVnni();
-    xq.resize(static_cast<size_t>(p.m * p.k));
-    dx.resize(static_cast<size_t>(p.m * (p.k / kBlock)));
-    xc.resize(dx.size());
-    q8act::QuantizeRows(p.x, p.m, p.k, p.ldx, xq.data(), dx.data(), xc.data(), p.vnni);
-    p.xq = xq.data();
-    p.dx = dx.data();
-    p.xc = xc.data();
-    g_last_act_vnni.store(p.vnni ? 1 : 0, std::memory_order_relaxed);
+    act.Quantize(p.x, p.m, p.k, p.ldx, p.isa);
+    act.Attach(p, 0);
   }
   Compute(pool, p);
   if (act_q8) q8act::UnpermuteColumns(p.y, p.m, p.n);

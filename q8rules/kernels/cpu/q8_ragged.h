@@ -128,18 +128,8 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   base.ldx = k;
   float* out = y->typed_data();
   std::fill(out, out + m * n, 0.0f);
-  const int64_t nb = k / q8mm::kBlock;
-  std::vector<int8_t> xq;
-  std::vector<float> dx;
-  std::vector<int32_t> xc;
-  if (kActQ8 && m > 0 && k > 0) {  // every row once, for every expert's share
-    base.vnni = base.isa == q8mm::kAvx512 && q8act::HasVnni();
-    xq.resize(static_cast<size_t>(m * k));
-    dx.resize(static_cast<size_t>(m * nb));
-    xc.resize(dx.size());
-    q8act::QuantizeRows(x.typed_data(), m, k, k, xq.data(), dx.data(), xc.data(), base.vnni);
-    q8mm::g_last_act_vnni.store(base.vnni ? 1 : 0, std::memory_order_relaxed);
-  }
+  q8mm::ActivationsQ8 act;
+  if (kActQ8 && m > 0 && k > 0) act.Quantize(x.typed_data(), m, k, k, base.isa);  // every row once
   const int32_t* sizes = group_sizes.typed_data();
   const int64_t scale_bytes = base.scale_f16 ? 2 : 4;
   auto* work = new Experts;  // reference counted: helpers that start late hold it
@@ -160,11 +150,7 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.scale = static_cast<const char*>(scale.untyped_data()) +
                 e * (k / q8mm::kBlock) * n * scale_bytes;
       p.y = out + start * n;
-      if (kActQ8) {
-        p.xq = xq.data() + start * k;
-        p.dx = dx.data() + start * nb;
-        p.xc = xc.data() + start * nb;
-      }
+      if (kActQ8) act.Attach(p, start);
       Experts::Expert ex;
       ex.p = p;
       ex.blocks_per_unit = q8mm::BlocksPerUnit(p);
