@@ -139,7 +139,8 @@ def bench(name: str, shape: MoeShape, folder: Path, args: argparse.Namespace) ->
   }
   runners = list(commands)
   for r in range(args.rounds):  # each round starts with the next runner: no one always first
-    for runner in runners[r % 3 :] + runners[: r % 3]:
+    first = r % len(runners)
+    for runner in runners[first:] + runners[:first]:
       runs[runner].append(run(*commands[runner], path))
   ours, act, theirs = runs["ours"], runs["act"], runs["theirs"]
   o, a, t = _median(ours), _median(act), _median(theirs)

@@ -1,8 +1,8 @@
 """The grouped product of experts with Q8_0 activations (`act_qtype='q8_0'`, as llama.cpp
 multiplies its Q8_0 experts): every implementation against a float64 reference built from the
 activations' Q8_0 blocks, the native int8 kernel bit for bit with the dense Q8_0 x Q8_0 product
-on each expert's rows, its straight-through gradient, and MoE GGUF files whose logits then are
-llama.cpp's own Q8_0 run's."""
+on each expert's rows, its straight-through gradient and its errors. MoE GGUF files run this
+way are in tests/test_llm_moe.py (their logits then are llama.cpp's own Q8_0 run's)."""
 
 from __future__ import annotations
 
