@@ -1,4 +1,5 @@
-"""The `rng` fixture: fresh random data per test, seeded from its id (helpers: tests/_utils.py).
+"""The `rng` fixture: fresh random data per test, seeded from its id (helpers: tests/_utils.py);
+the `cpu_isa` fixture: each SIMD path of the native library this CPU can run, in turn.
 
 Before any test module imports JAX, the CPU backend is given `HOST_DEVICES` devices, so the
 multi-device tests (tests/test_sharding_mesh.py, tests/test_llm_gguf_mesh.py) run in this
@@ -19,6 +20,9 @@ import jax
 import numpy as np
 import pytest
 
+from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
+
 HOST_DEVICES = 8
 """CPU devices in the test process (`jax_num_cpu_devices`; the CPU backend starts later)."""
 
@@ -26,6 +30,9 @@ jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
 # The suite does not read or write the user's JAX compilation cache (the CLI turns it on);
 # tests/test_compile_cache.py runs the CLI with it on, in a temporary directory.
 os.environ.setdefault("Q8RULES_NO_COMPILE_CACHE", "1")
+
+ISA_ENV = "Q8RULES_CPU_ISA"
+"""The native library's cap on its SIMD path (`cpu_isa` sets it)."""
 
 
 @pytest.fixture
@@ -41,3 +48,18 @@ def float32_matmuls():
   tests/test_precision.py checks that on the lowered program."""
   with jax.default_matmul_precision("highest"):
     yield
+
+
+@pytest.fixture(params=native_simd.ladder())
+def cpu_isa(request, monkeypatch) -> str:
+  """One SIMD path of the native library, each in turn: every rung of this architecture's
+  ladder (`native.simd.ladder()`: scalar, avx2, avx512 on x86-64; scalar, neon, neon_dotprod
+  on aarch64) that this CPU can run, forced through `$Q8RULES_CPU_ISA` (read on every call);
+  those it cannot run are skipped, naming the CPU's best. The test runs the native kernel."""
+  if not native_lib.available():
+    pytest.skip(f"native CPU kernel unavailable: {native_lib.unavailable_reason()}")
+  name = request.param
+  if name not in native_simd.supported():
+    pytest.skip(f"this CPU has no {name} (best: {native_simd.isa('best')})")
+  monkeypatch.setenv(ISA_ENV, name)
+  return name

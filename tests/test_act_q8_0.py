@@ -1,7 +1,7 @@
 """The opt-in Q8_0 x Q8_0 product (`act_qtype='q8_0'`): activations quantized as gguf.quants
 quantizes them, bit for bit, and the product against a float64 reference built from those
 Q8_0 activations (exact integer block dots, scaled in float64), on every implementation and
-path (the native kernel's AVX-512 VNNI and scalar paths, XLA); through Q8Rule, Qwix's
+path (the native kernel's int8 dots on every SIMD path this CPU runs, XLA); through Q8Rule, Qwix's
 `quantize_model`, QAT and `load_gguf`."""
 
 from __future__ import annotations
@@ -66,14 +66,12 @@ def test_quantize_activations_is_gguf_bit_for_bit(rng):
   np.testing.assert_array_equal(d.view(np.uint32), ref_d.view(np.uint32))
 
 
-@needs_native
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
-@pytest.mark.parametrize("simd", [True, False])
-def test_kernel_quantizes_as_gguf_bit_for_bit(rng, simd):
-  """The native kernel's own quantizer (AVX-512 where the CPU has VNNI, and scalar)."""
+def test_kernel_quantizes_as_gguf_bit_for_bit(rng, cpu_isa):
+  """The native kernel's own quantizer, on each path's form of it."""
   x = hard_activations(rng)
   ref_q, ref_d = gguf_q8_0(x)
-  q, d, corr = act_cpu.quantize_activations_native(x, simd=simd)
+  q, d, corr = act_cpu.quantize_activations_native(x, isa=cpu_isa)
   np.testing.assert_array_equal(q, ref_q)
   np.testing.assert_array_equal(d.view(np.uint32), ref_d.view(np.uint32))
   np.testing.assert_array_equal(corr, -128 * q.reshape(6, -1, 32).astype(np.int32).sum(-1))
@@ -94,52 +92,58 @@ CASES = [
 ]
 
 
-def impl_params():
-  """Every implementation and native path that can run here."""
-  out = [pytest.param("xla", None, id="xla")]
-  if NATIVE:
-    out.append(pytest.param("cpu", None, id="cpu"))
-    out.append(pytest.param("cpu", "scalar", id="cpu-scalar"))
-  return out
+def expected_act_path(isa: str) -> str:
+  """The int8 path the kernel runs on `isa`: the ISA's own, AVX-512's being VNNI where this
+  CPU has it (/proc/cpuinfo's avx512_vnni) and AVX2's dots where not."""
+  if isa != "avx512":
+    return isa
+  return "avx512_vnni" if "avx512_vnni" in native_simd.cpu_flags() else "avx2"
 
 
-@pytest.mark.parametrize("name,isa", impl_params())
-@pytest.mark.parametrize("m,k,n,scale_dtype", CASES)
-def test_product_matches_float64_of_the_q8_0_activations(
-  rng, monkeypatch, name, isa, m, k, n, scale_dtype
-):
-  if isa:
-    monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+def check_product(rng, name, m, k, n, scale_dtype):
   q, scale = random_q8(rng, k, n, scale_dtype)
   x = random_x(rng, (m, k))
   y = jax.jit(lambda x: q8_matmul(x, Q8Array(q, scale), implementation=name, act_qtype="q8_0"))(x)
   assert y.shape == (m, n) and y.dtype == jnp.float32
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(y, ref) <= 1e-6, rel_err(y, ref)
-  if name == "cpu" and act_q8_0.int8_kernel_runs():
-    assert native_simd.last_act_path() == "avx512_vnni"
   # against the weight-only float64 product: the activations' rounding, well under 1 %
   assert rel_err(y, np.asarray(x, np.float64) @ weight64(q, scale)) < 1e-2
+  return y
+
+
+@pytest.mark.parametrize("m,k,n,scale_dtype", CASES)
+def test_product_matches_float64_of_the_q8_0_activations(rng, m, k, n, scale_dtype):
+  check_product(rng, "xla", m, k, n, scale_dtype)
+
+
+@pytest.mark.parametrize("m,k,n,scale_dtype", CASES)
+def test_native_product_matches_float64_on_every_path(rng, cpu_isa, m, k, n, scale_dtype):
+  """The native int8 product on each SIMD path this CPU runs (`cpu_isa`), which it reports."""
+  check_product(rng, "cpu", m, k, n, scale_dtype)
+  assert native_simd.last_act_path() == expected_act_path(cpu_isa)
 
 
 @needs_native
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 192), (5, 128, 200), (17, 64, 70)])
-def test_kernels_scalar_int8_path(rng, monkeypatch, m, k, n):
-  """The native kernel's own int8 product with its SIMD paths capped (`$Q8RULES_CPU_ISA`):
-  the scalar path, the same integers and folds (the dispatcher runs the round trip there)."""
-  monkeypatch.setenv("Q8RULES_CPU_ISA", "scalar")
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 192), (2, 256, 130), (5, 128, 200), (17, 64, 70)])
+def test_every_path_gives_the_same_bits(rng, monkeypatch, m, k, n):
+  """Every path computes the same integer block dots and the same float32 folds in the same
+  order: the same bits as the scalar path, one row (streamed) or several (tiles), with and
+  without the scalar tail past the last 64-column stretch."""
   q, scale = random_q8(rng, k, n, np.float16)
   x = random_x(rng, (m, k))
-  y = act_cpu.q8_matmul_cpu_act_q8(x, q, scale)
-  assert native_simd.last_act_path() == "scalar"
-  ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
-  assert rel_err(y, ref) <= 1e-6
+  outs = {}
+  for isa in native_simd.supported():
+    monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+    outs[isa] = np.asarray(act_cpu.q8_matmul_cpu_act_q8(x, q, scale))
+    assert native_simd.last_act_path() == expected_act_path(isa)
+  for isa, y in outs.items():
+    np.testing.assert_array_equal(y, outs["scalar"], err_msg=isa)
 
 
 def test_default_implementation_per_backend(rng):
-  """What `implementation=None` runs, from the dispatcher's own rules: the native kernel on the
-  CPU (its int8 product with VNNI, else the round trip through its float32 product), else XLA
-  (GPU and TPU: XLA)."""
+  """What `implementation=None` runs, from the dispatcher's own rules: the native kernel's int8
+  product on the CPU, else XLA (GPU and TPU: XLA)."""
   backend = jax.default_backend()
   want = "cpu" if backend == "cpu" and native_lib.available() else "xla"
   assert resolve_product(1, 4096, 4096, jnp.float32, act_qtype="q8_0") == want
@@ -156,8 +160,7 @@ def test_stacked_layer_is_read_in_place_with_q8_0_activations(rng):
   x = random_x(rng, (2, 256))
   run = jax.jit(lambda x, i: q8_matmul(x, LayerSlice(w, i), act_qtype="q8_0", implementation="cpu"))
   hlo = run.lower(x, jnp.int32(1)).compile().as_text()
-  int8 = act_q8_0.int8_kernel_runs()  # else the round trip through the float32 layer kernel
-  assert (native_lib.TARGET_ACT_Q8_LAYER if int8 else native_lib.TARGET_LAYER) in hlo
+  assert native_lib.TARGET_ACT_Q8_LAYER in hlo
   for i, (q, s) in enumerate(parts):
     ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(s))
     assert rel_err(run(x, jnp.int32(i)), ref) <= 1e-6
@@ -276,10 +279,9 @@ def test_export_carries_each_platforms_q8_0_product(rng):
       x, q, scale
     )
   on_cpu = resolve_product(2, 256, 64, jnp.float32, "cpu", act_qtype="q8_0") == "cpu"
-  int8 = on_cpu and act_q8_0.int8_kernel_runs()
   text = exp.mlir_module()
-  assert (native_lib.TARGET_ACT_Q8 in text) == int8
-  assert (f"@{native_lib.TARGET}(" in text) == (on_cpu and not int8)
+  assert (native_lib.TARGET_ACT_Q8 in text) == on_cpu
+  assert f"@{native_lib.TARGET}(" not in text
   ref = act_q8_0.reference_float64(np.asarray(x), np.asarray(q), np.asarray(scale))
   assert rel_err(exp.call(x, q, scale), ref) <= 1e-6
 

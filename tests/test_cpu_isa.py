@@ -1,7 +1,9 @@
-"""Each SIMD path of the native CPU kernel (AVX-512, AVX2, scalar) against float64 references.
+"""Each SIMD path of the native CPU kernel (AVX-512, AVX2, scalar on x86-64; NEON with and
+without sdot, scalar on aarch64) against float64 references.
 
-The kernel reads `$Q8RULES_CPU_ISA` on every call, so each test forces its path with
-`monkeypatch.setenv` and checks, through the library's `Q8GemvLastIsa`, that the call ran it.
+The kernel reads `$Q8RULES_CPU_ISA` on every call, so each test forces its path (the `cpu_isa`
+fixture of tests/conftest.py) and checks, through the library's `Q8GemvLastIsa`, that the call
+ran it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.skipif(
   reason=f"native CPU kernel unavailable: {native_lib.unavailable_reason()}",
 )
 
-ISAS = ("scalar", "avx2", "avx512")
-"""The kernel's paths, in the order of its `Isa` codes (0, 1, 2)."""
+ISAS = native_simd.ISAS
+"""The kernel's paths, in the order of its `Isa` codes (isa.h)."""
 
 ENV = "Q8RULES_CPU_ISA"
 
@@ -63,15 +65,11 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-  """Force one path through the environment; skip those this CPU lacks."""
-  name = request.param
-  if ISAS.index(name) > ISAS.index(best_isa()):
-    pytest.skip(f"this CPU has no {name} (best: {best_isa()})")
-  monkeypatch.setenv(ENV, name)
-  yield name
-  assert lib().Q8GemvLastIsa() == ISAS.index(name), "the call ran another path"
+@pytest.fixture
+def isa(cpu_isa):
+  """Each path this CPU runs, in turn (`cpu_isa`), checked to be the path the call ran."""
+  yield cpu_isa
+  assert lib().Q8GemvLastIsa() == ISAS.index(cpu_isa), "the call ran another path"
 
 
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
@@ -94,19 +92,22 @@ def test_low_precision_x(rng, isa, dtype):
 
 
 def test_simd_paths_agree_to_the_bit(rng, monkeypatch):
-  """AVX-512 and AVX2 do the same float32 operations in the same order (block partial sums by
-  FMA, then y += d * s), so for N a multiple of 16 (no scalar tail) they agree to the bit."""
-  if best_isa() != "avx512":
-    pytest.skip("needs AVX-512 and AVX2")
+  """The SIMD paths do the same float32 operations in the same order (block partial sums by
+  FMA, then y += d * s), only in wider or narrower vectors, so for N a multiple of 16 (no
+  scalar tail) they agree to the bit."""
+  simd = native_simd.supported()[1:]
+  if len(simd) < 2:
+    pytest.skip(f"needs two SIMD paths; this CPU runs {simd}")
   for m, k, n in [(1, 256, 192), (4, 96, 80), (8, 128, 64), (13, 64, 128)]:
     q, scale = random_q8(rng, k, n, np.float16)
     x = random_x(rng, (m, k))
     outs = {}
-    for name in ("avx2", "avx512"):
+    for name in simd:
       monkeypatch.setenv(ENV, name)
       outs[name] = np.asarray(matmul_cpu.q8_matmul_cpu(x, q, scale))
       assert lib().Q8GemvLastIsa() == ISAS.index(name)
-    np.testing.assert_array_equal(outs["avx2"], outs["avx512"])
+    for name, out in outs.items():
+      np.testing.assert_array_equal(out, outs[simd[0]], err_msg=name)
 
 
 def test_selection_follows_the_environment(monkeypatch):
@@ -120,10 +121,15 @@ def test_selection_follows_the_environment(monkeypatch):
   for value in ("", "auto"):
     monkeypatch.setenv(ENV, value)
     assert handle.Q8GemvSelectedIsa() == best
-  for code, name in enumerate(ISAS):
+  rungs = native_simd.ladder()
+  for rung, name in enumerate(rungs):
     monkeypatch.setenv(ENV, name)
-    assert handle.Q8GemvSelectedIsa() == min(code, best)
-  monkeypatch.setenv(ENV, "avx512")
+    capped = rungs[min(rung, rungs.index(ISAS[best]))]
+    assert handle.Q8GemvSelectedIsa() == ISAS.index(capped)
+  for name in set(ISAS) - set(rungs):  # another architecture's path is refused
+    monkeypatch.setenv(ENV, name)
+    assert handle.Q8GemvSelectedIsa() == -1
+  monkeypatch.setenv(ENV, rungs[-1])
   native_simd.force_scalar(True)
   try:
     assert handle.Q8GemvSelectedIsa() == 0
@@ -151,4 +157,4 @@ def test_isa_names_the_path(isa, rng):
   q, scale = random_q8(rng, 64, 32)
   jax.block_until_ready(matmul_cpu.q8_matmul_cpu(random_x(rng, (1, 64)), q, scale))
   assert native_simd.isa("last") == isa == native_simd.isa("selected")
-  assert native_simd.ISAS.index(native_simd.isa("best")) >= native_simd.ISAS.index(isa)
+  assert isa in native_simd.supported()

@@ -22,6 +22,7 @@ from q8rules.kernels.decode_attention import cpu as attention_cpu
 from q8rules.kernels.decode_attention import cpu as native_attention
 from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.kernels.native import library as native_lib
+from q8rules.kernels.native import simd as native_simd
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import _attend_f32
 from tests._utils import rel_err
@@ -127,13 +128,14 @@ def test_native_kernel_reads_a_bfloat16_cache_exactly(rng):
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 def test_native_kernel_gives_the_same_bits_on_every_simd_path(rng, monkeypatch, dtype, with_sinks):
-  """The kernel is compiled once per path (SSE2, AVX2, AVX-512, capped by $Q8RULES_CPU_ISA,
-  read on every call) with the same operations in the same order: the outputs are equal bit
-  for bit, grouped-query heads (3 heads a KV head) and sinks included."""
+  """The kernel is compiled once per path (SSE2, AVX2, AVX-512 on x86-64; NEON on aarch64;
+  each path this CPU runs, by $Q8RULES_CPU_ISA, read on every call) with the same operations
+  in the same order: the outputs are equal bit for bit, grouped-query heads (3 heads a KV
+  head) and sinks included."""
   q, keys, values = operands(rng, s=70, kv=3, h=9, d=40, dtype=dtype)
   sinks = sink_logits(rng, 9) if with_sinks else None
   outs = {}
-  for isa in ("scalar", "avx2", "avx512"):
+  for isa in native_simd.supported():
     monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
     outs[isa] = np.asarray(
       attention_cpu.decode_attention_cpu(
@@ -147,8 +149,8 @@ def test_native_kernel_gives_the_same_bits_on_every_simd_path(rng, monkeypatch, 
         sinks=None if sinks is None else jnp.asarray(sinks),
       )
     )
-  np.testing.assert_array_equal(outs["avx2"], outs["scalar"])
-  np.testing.assert_array_equal(outs["avx512"], outs["scalar"])
+  for isa, out in outs.items():
+    np.testing.assert_array_equal(out, outs["scalar"], err_msg=isa)
   k32, v32 = keys.astype(np.float32), values.astype(np.float32)
   ref = reference64(q, k32, v32, 1, 65, 0.2, None, sinks)
   assert rel_err(outs["scalar"].reshape(ref.shape), ref) < 1e-6

@@ -90,22 +90,15 @@ def test_bfloat16_cotangents_and_float16_scales(rng, name, m, k, n):
   assert q8_matmul_t(dyb, w, implementation=name).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_native_paths(rng, monkeypatch, isa):
+def test_native_paths(rng, cpu_isa):
   """Each SIMD path the CPU has (capped by $Q8RULES_CPU_ISA), N with a tail past the lanes,
   rows in several tiles and enough work for the threads."""
-  if not native_lib.available():
-    pytest.skip(native_lib.unavailable_reason())
-  order = ["scalar", "avx2", "avx512"]
-  if order.index(isa) > order.index(native_simd.isa("best")):
-    pytest.skip(f"this CPU has no {isa}")
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   for m, k, n in [(11, 2048, 200), (1, 64, 7), (17, 4096, 512)]:
     dy, q, scale = operands(rng, m, k, n, scale_dtype=np.float16 if m == 1 else np.float32)
     # Dispatch is asynchronous: the call must have run before "last" can name its path.
     y = jax.block_until_ready(q8_matmul_t(jnp.asarray(dy), weight(q, scale), implementation="cpu"))
-    assert native_simd.isa("last") == isa
-    assert rel_err(y, reference_float64(dy, q, scale)) <= TOL, (isa, m, k, n)
+    assert native_simd.isa("last") == cpu_isa
+    assert rel_err(y, reference_float64(dy, q, scale)) <= TOL, (cpu_isa, m, k, n)
 
 
 def test_batched_cotangents_and_empty(rng):

@@ -13,7 +13,6 @@ import pytest
 
 import q8rules
 from q8rules.kernels import q8_matmul
-from q8rules.kernels.matmul_act_q8 import api as act_q8_0
 from q8rules.kernels.matmul_act_q8.reference import reference_float64
 from q8rules.kernels.ragged_matmul import api as ragged_api
 from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul, resolve_ragged
@@ -51,26 +50,22 @@ def test_matches_the_q8_0_activations_float64(rng, name, sizes, k, n):
   assert rel_err(plain, ref) > 1e-4
 
 
-def test_the_native_int8_kernel_is_each_experts_dense_product_bit_for_bit(rng):
-  """Where the CPU has AVX-512 VNNI the native grouped product runs the int8 kernel: each
-  expert's rows get the dense Q8_0 x Q8_0 kernel's bits, on one thread and on two, with K cut
-  into units and N past whole 64-column stretches. Elsewhere 'cpu' is the weight-only kernel on
-  the activations' round trip (`act_q8_0.round_trip`), bit for bit."""
+def test_the_native_int8_kernel_is_each_experts_dense_product_bit_for_bit(rng, cpu_isa):
+  """On each SIMD path the native grouped product runs the int8 kernel: each expert's rows get
+  the dense Q8_0 x Q8_0 kernel's bits, on one thread and on two, with K cut into units and N
+  past whole 64-column stretches."""
   skip_unless_runs("cpu")
   sizes, k, n = (1, 0, 3, 2, 9), 2048, 130
   w = experts(rng, len(sizes), k, n, np.float16)
   x = random_x(rng, sum(sizes), k)
   gs = jnp.asarray(sizes, jnp.int32)
   bounds = np.cumsum((0, *sizes))
-  if act_q8_0.int8_kernel_runs():
-    each = [
-      q8_matmul(x[a:b], Q8Array(w.q[e], w.scale[e]), implementation="cpu", act_qtype="q8_0")
-      for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
-      if b > a
-    ]
-    expected = np.concatenate(each)
-  else:
-    expected = q8_ragged_matmul(act_q8_0.round_trip(x), w, gs, implementation="cpu")
+  each = [
+    q8_matmul(x[a:b], Q8Array(w.q[e], w.scale[e]), implementation="cpu", act_qtype="q8_0")
+    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+    if b > a
+  ]
+  expected = np.concatenate(each)
   try:
     for threads in (1, 2):
       q8rules.set_cpu_threads(threads)

@@ -52,9 +52,6 @@ E8M0_AT = {T.MXFP4: 0}
 
 FLOATS = (T.F32, T.F16, T.BF16)
 NATIVE = (*FLOATS, *SCALE_FIELDS)
-ISAS = ("avx512", "scalar")
-"""The quantizer's paths ($Q8RULES_CPU_ISA, read on every call; avx512 is capped at what the
-CPU has, so on a CPU without it both run the scalar path)."""
 
 REAL_FILES = {
   "SmolLM2-135M-Instruct.Q4_1.gguf": (T.Q4_1, T.Q8_0),
@@ -124,9 +121,7 @@ def test_native_types():
 
 
 @pytest.mark.parametrize("qtype", NATIVE, ids=lambda t: t.name)
-@pytest.mark.parametrize("isa", ISAS)
-def test_random_blocks(rng, monkeypatch, qtype, isa):
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
+def test_random_blocks(rng, qtype, cpu_isa):
   check(random_blocks(rng, qtype, 4, 512), qtype, 4, 512)
 
 
@@ -147,14 +142,12 @@ def kernel_layout_of(blocks: np.ndarray, n_rows: int, n_cols: int) -> tuple[np.n
   return q, b[..., :2].copy().view(np.float16)[..., 0].T
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, threads):
+def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, cpu_isa, threads):
   """`repack_q8_transposed(..., source_types=...)`: tensors of every native type (and Q8_0
   among them, as a Q4_K_M stack mixes them), requantized in the same pass as they are
   transposed, into a column range of wider arrays: the bytes of gguf-py's requantize,
   transposed; nothing outside the range written. Rows past the last run of 64 and of 16."""
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   monkeypatch.setattr(native_threads, "cpus", lambda: threads)
   monkeypatch.setattr(native_repack, "REPACK_THREAD_BYTES", 0)
   types = [*NATIVE, T.Q8_0]
@@ -185,11 +178,9 @@ def test_requantized_straight_into_the_kernel_layout(rng, monkeypatch, isa, thre
 
 
 @pytest.mark.parametrize("qtype", (T.F32, T.F16), ids=lambda t: t.name)
-@pytest.mark.parametrize("isa", ISAS)
-def test_ties_and_zero_blocks(monkeypatch, qtype, isa):
+def test_ties_and_zero_blocks(qtype, cpu_isa):
   """Values exactly half a step between two int8 (d = 1: amax 127), both signs, round away
   from zero; all-zero blocks (+0 and -0) get d = 0 and q = 0."""
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   ties = np.concatenate([np.arange(-15.5, 16, 1.0), [127.0]])  # -15.5 .. 15.5, then amax
   x = np.zeros((4, 64), np.float32)
   x[0, :32], x[0, 32:] = ties[1:], -ties[1:]
@@ -206,12 +197,10 @@ def test_ties_and_zero_blocks(monkeypatch, qtype, isa):
 
 
 @pytest.mark.parametrize("qtype", NATIVE, ids=lambda t: t.name)
-@pytest.mark.parametrize("isa", ISAS)
-def test_non_finite(rng, monkeypatch, qtype, isa):
+def test_non_finite(rng, qtype, cpu_isa):
   """NaN and infinite values (float types), float16 fields (quantized types) or MXFP4's
   largest E8M0 scale (2^127: its values overflow) do not crash it, and give gguf-py's bytes: a NaN scale where a block holds a NaN, an infinite one where
   it holds an infinity, and int8 0 for NaN products (what numpy's cast gives on x86)."""
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   n_rows, n_cols = 4, 512
   data = random_blocks(rng, qtype, n_rows, n_cols)
   if qtype in FLOATS:

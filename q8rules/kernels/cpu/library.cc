@@ -81,10 +81,9 @@ inline ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   int64_t threads = std::max<int64_t>(1, work / q8mm::kWorkPerThread);
   if (threads > 1) threads = std::min<int64_t>(threads, q8mm::UsableCpus());
   const int64_t offset = layer * batch * length * kv_heads * d;
-  q8mm::Isa isa;
-  if (!q8mm::SelectIsa(&isa)) {
-    return ffi::Error::InvalidArgument(
-        "q8_decode_attention: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
+  q8isa::Isa isa;
+  if (!q8isa::Select(&isa)) {
+    return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_decode_attention"));
   }
   if (k.element_type() == ffi::DataType::F32) {
     q8attn::DecodeAttention(isa, q.typed_data(),
@@ -182,22 +181,23 @@ extern "C" int Q8RequantizeKernelBatch(const int* types, const uint8_t* const* s
                                           q_stride, s_stride, threads);
 }
 
-// Whether a call would run a SIMD path (AVX2 or AVX-512) on this CPU now.
+// Whether a call would run a SIMD path (not scalar) on this CPU now.
 extern "C" int Q8GemvHasAvx2() {
-  q8mm::Isa isa;
-  return q8mm::SelectIsa(&isa) && isa != q8mm::kScalar ? 1 : 0;
+  q8isa::Isa isa;
+  return q8isa::Select(&isa) && isa != q8isa::kScalar ? 1 : 0;
 }
 
 // Force (1) or stop forcing (0) the scalar path, whatever the CPU supports.
-extern "C" void Q8GemvForceScalar(int force) { q8mm::g_force_scalar.store(force != 0); }
+extern "C" void Q8GemvForceScalar(int force) { q8isa::g_force_scalar.store(force != 0); }
 
-// The best path this CPU supports: 0 scalar, 1 avx2, 2 avx512.
-extern "C" int Q8GemvBestIsa() { return q8mm::BestIsa(); }
+// The best path this CPU supports (isa.h's codes: 0 scalar, 1 avx2, 2 avx512, 3 neon,
+// 4 neon_dotprod).
+extern "C" int Q8GemvBestIsa() { return q8isa::Best(); }
 
 // The path the next call would run (as above), or -1 if $Q8RULES_CPU_ISA is invalid.
 extern "C" int Q8GemvSelectedIsa() {
-  q8mm::Isa isa;
-  return q8mm::SelectIsa(&isa) ? isa : -1;
+  q8isa::Isa isa;
+  return q8isa::Select(&isa) ? isa : -1;
 }
 
 // The path the last call ran, or -1 before the first call.
@@ -217,22 +217,33 @@ extern "C" void Q8SetSpinMicroseconds(long long us) {
 // The threads a native call may use now: the process's CPUs, at most the limit.
 extern "C" int Q8MaxThreads() { return static_cast<int>(q8mm::UsableCpus()); }
 
-// 1: the last Q8_0-activation product ran on AVX-512 VNNI; 0: scalar; -1: none has run.
-extern "C" int Q8GemvLastActVnni() { return q8mm::g_last_act_vnni.load(); }
+// The int8 path the last Q8_0-activation product ran (isa.h's codes, 2 being AVX-512 VNNI), or
+// -1 before the first.
+extern "C" int Q8GemvLastActPath() { return q8mm::g_last_act_path.load(); }
 
-// Whether this CPU has the Q8_0-activation product's VNNI path.
-extern "C" int Q8GemvHasVnni() { return q8act::HasVnni() ? 1 : 0; }
+// The int8 path a Q8_0-activation product would run now (as above), or -1 if
+// $Q8RULES_CPU_ISA is invalid.
+extern "C" int Q8GemvSelectedActPath() {
+  q8isa::Isa isa;
+  return q8isa::Select(&isa) ? q8act::PathFor(isa) : -1;
+}
 
 // Q8_0 of x (m, k) as the Q8_0-activation product quantizes it: int8 values, scales (the
-// float16 d widened) and -128 * block sums; on AVX-512 when `simd` (and the CPU has it), else
-// scalar. For tests against gguf.quants.
+// float16 d widened) and -128 * block sums; on the int8 path of `isa` (isa.h's codes, capped at
+// what this CPU has), for tests against gguf.quants.
 extern "C" void Q8QuantizeActivations(const float* x, int64_t m, int64_t k, int8_t* xq,
-                                      float* dx, int32_t* xc, int simd) {
-  q8act::QuantizeRows(x, m, k, k, xq, dx, xc, simd != 0 && q8act::HasVnni());
+                                      float* dx, int32_t* xc, int isa) {
+  const q8isa::Isa best = q8isa::Best();
+  q8isa::Isa path = q8isa::kScalar;
+  if (isa >= 0 && isa < q8isa::kCount && q8isa::Rung(static_cast<q8isa::Isa>(isa)) >= 0 &&
+      q8isa::Rung(static_cast<q8isa::Isa>(isa)) <= q8isa::Rung(best)) {
+    path = q8act::PathFor(static_cast<q8isa::Isa>(isa));
+  }
+  q8act::QuantizeRows(x, m, k, k, xq, dx, xc, path);
 }
 
 // The name of path `isa` ("scalar", "avx2", "avx512"), or "" if there is none.
 extern "C" const char* Q8GemvIsaName(int isa) {
-  return isa >= 0 && isa <= q8mm::kAvx512 ? q8mm::kIsaNames[isa] : "";
+  return isa >= 0 && isa < q8isa::kCount ? q8isa::kNames[isa] : "";
 }
 

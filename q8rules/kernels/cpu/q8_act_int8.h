@@ -6,419 +6,69 @@
 // the float32 row, bit for bit: d = amax / 127 (float32), q = roundf(x * (1 / d)) (half away
 // from zero; a zero block has d = 0 and q = 0), and d as the float16 it is stored in.
 //
-// The AVX-512 VNNI path (vpdpbusd: unsigned bytes times signed bytes, four to a 32-bit lane)
-// takes the weight's values offset by 128 (q ^ 0x80, 0..255) as the unsigned side and the
-// activations as the signed one, and starts each block's sums at -128 * the sum of the
-// block's activations (computed when they are quantized), so every block dot is exact. q is
-// (K, N) row-major: each 64-column stretch of a block's 32 rows is interleaved in registers
-// (four rows' bytes to a lane) straight from the loads, for each register tile of up to 4 x
-// rows; one x row streams 8 rows at a time across all columns instead (StreamInt8Row). The
-// interleave leaves a stretch's columns in the order `StoredColumn` gives; y is accumulated
-// in that order and put back in order once at the end (`UnpermuteColumns`). Elsewhere a
-// scalar path computes the same integers and the same float32 folds.
+// One path a call, from the ISA the product runs (isa.h): AVX-512 VNNI (q8_act_vnni.h), AVX2
+// (q8_act_avx2.h: also AVX-512 CPUs without VNNI), else scalar (q8_act_common.h). Every path computes the same integers and the same float32
+// folds in the same order, so y is the same bits on each. y is accumulated in the stretch
+// order `StoredColumn` gives and put back in order once at the end (`UnpermuteColumns`).
 
 #ifndef Q8RULES_Q8_ACT_INT8_H_
 #define Q8RULES_Q8_ACT_INT8_H_
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
+#include "isa.h"
+#include "q8_act_avx2.h"
+#include "q8_act_common.h"
+#include "q8_act_vnni.h"
 #include "simd.h"
 
 namespace q8act {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kStretch = 64;  // columns of one interleaved stretch (a cache line of q)
-// Bytes ahead in each q row that the interleave prefetches (into L1). 0 took 1.1-1.4x the time
-// at M = 1 and 8 (K = N = 4096, one thread); 192, 256 and an L2 hint were within the noise.
-constexpr int64_t kPrefetchAhead = 128;
-// Bytes ahead in q's memory order that one x row's stream (StreamInt8Row) also prefetches into
-// L2. A stream reads q in its memory order, so this is about 1 us of DRAM reads ahead; without
-// it the core's loads and the hardware prefetcher alone kept too few lines in flight: the
-// 576-wide products of SmolLM-135M read 6-7 GB/s from DRAM on one thread against 15.5 for a
-// plain read of the same bytes. 16 KiB (L2 hint) took 0.6-0.67x the time at 576 x 576,
-// 576 x 960 and 1536 x 576, 0.9x at 576 x 3072, the same at 4096 x 4096 and 576 x 49152 (8-32
-// KiB were close); an L1 hint at 16 KiB 0.8x (one thread, 15 interleaved rounds). SmolLM's
-// 121 products of a decode step: 14.5-16.6 -> 11.2-11.6 ms on one thread.
-constexpr int64_t kStreamAheadL2 = 16384;
-constexpr int32_t kOffset = 128;  // added to the weight's values for vpdpbusd's unsigned side
+using q8isa::Isa;
 
-// The column of y's storage that holds column `col` while the product runs: within each
-// 64-column stretch below n64, column 16 L + 4 i + t is stored at 16 i + 4 L + t (the order
-// vpunpck leaves four interleaved rows in). An involution: applying it twice is the identity.
-inline int64_t StoredColumn(int64_t col, int64_t n64) {
-  if (col >= n64) return col;
-  const int64_t c = col & ~(kStretch - 1), j = col & (kStretch - 1);
-  const int64_t lane = j / 16, group = (j % 16) / 4, t = j % 4;
-  return c + 16 * group + 4 * lane + t;
-}
-
-// float -> IEEE half, round to nearest even (as numpy's astype(float16) and F16C).
-inline uint16_t FloatToHalf(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const uint32_t abs = x & 0x7fffffffu;
-  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (abs < 0x38800000u) {  // a half subnormal (or zero): round abs * 2^24 to an integer
-    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // below half the smallest
-    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
-    uint32_t h = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (h & 1u))) ++h;
-    return static_cast<uint16_t>(sign | h);
-  }
-  uint32_t h = ((abs >> 13) - (112u << 10));
-  const uint32_t rem = abs & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-}
-
-inline float HalfBitsToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    exp = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// C roundf (half away from zero) exactly, as gguf.quants' np_roundf: floor(a) + floor(2 frac).
-inline float RoundHalfAway(float v) {
-  const float a = std::fabs(v), fl = std::floor(a);
-  return std::copysign(fl + std::floor(2.0f * (a - fl)), v);
-}
-
-// Block b of row r as Q8_0: 32 int8 values into qb, the float16 d widened, and -128 * the
-// values' sum (the VNNI sums' starting point) into *dx and *xc. IEEE float32 throughout.
-inline void QuantizeBlockScalar(const float* xb, int8_t* qb, float* dx, int32_t* xc) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-  const float d = amax / 127.0f;
-  const float id = d == 0.0f ? 0.0f : 1.0f / d;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    float v = RoundHalfAway(xb[i] * id);
-    v = std::fmin(127.0f, std::fmax(-127.0f, v));  // |x * id| <= 127 but for rounding
-    qb[i] = static_cast<int8_t>(v);
-    sum += qb[i];
-  }
-  *dx = HalfBitsToFloat(FloatToHalf(d));
-  *xc = -kOffset * sum;
-}
-
+// The int8 path a product on `isa` runs: the ISA itself, but AVX-512 without VNNI runs AVX2's
+// dots. Its code names it (isa.h; kAvx512 is the VNNI path).
+inline Isa PathFor(Isa isa) {
 #if Q8_X86
-using q8simd::F32x16;
-using q8simd::I32x16;
-using q8simd::Mask16;
-using F = q8simd::Avx512F;
-using Vnni = q8simd::Avx512Vnni;
-
-// QuantizeBlockScalar on AVX-512, bit for bit: the same float32 operations, each correctly
-// rounded (vdivps, not a reciprocal estimate; floor by vrndscaleps).
-Q8_VNNI inline void QuantizeBlockAvx512(const float* xb, int8_t* qb, float* dx, int32_t* xc) {
-  const F32x16 lo = F::LoadU(xb), hi = F::LoadU(xb + 16);
-  const float amax = F::ReduceMax(F::Max(F::Abs(lo), F::Abs(hi)));
-  const float d = amax / 127.0f;
-  const float id = d == 0.0f ? 0.0f : 1.0f / d;
-  const F32x16 idv = F::Set1(id), limit = F::Set1(127.0f);
-  I32x16 q[2];
-  const F32x16 halves[2] = {lo, hi};
-  for (int h = 0; h < 2; ++h) {
-    const F32x16 v = F::Mul(halves[h], idv);
-    const F32x16 a = F::Abs(v);
-    const F32x16 fl = F::Floor(a);
-    const F32x16 twice = F::Add(F::Sub(a, fl), F::Sub(a, fl));
-    F32x16 r = F::Add(fl, F::Floor(twice));
-    r = F::Min(r, limit);
-    // the sign back (a -0 becomes 0 as an integer either way)
-    const Mask16 neg = F::Less(v, F::Zero());
-    r = F::NegateWhere(neg, r);
-    q[h] = F::TruncToInt32(r);
-  }
-  F::StoreInt8(qb, q[0]);
-  F::StoreInt8(qb + 16, q[1]);
-  *dx = Vnni::RoundToHalf(d);
-  *xc = -kOffset * F::ReduceAddInt32(F::AddInt32(q[0], q[1]));
-}
+  if (isa == q8isa::kAvx512 && !vnni::Has()) return q8isa::kAvx2;
 #endif
+  return isa;
+}
 
 // Rows [0, m) of x (m, k), row stride ldx, as Q8_0: xq (m, k) int8, dx (m, k / 32) the
-// float16 scales widened, xc (m, k / 32) -128 * each block's sum of values. Run with IEEE
-// float32 (no flush to zero: the caller's MXCSR may have it on; it is restored); on AVX-512
-// when `simd`.
+// float16 scales widened, xc (m, k / 32) -128 * each block's sum of values; the quantizer of
+// `path` (a PathFor result), each bit for bit the scalar one. Run with IEEE float32 (no flush
+// to zero: the caller's MXCSR may have it on; it is restored).
 inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t ldx, int8_t* xq,
-                         float* dx, int32_t* xc, bool simd) {
+                         float* dx, int32_t* xc, Isa path) {
   const q8simd::IeeeFloat ieee;
   const int64_t nb = k / kBlock;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * kBlock;
       int8_t* qb = xq + r * k + b * kBlock;
+      float* d = dx + r * nb + b;
+      int32_t* c = xc + r * nb + b;
+      switch (path) {
 #if Q8_X86
-      if (simd) {
-        QuantizeBlockAvx512(xb, qb, dx + r * nb + b, xc + r * nb + b);
-        continue;
-      }
+        case q8isa::kAvx512: vnni::QuantizeBlock(xb, qb, d, c); continue;
+        case q8isa::kAvx2: avx2::QuantizeBlock(xb, qb, d, c); continue;
 #endif
-      QuantizeBlockScalar(xb, qb, dx + r * nb + b, xc + r * nb + b);
-    }
-  }
-}
-
-// The operands of one share of a product (a run of blocks), all row-major.
-struct Int8Operands {
-  const int8_t* xq;    // (m, k) activation values, row stride ldxq
-  const float* dx;     // (m, k / 32) activation scales, row stride lddx
-  const int32_t* xc;   // (m, k / 32) -128 * each block's sum of xq, row stride lddx
-  const int8_t* q;     // (k, n)
-  const void* scale;   // (k / 32, n) float32 or float16
-  bool scale_f16;
-  float* y;            // (m, n), stretch-permuted below n64 (StoredColumn), accumulated into
-  int64_t m, k, n, ldxq, lddx;
-};
-
-inline float WeightScale(const Int8Operands& p, int64_t b, int64_t col) {
-  const int64_t i = b * p.n + col;
-  if (p.scale_f16) return HalfBitsToFloat(static_cast<const uint16_t*>(p.scale)[i]);
-  return static_cast<const float*>(p.scale)[i];
-}
-
-// Columns [c0, c1) of every x row, scalar: the same integers and folds as the VNNI path.
-inline void ColumnsInt8Scalar(const Int8Operands& p, int64_t c0, int64_t c1) {
-  const int64_t n64 = p.n & ~(kStretch - 1);
-  for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const float dw = WeightScale(p, b, c);
-      for (int64_t r = 0; r < p.m; ++r) {
-        const int8_t* xb = p.xq + r * p.ldxq + b * kBlock;
-        int32_t acc = p.xc[r * p.lddx + b];
-        for (int64_t i = 0; i < kBlock; ++i)
-          acc += static_cast<int32_t>(xb[i]) * (p.q[(b * kBlock + i) * p.n + c] + kOffset);
-        float* yc = p.y + r * p.n + StoredColumn(c, n64);
-        *yc = std::fma(p.dx[r * p.lddx + b] * dw, static_cast<float>(acc), *yc);
+        default: QuantizeBlockScalar(xb, qb, d, c);
       }
     }
   }
 }
 
-// y's stretches back in column order (rows [0, m) of y (m, n)).
-inline void UnpermuteColumns(float* y, int64_t m, int64_t n) {
-  const int64_t n64 = n & ~(kStretch - 1);
-  float tmp[kStretch];
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t c = 0; c < n64; c += kStretch) {
-      float* yc = y + r * n + c;
-      std::memcpy(tmp, yc, sizeof tmp);
-      for (int64_t j = 0; j < kStretch; ++j) yc[j] = tmp[StoredColumn(j, kStretch)];
-    }
-  }
-}
-
+// y (p.m, p.n, stretch-permuted) += the blocks of p on `path` (a PathFor result).
+inline void ColumnsInt8(const Int8Operands& p, Isa path) {
+  switch (path) {
 #if Q8_X86
-// 16 weight scales of block b from column col, as float32.
-Q8_VNNI inline F32x16 WeightScale16(const Int8Operands& p, int64_t b, int64_t col) {
-  const int64_t i = b * p.n + col;
-  if (p.scale_f16) return F::LoadHalves(static_cast<const uint16_t*>(p.scale) + i);
-  return F::LoadU(static_cast<const float*>(p.scale) + i);
-}
-
-// Rows 4t..4t+3 of block b's stretch at column c, interleaved: g[i] holds the 16 columns of
-// group i (StoredColumn's order), four rows' values + 128 (q ^ 0x80) to a 32-bit lane.
-// kStream: the caller reads q in its memory order (StreamInt8Row), which also prefetches
-// kStreamAheadL2 bytes ahead into L2.
-template <bool kStream = false>
-Q8_VNNI inline void InterleaveQuad(const Int8Operands& p, int64_t b, int64_t c, int t,
-                                   I32x16* g) {
-  const int8_t* row = p.q + (b * kBlock + 4 * t) * p.n + c;
-  const I32x16 flip = F::Set1Int8(static_cast<int8_t>(0x80));
-  I32x16 r[4];
-  for (int i = 0; i < 4; ++i) {
-    if (kStream) q8simd::PrefetchL2(row + i * p.n + kStreamAheadL2);
-    q8simd::PrefetchL1(row + i * p.n + kPrefetchAhead);
-    r[i] = F::Xor(F::LoadBytes(row + i * p.n), flip);
-  }
-  const I32x16 lo01 = Vnni::UnpackLo<8>(r[0], r[1]), hi01 = Vnni::UnpackHi<8>(r[0], r[1]);
-  const I32x16 lo23 = Vnni::UnpackLo<8>(r[2], r[3]), hi23 = Vnni::UnpackHi<8>(r[2], r[3]);
-  g[0] = Vnni::UnpackLo<16>(lo01, lo23);
-  g[1] = Vnni::UnpackHi<16>(lo01, lo23);
-  g[2] = Vnni::UnpackLo<16>(hi01, hi23);
-  g[3] = Vnni::UnpackHi<16>(hi01, hi23);
-}
-
-// The weight scales of block b's stretch at c in StoredColumn's order: ds[g] lane 4 L + t is
-// column c + 16 L + 4 g + t (the 4 x 4 lanes of 4 columns of the 4 natural vectors, transposed).
-Q8_VNNI inline void StretchScales(const Int8Operands& p, int64_t b, int64_t c, F32x16* ds) {
-  const F32x16 s0 = WeightScale16(p, b, c), s1 = WeightScale16(p, b, c + 16);
-  const F32x16 s2 = WeightScale16(p, b, c + 32), s3 = WeightScale16(p, b, c + 48);
-  const F32x16 a = F::Shuffle128<0x44>(s0, s1), bb = F::Shuffle128<0xee>(s0, s1);
-  const F32x16 cc = F::Shuffle128<0x44>(s2, s3), d = F::Shuffle128<0xee>(s2, s3);
-  ds[0] = F::Shuffle128<0x88>(a, cc);
-  ds[1] = F::Shuffle128<0xdd>(a, cc);
-  ds[2] = F::Shuffle128<0x88>(bb, d);
-  ds[3] = F::Shuffle128<0xdd>(bb, d);
-}
-
-// y rows r0..r0+MR-1 at the stretch c += (dx * dw) * acc, ds[g]: group g's weight scales.
-template <int MR>
-Q8_VNNI inline void FoldInt8(const Int8Operands& p, int64_t b, int64_t c, int64_t r0,
-                             const I32x16 (&acc)[MR][4], const F32x16* ds) {
-  for (int r = 0; r < MR; ++r) {
-    const F32x16 dxr = F::Set1(p.dx[(r0 + r) * p.lddx + b]);
-    float* yr = p.y + (r0 + r) * p.n + c;
-    for (int g = 0; g < 4; ++g) {
-      const F32x16 scale = F::Mul(dxr, ds[g]);
-      F::StoreU(yr + 16 * g, F::Fma(scale, F::ToFloat(acc[r][g]), F::LoadU(yr + 16 * g)));
-    }
-  }
-}
-
-template <int MR>
-Q8_VNNI inline void StartSums(const Int8Operands& p, int64_t b, int64_t r0,
-                              I32x16 (&acc)[MR][4]) {
-  for (int r = 0; r < MR; ++r) {
-    const I32x16 start = F::Set1Int32(p.xc[(r0 + r) * p.lddx + b]);
-    for (int g = 0; g < 4; ++g) acc[r][g] = start;
-  }
-}
-
-template <int MR>
-Q8_VNNI inline void DotQuad(const Int8Operands& p, int64_t b, int64_t r0, int t, const I32x16* g,
-                            I32x16 (&acc)[MR][4]) {
-  const int8_t* xb = p.xq + r0 * p.ldxq + b * kBlock + 4 * t;
-  for (int r = 0; r < MR; ++r) {
-    int32_t quad;
-    std::memcpy(&quad, xb + r * p.ldxq, sizeof quad);
-    const I32x16 xv = F::Set1Int32(quad);
-    for (int i = 0; i < 4; ++i) acc[r][i] = Vnni::DotBytes(acc[r][i], g[i], xv);
-  }
-}
-
-// MR (<= 4) x rows from r0 against block b's stretch at c, interleaved straight from the loads.
-template <int MR>
-Q8_VNNI inline void TileInt8(const Int8Operands& p, int64_t b, int64_t c, int64_t r0,
-                                   const F32x16* ds) {
-  I32x16 acc[MR][4];
-  StartSums<MR>(p, b, r0, acc);
-  for (int t = 0; t < kBlock / 4; ++t) {
-    I32x16 g[4];
-    InterleaveQuad(p, b, c, t, g);
-    DotQuad<MR>(p, b, r0, t, g, acc);
-  }
-  FoldInt8<MR>(p, b, c, r0, acc, ds);
-}
-
-Q8_VNNI inline void TileInt8Rows(int64_t mr, const Int8Operands& p, int64_t b, int64_t c,
-                                       int64_t r0, const F32x16* ds) {
-  switch (mr) {
-    case 1: return TileInt8<1>(p, b, c, r0, ds);
-    case 2: return TileInt8<2>(p, b, c, r0, ds);
-    case 3: return TileInt8<3>(p, b, c, r0, ds);
-    default: return TileInt8<4>(p, b, c, r0, ds);
-  }
-}
-
-// One x row against the stretches of block b, reading q kStreamQuads * 4 rows at a time across
-// all n64 columns (long sequential streams) with the block's int32 sums in sums (n64 values,
-// StoredColumn's order) between passes. The same integers and folds as TileInt8<1>. At
-// K = N = 4096 from DRAM (one thread) it took 0.5-0.6x the time of the 1 x 64 tiles' 32 short
-// streams; 4 rows at a time took 0.75x, 16 rows 0.65-0.85x.
-constexpr int kStreamQuads = 2;
-
-Q8_VNNI inline void StreamInt8Row(const Int8Operands& p, int64_t b, int64_t n64, int32_t* sums) {
-  const int8_t* xb = p.xq + b * kBlock;
-  const I32x16 start = F::Set1Int32(p.xc[b]);
-  for (int t0 = 0; t0 < kBlock / 4; t0 += kStreamQuads) {
-    I32x16 xv[kStreamQuads];
-    for (int u = 0; u < kStreamQuads; ++u) {
-      int32_t quad;
-      std::memcpy(&quad, xb + 4 * (t0 + u), sizeof quad);
-      xv[u] = F::Set1Int32(quad);
-    }
-    const bool first = t0 == 0, last = t0 + kStreamQuads == kBlock / 4;
-    for (int64_t c = 0; c < n64; c += kStretch) {
-      I32x16 acc[4];
-      for (int g = 0; g < 4; ++g) acc[g] = first ? start : F::LoadBytes(sums + c + 16 * g);
-      for (int u = 0; u < kStreamQuads; ++u) {
-        I32x16 w[4];
-        InterleaveQuad<true>(p, b, c, t0 + u, w);
-        for (int g = 0; g < 4; ++g) acc[g] = Vnni::DotBytes(acc[g], w[g], xv[u]);
-      }
-      if (!last) {
-        for (int g = 0; g < 4; ++g) F::StoreBytes(sums + c + 16 * g, acc[g]);
-        continue;
-      }
-      F32x16 ds[4];
-      StretchScales(p, b, c, ds);
-      const F32x16 dxr = F::Set1(p.dx[b]);
-      for (int g = 0; g < 4; ++g) {
-        float* yc = p.y + c + 16 * g;
-        F::StoreU(yc, F::Fma(F::Mul(dxr, ds[g]), F::ToFloat(acc[g]), F::LoadU(yc)));
-      }
-    }
-  }
-}
-
-// x rows per register tile (4 x 4 accumulators). Each tile interleaves the stretch again from
-// the loads (L1 after the first): at M = 8, 16 that took 0.65-0.85x the time of interleaving it
-// once into an L1 buffer that 6-row tiles read (K x N = 4096 x 4096, 2048 x 5632, one thread).
-constexpr int64_t kTileRows = 4;
-
-// Every x row against every column: the stretches on VNNI, the last n % 64 columns scalar.
-Q8_VNNI inline void ColumnsInt8Vnni(const Int8Operands& p) {
-  const int64_t n64 = p.n & ~(kStretch - 1);
-  if (p.m == 1 && n64 > 0) {
-    std::vector<int32_t> sums(static_cast<size_t>(n64));
-    for (int64_t b = 0; b < p.k / kBlock; ++b) StreamInt8Row(p, b, n64, sums.data());
-    if (n64 < p.n) ColumnsInt8Scalar(p, n64, p.n);
-    return;
-  }
-  for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    for (int64_t c = 0; c < n64; c += kStretch) {
-      F32x16 ds[4];
-      StretchScales(p, b, c, ds);
-      for (int64_t r = 0; r < p.m; r += kTileRows)
-        TileInt8Rows(p.m - r < kTileRows ? p.m - r : kTileRows, p, b, c, r, ds);
-    }
-  }
-  if (n64 < p.n) ColumnsInt8Scalar(p, n64, p.n);
-}
-
-inline bool HasVnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
-  }();
-  return has;
-}
-#else
-inline bool HasVnni() { return false; }
+    case q8isa::kAvx512: return vnni::Columns(p);
+    case q8isa::kAvx2: return avx2::Columns(p);
 #endif
-
-// y (p.m, p.n, stretch-permuted) += the blocks of p: on VNNI when `vnni`, else scalar.
-inline void ColumnsInt8(const Int8Operands& p, bool vnni) {
-#if Q8_X86
-  if (vnni) return ColumnsInt8Vnni(p);
-#endif
-  ColumnsInt8Scalar(p, 0, p.n);
+    default: return ColumnsInt8Scalar(p, 0, p.n);
+  }
 }
 
 }  // namespace q8act

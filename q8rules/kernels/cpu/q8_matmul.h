@@ -28,6 +28,7 @@
 #endif
 
 #include "helper_threads.h"
+#include "isa.h"
 #include "q8_act_int8.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -50,8 +51,12 @@ constexpr int64_t kStreamAheadL2 = q8act::kStreamAheadL2;
 // One product, all arrays row-major. A thread's share is a run of 32-row blocks: the same struct with x, q and
 // scale advanced to its first block, k its rows, and y its own accumulator; or a stripe of
 // columns, with y a stripe-sized accumulator (ldy its width, y_col its first column).
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-inline constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
+using q8isa::Isa;
+using q8isa::kAvx2;
+using q8isa::kAvx512;
+using q8isa::kNeon;
+using q8isa::kNeonDot;
+using q8isa::kScalar;
 
 struct Problem {
   const float* x;       // (M, k) with row stride ldx
@@ -69,7 +74,7 @@ struct Problem {
   const int8_t* xq = nullptr;
   const float* dx = nullptr;
   const int32_t* xc = nullptr;
-  bool vnni = false;    // the Q8_0-activation product's path: VNNI, else scalar
+  Isa act_path = kScalar;  // the Q8_0-activation product's int8 path (q8act::PathFor)
 };
 
 // The blocks [b0, b1) of p, accumulating into y.
@@ -158,51 +163,11 @@ using Vec = q8simd::Avx512;
 #endif
 #endif  // Q8_X86
 
-// Set through Q8GemvForceScalar: tests run the scalar path on a SIMD CPU.
-inline std::atomic<bool> g_force_scalar{false};
 // The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
 inline std::atomic<int> g_last_isa{-1};
 inline std::atomic<int> g_last_threads{0};
-// Whether the last Q8_0-activation product ran on VNNI (1) or scalar (0); -1: none yet.
-inline std::atomic<int> g_last_act_vnni{-1};
-
-// The best path this CPU supports.
-inline Isa BestIsa() {
-#if Q8_X86
-  static const Isa best = [] {
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-          __builtin_cpu_supports("f16c")))
-      return kScalar;
-    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
-  }();
-  return best;
-#else
-  return kScalar;
-#endif
-}
-
-// The path a call runs: $Q8RULES_CPU_ISA (avx512, avx2 or scalar; unset, empty
-// or "auto": the best), capped at what the CPU supports, and scalar while
-// Q8GemvForceScalar is on. Read on every call. False for an unknown value.
-inline bool SelectIsa(Isa* isa) {
-  Isa want = kAvx512;
-  const char* env = std::getenv("Q8RULES_CPU_ISA");
-  if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
-    if (std::strcmp(env, "avx512") == 0) {
-      want = kAvx512;
-    } else if (std::strcmp(env, "avx2") == 0) {
-      want = kAvx2;
-    } else if (std::strcmp(env, "scalar") == 0) {
-      want = kScalar;
-    } else {
-      return false;
-    }
-  }
-  if (g_force_scalar.load(std::memory_order_relaxed)) want = kScalar;
-  *isa = std::min(want, BestIsa());
-  return true;
-}
+// The path of the last Q8_0-activation product's int8 dots (q8act::Path); -1: none yet.
+inline std::atomic<int> g_last_act_path{-1};
 
 // All x rows of p (groups of <= 16 rows), columns [n0, n1) (every column on the Q8_0-activation
 // path), accumulated into p.y.
@@ -216,7 +181,7 @@ inline void Columns(const Problem& p, int64_t n0, int64_t n1) {
                                   p.q,               p.scale,        p.scale_f16,
                                   p.y + m0 * p.n,    mg,             p.k,
                                   p.n,               p.ldx,          nb};
-      q8act::ColumnsInt8(o, p.vnni);
+      q8act::ColumnsInt8(o, p.act_path);
       continue;
     }
 #if Q8_X86
@@ -469,28 +434,28 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
 }
 
 // Rows of x as the Q8_0-activation product takes them (q8_act_int8.h), quantized once for every
-// thread's share: the path (VNNI, else scalar) follows the ISA the product runs.
+// thread's share, on the int8 path of the ISA the product runs (q8act::PathFor).
 struct ActivationsQ8 {
   std::vector<int8_t> xq;   // (m, k)
   std::vector<float> dx;    // (m, k / 32)
   std::vector<int32_t> xc;  // (m, k / 32)
   int64_t k = 0;
-  bool vnni = false;
+  Isa path = kScalar;
 
   // Rows [0, m) of x (row stride ldx), k values each.
   void Quantize(const float* x, int64_t m, int64_t k_, int64_t ldx, Isa isa) {
     k = k_;
-    vnni = isa == kAvx512 && q8act::HasVnni();
+    path = q8act::PathFor(isa);
     xq.resize(static_cast<size_t>(m * k));
     dx.resize(static_cast<size_t>(m * (k / kBlock)));
     xc.resize(dx.size());
-    q8act::QuantizeRows(x, m, k, ldx, xq.data(), dx.data(), xc.data(), vnni);
-    g_last_act_vnni.store(vnni ? 1 : 0, std::memory_order_relaxed);
+    q8act::QuantizeRows(x, m, k, ldx, xq.data(), dx.data(), xc.data(), path);
+    g_last_act_path.store(path, std::memory_order_relaxed);
   }
 
   // p on these activations from row `row` on (p.x's first row), row strides k and k / 32.
   void Attach(Problem& p, int64_t row) const {
-    p.vnni = vnni;
+    p.act_path = path;
     p.xq = xq.data() + row * k;
     p.dx = dx.data() + row * (k / kBlock);
     p.xc = xc.data() + row * (k / kBlock);
@@ -527,10 +492,7 @@ inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span
   p.scale = scale;
   p.y = y->typed_data();
   p.ldy = p.n;
-  if (!SelectIsa(&p.isa)) {
-    return ffi::Error::InvalidArgument(
-        "q8_gemv: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
-  }
+  if (!q8isa::Select(&p.isa)) return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_gemv"));
   g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.n, 0.0f);
   if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();

@@ -9,7 +9,7 @@
 // order, then the N % lanes tail). No float weight is kept: a q row is converted in registers
 // and used by a tile of dy rows. Threads take runs of k rows; each y element is computed by
 // one thread in one order, so the output does not depend on the threads. The path (AVX-512,
-// AVX2, scalar) is the weight-only product's (q8_matmul.h: SelectIsa, $Q8RULES_CPU_ISA).
+// AVX2, scalar) is the weight-only product's (isa.h: $Q8RULES_CPU_ISA).
 
 #ifndef Q8RULES_Q8_MATMUL_T_H_
 #define Q8RULES_Q8_MATMUL_T_H_
@@ -194,10 +194,7 @@ inline ffi::Error Q8MatmulTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dy,
   p.q = q.typed_data();
   p.scale = scale.untyped_data();
   p.y = y->typed_data();
-  if (!q8mm::SelectIsa(&p.isa)) {
-    return ffi::Error::InvalidArgument(
-        "q8_matmul_t: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
-  }
+  if (!q8isa::Select(&p.isa)) return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_matmul_t"));
   q8mm::g_last_isa.store(p.isa, std::memory_order_relaxed);
   std::fill(p.y, p.y + p.m * p.k, 0.0f);
   if (p.m == 0 || p.k == 0) return ffi::Error::Success();

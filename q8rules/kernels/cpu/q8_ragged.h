@@ -115,9 +115,8 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("q8_ragged_matmul: scale must be float32 or float16");
   }
   q8mm::Problem base;
-  if (!q8mm::SelectIsa(&base.isa)) {
-    return ffi::Error::InvalidArgument(
-        "q8_ragged_matmul: $Q8RULES_CPU_ISA must be avx512, avx2, scalar or auto");
+  if (!q8isa::Select(&base.isa)) {
+    return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_ragged_matmul"));
   }
   q8mm::g_last_isa.store(base.isa, std::memory_order_relaxed);
   const int64_t m = xd[0], k = xd[1], experts = qd[0], n = qd[2];

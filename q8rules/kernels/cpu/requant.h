@@ -29,8 +29,8 @@
 #include <thread>
 #include <vector>
 
-#include "q8_act_int8.h"  // q8act::FloatToHalf: float32 -> float16 bits, as numpy rounds
-#include "q8_matmul.h"    // q8mm::SelectIsa: the SIMD path a call may take
+#include "isa.h"
+#include "q8_0_blocks.h"  // float32 -> Q8_0 GGUF blocks, on every path
 #include "simd.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -49,8 +49,6 @@ enum GgmlType : int {
 // What the C functions return.
 enum Status : int { kOk = 0, kUnsupported = -1, kBadShape = -2 };
 
-constexpr int64_t kQ8Block = 32;       // values of a Q8_0 block
-constexpr int64_t kQ8Bytes = 34;       // its bytes: float16 d, then 32 int8
 constexpr int64_t kSuper = 256;        // values of a K-quant super-block (QK_K)
 constexpr int64_t kChunk = 4096;       // values a thread decodes before it quantizes them
 
@@ -310,84 +308,6 @@ inline bool FormatOf(int type, Format* f) {
   }
 }
 
-// roundf(v) (half away from zero) as int8, as gguf.quants' np_roundf then astype(int8), for
-// |v| < 128 (all a Q8_0 block holds: |x| * (1 / d) <= 127 but for rounding): the truncation
-// plus one where the dropped fraction is at least 0.5 (both exact). A NaN or infinite v (a
-// block with a non-finite value, or so small that 1 / d overflows) gives 0, as numpy's cast
-// does on x86.
-inline int8_t RoundToInt8(float v) {
-  const float a = std::fabs(v);
-  if (!(a < 128.0f)) return 0;
-  int t = static_cast<int>(a);
-  t += a - static_cast<float>(t) >= 0.5f ? 1 : 0;
-  return static_cast<int8_t>(v < 0.0f ? -t : t);
-}
-
-// The block's d from its largest magnitude (NaN when a value is NaN, as numpy's max gives),
-// stored as float16 at out; returns 1 / d (0 for an all-zero block), float32 throughout.
-inline float StoreScale(float amax, bool nan, uint8_t* out) {
-  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
-  const float d = amax / 127.0f;
-  const uint16_t h = q8act::FloatToHalf(d);
-  std::memcpy(out, &h, sizeof h);
-  return d == 0.0f ? 0.0f : 1.0f / d;
-}
-
-// 32 floats as one Q8_0 GGUF block (34 bytes at out), as gguf.quants' Q8_0 quantizer.
-inline void QuantizeBlock(const float* x, uint8_t* out) {
-  float amax = 0.0f;
-  bool nan = false;
-  for (int64_t i = 0; i < kQ8Block; ++i) {
-    const float a = std::fabs(x[i]);
-    amax = a > amax ? a : amax;
-    nan = nan || a != a;
-  }
-  const float id = StoreScale(amax, nan, out);
-  for (int64_t i = 0; i < kQ8Block; ++i) {
-    const float v = x[i] * id;
-    out[2 + i] = static_cast<uint8_t>(RoundToInt8(v));
-  }
-}
-
-#if Q8_X86
-// QuantizeBlock on AVX-512, bit for bit: the same float32 operations, the rounding as in
-// RoundToInt8 (vcvttps2dq truncates), 0 where |v| is not below 128.
-Q8_AVX512F inline void QuantizeBlockAvx512(const float* x, uint8_t* out) {
-  using F = q8simd::Avx512F;
-  using q8simd::F32x16, q8simd::I32x16, q8simd::Mask16;
-  const F32x16 half_lo = F::LoadU(x), half_hi = F::LoadU(x + 16);
-  const Mask16 unordered = F::Unordered(half_lo, half_lo) | F::Unordered(half_hi, half_hi);
-  const F32x16 mag = F::Max(F::Abs(half_lo), F::Abs(half_hi));
-  const F32x16 id = F::Set1(StoreScale(F::ReduceMax(mag), unordered != 0, out));
-  const F32x16 halves[2] = {half_lo, half_hi};
-  for (int h = 0; h < 2; ++h) {
-    const F32x16 v = F::Mul(halves[h], id);
-    const F32x16 a = F::Abs(v);
-    const Mask16 small = F::Less(a, F::Set1(128.0f));
-    I32x16 t = F::TruncToInt32Where(small, a);
-    const F32x16 dropped = F::Sub(a, F::ToFloat(t));
-    const Mask16 up = F::GreaterEqualWhere(small, dropped, F::Set1(0.5f));
-    t = F::AddInt32Where(up, t, F::Set1Int32(1));
-    const Mask16 neg = F::Less(v, F::Zero());
-    t = F::NegateInt32Where(neg, t);
-    F::StoreInt8(out + 2 + 16 * h, t);
-  }
-}
-#endif
-
-// n floats (a multiple of 32) as n / 32 Q8_0 blocks at out; on AVX-512 when `avx512`.
-inline void QuantizeRun(const float* x, int64_t n, uint8_t* out, bool avx512) {
-  for (int64_t b = 0; b < n / kQ8Block; ++b) {
-#if Q8_X86
-    if (avx512) {
-      QuantizeBlockAvx512(x + b * kQ8Block, out + b * kQ8Bytes);
-      continue;
-    }
-#endif
-    QuantizeBlock(x + b * kQ8Block, out + b * kQ8Bytes);
-  }
-}
-
 // fn(c0, c1) over chunks [0, chunks), in runs of `run` chunks that the caller and up to
 // threads - 1 started threads take in turn from one counter, so a thread whose core is busy
 // with other work takes fewer (a fixed split waits for its slowest share).
@@ -440,15 +360,15 @@ inline Status Requantize(int type, const uint8_t* src, int64_t n_rows, int64_t n
   Format f;
   const Status ok = Check(type, n_rows, n_cols, true, &f);
   if (ok != kOk) return ok;
-  q8mm::Isa isa = q8mm::kScalar;
-  const bool avx512 = q8mm::SelectIsa(&isa) && isa == q8mm::kAvx512;
+  q8isa::Isa isa = q8isa::kScalar;
+  if (!q8isa::Select(&isa)) isa = q8isa::kScalar;
   const int64_t total = n_rows * n_cols;
   OnThreads((total + kChunk - 1) / kChunk, threads, [&](int64_t c0, int64_t c1) {
     alignas(64) float buf[kChunk];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t v0 = c * kChunk, n = std::min(kChunk, total - v0);
       f.decode(src + v0 / f.values * f.bytes, n / f.values, buf);
-      QuantizeRun(buf, n, out + v0 / kQ8Block * kQ8Bytes, avx512);
+      QuantizeRun(buf, n, out + v0 / kQ8Block * kQ8Bytes, isa);
     }
   });
   return kOk;

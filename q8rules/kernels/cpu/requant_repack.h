@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "q8_matmul.h"  // q8mm::SelectIsa
+#include "isa.h"
 #include "repack.h"
 #include "requant.h"
 
@@ -28,12 +28,12 @@ constexpr int64_t kRepackRun = 64;  // rows a unit: one cache line of each value
 // Values [v0, v1) of a tensor of format f at src (v0 and v1 on whole blocks of f and of Q8_0)
 // as Q8_0 blocks at out, through a float buffer of kChunk values.
 inline void RequantizeValues(const Format& f, const uint8_t* src, int64_t v0, int64_t v1,
-                             uint8_t* out, bool avx512) {
+                             uint8_t* out, q8isa::Isa isa) {
   alignas(64) float buf[kChunk];
   for (int64_t v = v0; v < v1; v += kChunk) {
     const int64_t n = std::min(kChunk, v1 - v);
     f.decode(src + v / f.values * f.bytes, n / f.values, buf);
-    QuantizeRun(buf, n, out + (v - v0) / kQ8Block * kQ8Bytes, avx512);
+    QuantizeRun(buf, n, out + (v - v0) / kQ8Block * kQ8Bytes, isa);
   }
 }
 
@@ -55,8 +55,8 @@ inline Status RequantizeKernelBatch(const int* types, const uint8_t* const* srcs
     const Status ok = Check(types[i], rows, n_cols, true, &formats[i]);
     if (ok != kOk) return ok;
   }
-  q8mm::Isa isa = q8mm::kScalar;
-  const bool avx512 = q8mm::SelectIsa(&isa) && isa == q8mm::kAvx512;
+  q8isa::Isa isa = q8isa::kScalar;
+  if (!q8isa::Select(&isa)) isa = q8isa::kScalar;
   const int64_t nb = n_cols / kQ8Block, row_bytes = nb * kQ8Bytes;
   const int64_t runs = (rows + kRepackRun - 1) / kRepackRun;
   // A unit: a whole tensor when there are several, so that a thread writes (and first touches)
@@ -77,7 +77,7 @@ inline Status RequantizeKernelBatch(const int* types, const uint8_t* const* srcs
             q8repack::RepackRows(srcs[i], q, d, r0, r1, nb, ldq, lds);
             continue;
           }
-          RequantizeValues(formats[i], srcs[i], r0 * n_cols, r1 * n_cols, blocks.data(), avx512);
+          RequantizeValues(formats[i], srcs[i], r0 * n_cols, r1 * n_cols, blocks.data(), isa);
           q8repack::RepackRows(blocks.data(), q + r0, d + r0, 0, r1 - r0, nb, ldq, lds);
         }
       },

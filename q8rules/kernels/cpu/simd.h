@@ -8,6 +8,7 @@
 //   - Avx512F (16 floats, 16 int32 and their masks): the Q8_0 quantizers of requant.h and
 //     q8_act_int8.h, on AVX-512 F alone;
 //   - Avx512Vnni: the Q8_0-activation product's byte interleave and int8 dots (q8_act_int8.h);
+//   - Avx2Int (8 floats, 8 int32 or 32 int8): the Q8_0 quantizers and the int8 dots on AVX2;
 //   - Sse2 (16 bytes, baseline on x86-64): the repack's 16 x 16 transposes (repack.h);
 // and the prefetches, the spin-wait hint and the MXCSR guard every path shares. Every operation
 // is one instruction (or the fixed sequence) the kernels' hand-written code used, so a kernel
@@ -21,8 +22,14 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define Q8_X86 1
+#define Q8_ARM 0
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define Q8_X86 0
+#define Q8_ARM 1
 #else
 #define Q8_X86 0
+#define Q8_ARM 0
 #endif
 
 // A helper the compiler must inline (a tile's accumulators stay in registers across it).
@@ -83,6 +90,141 @@ struct Avx2 {
       return _mm256_cvtph_ps(h);
     }
     return _mm256_loadu_ps(static_cast<const float*>(scale) + i);
+  }
+};
+
+// AVX2's 8 floats and 8 int32 (or 32 int8) for the Q8_0 quantizers and the Q8_0-activation
+// product's int8 dots where there is no AVX-512 VNNI (llama.cpp's AVX2 dots: vpsignb, vpmaddubsw,
+// vpmaddwd).
+using F32x8 = __m256;
+using I32x8 = __m256i;
+struct Avx2Int {
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Zero() { return _mm256_setzero_ps(); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Set1(float v) { return _mm256_set1_ps(v); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 LoadU(const float* p) { return _mm256_loadu_ps(p); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static void StoreU(float* p, F32x8 v) { _mm256_storeu_ps(p, v); }
+  // 8 float16 at p widened to float32 (vcvtph2ps).
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 LoadHalves(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Abs(F32x8 a) {
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Max(F32x8 a, F32x8 b) { return _mm256_max_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Min(F32x8 a, F32x8 b) { return _mm256_min_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Add(F32x8 a, F32x8 b) { return _mm256_add_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Sub(F32x8 a, F32x8 b) { return _mm256_sub_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Mul(F32x8 a, F32x8 b) { return _mm256_mul_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Fma(F32x8 a, F32x8 b, F32x8 c) {
+    return _mm256_fmadd_ps(a, b, c);
+  }
+  // Each lane rounded down to an integer (vroundps, no exceptions).
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Floor(F32x8 a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  }
+  // The largest lane (vmaxps over halves, pairs, then lanes: exact, any order).
+  Q8_AVX2 Q8_ALWAYS_INLINE static float ReduceMax(F32x8 a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  // All-ones lanes where a < b (ordered, quiet), where a or b is NaN, where a >= b (ordered).
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Less(F32x8 a, F32x8 b) {
+    return _mm256_cmp_ps(a, b, _CMP_LT_OQ);
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Unordered(F32x8 a, F32x8 b) {
+    return _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 GreaterEqual(F32x8 a, F32x8 b) {
+    return _mm256_cmp_ps(a, b, _CMP_GE_OQ);
+  }
+  // Whether any lane of a comparison's result is set.
+  Q8_AVX2 Q8_ALWAYS_INLINE static bool Any(F32x8 mask) { return _mm256_movemask_ps(mask) != 0; }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 And(F32x8 a, F32x8 b) { return _mm256_and_ps(a, b); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Or(F32x8 a, F32x8 b) { return _mm256_or_ps(a, b); }
+  // -a where mask is set, a elsewhere (the sign bit flipped: exact).
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 NegateWhere(F32x8 mask, F32x8 a) {
+    return _mm256_xor_ps(a, _mm256_and_ps(mask, _mm256_set1_ps(-0.0f)));
+  }
+  // Float to int32 truncated (vcvttps2dq); int32 to float.
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 TruncToInt32(F32x8 a) { return _mm256_cvttps_epi32(a); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 ToFloat(I32x8 a) { return _mm256_cvtepi32_ps(a); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 ZeroInt() { return _mm256_setzero_si256(); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 Set1Int32(int32_t v) { return _mm256_set1_epi32(v); }
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 AddInt32(I32x8 a, I32x8 b) {
+    return _mm256_add_epi32(a, b);
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 SubInt32(I32x8 a, I32x8 b) {
+    return _mm256_sub_epi32(a, b);
+  }
+  // a where the float mask is set, 0 elsewhere (bitwise).
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 KeepWhere(F32x8 mask, I32x8 a) {
+    return _mm256_and_si256(_mm256_castps_si256(mask), a);
+  }
+  // The float mask's lanes as int32: -1 where set, 0 elsewhere.
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 MaskToInt32(F32x8 mask) {
+    return _mm256_castps_si256(mask);
+  }
+  // 0 - a where the float mask is set, a elsewhere ((a ^ m) - m, m = -1 there).
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 NegateInt32Where(F32x8 mask, I32x8 a) {
+    const __m256i m = _mm256_castps_si256(mask);
+    return _mm256_sub_epi32(_mm256_xor_si256(a, m), m);
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static int32_t ReduceAddInt32(I32x8 a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
+  // Four vectors of 8 int32, each in [-128, 127], as 32 int8 stored at p in order (vpackssdw,
+  // vpacksswb, then vpermd undoing the packs' 128-bit lane interleave).
+  Q8_AVX2 Q8_ALWAYS_INLINE static void StoreInt8x32(void* p, I32x8 a, I32x8 b, I32x8 c,
+                                                    I32x8 d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    const __m256i bytes = _mm256_packs_epi16(ab, cd);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(static_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  // 32 bytes at p, unaligned; stored to p.
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 LoadBytes(const void* p) {
+    return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  }
+  Q8_AVX2 Q8_ALWAYS_INLINE static void StoreBytes(void* p, I32x8 v) {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), v);
+  }
+  // The low (high) halves of each 128-bit lane of a and b interleaved, in units of kBits (8 or
+  // 16) bits (vpunpckl/hbw, vpunpckl/hwd).
+  template <int kBits>
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 UnpackLo(I32x8 a, I32x8 b) {
+    static_assert(kBits == 8 || kBits == 16);
+    if constexpr (kBits == 8) return _mm256_unpacklo_epi8(a, b);
+    else return _mm256_unpacklo_epi16(a, b);
+  }
+  template <int kBits>
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 UnpackHi(I32x8 a, I32x8 b) {
+    static_assert(kBits == 8 || kBits == 16);
+    if constexpr (kBits == 8) return _mm256_unpackhi_epi8(a, b);
+    else return _mm256_unpackhi_epi16(a, b);
+  }
+  // Each byte's magnitude as an unsigned byte (vpabsb: -128 gives 128).
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 AbsInt8(I32x8 a) { return _mm256_abs_epi8(a); }
+  // acc + per 32-bit lane the sum of the four products of w's and x's signed bytes, given
+  // w_abs = AbsInt8(w): |w| times x with w's sign (vpsignb, vpmaddubsw), pairs of int16 into
+  // int32 (vpmaddwd). Exact for any w and x in [-127, 127]: a pair's sum is at most
+  // 2 * 128 * 127 in magnitude, inside int16.
+  Q8_AVX2 Q8_ALWAYS_INLINE static I32x8 DotInt8(I32x8 acc, I32x8 w_abs, I32x8 w, I32x8 x) {
+    const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  // The 128-bit halves kImm picks from a and b (vperm2f128).
+  template <int kImm>
+  Q8_AVX2 Q8_ALWAYS_INLINE static F32x8 Permute128(F32x8 a, F32x8 b) {
+    return _mm256_permute2f128_ps(a, b, kImm);
+  }
+  // f rounded to float16 (nearest even) and widened back (vcvtps2ph, vcvtph2ps).
+  Q8_AVX2 Q8_ALWAYS_INLINE static float RoundToHalf(float f) {
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
 

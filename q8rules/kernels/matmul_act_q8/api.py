@@ -44,8 +44,6 @@ OP = registry.register(registry.Op.of("matmul_act_q8", (cpu, xla), DEFAULT_ORDER
 IMPLEMENTATIONS = OP.names
 """The implementations of the Q8_0 x Q8_0 product."""
 
-int8_kernel_runs = cpu.int8_kernel_runs
-
 
 def check_act_qtype(act_qtype: object) -> None:
   """Raise a clear error unless `act_qtype` is None or one of `ACT_QTYPES`."""
@@ -59,7 +57,6 @@ __all__ = [
   "IMPLEMENTATIONS",
   "OP",
   "check_act_qtype",
-  "int8_kernel_runs",
   "quantize_activations",
   "reference_float64",
   "round_trip",

@@ -1,10 +1,8 @@
 """'cpu': the Q8_0 x Q8_0 product on the native CPU library.
 
-On a CPU with AVX-512 VNNI (and `$Q8RULES_CPU_ISA` not capping the kernel below AVX-512) it is
-the library's int8 product (exact int32 block dots); elsewhere the activations' Q8_0 round
-trip (dx * xq, exact in float32) through the library's float32 product, which is as fast as
-the weight-only product there (XLA's int8 dot on a CPU ran 10-25x slower). Reads a stacked
-layer in place either way.
+The library's int8 product (exact int32 block dots, llama.cpp's numerics) on every SIMD path:
+AVX-512 VNNI, AVX2 (also AVX-512 without VNNI), NEON with or without `sdot`, else scalar
+(`native.simd.act_path`); each path gives the same bits. Reads a stacked layer in place.
 """
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.kernels.matmul import cpu as weight_only
-from q8rules.kernels.matmul_act_q8.reference import round_trip
 from q8rules.kernels.native import library, simd
 from q8rules.kernels.native.library import TARGET_ACT_Q8, TARGET_ACT_Q8_LAYER
 from q8rules.kernels.problem import Problem
 
 NAME = "cpu"
-SUMMARY = "the native CPU library: int8 block dots with AVX-512 VNNI, else the round trip"
+SUMMARY = "the native CPU library: int8 block dots (AVX-512 VNNI, AVX2, NEON, scalar)"
 
 
 def q8_matmul_cpu_act_q8(
@@ -53,22 +50,15 @@ def q8_matmul_cpu_act_q8(
   return jax.ffi.ffi_call(TARGET_ACT_Q8_LAYER, out)(x, q, scale, jnp.asarray(layer, jnp.int32))
 
 
-def int8_kernel_runs() -> bool:
-  """Whether 'cpu' runs the native kernel's int8 product here (AVX-512 VNNI, the kernel's
-  selected path AVX-512), rather than the round trip through its float32 product."""
-  return simd.has_vnni() and simd.isa("selected") == "avx512"
-
-
 def cannot(p: Problem) -> str | None:
   """The weight-only native kernel's reasons (not on the CPU, or not built here)."""
   return weight_only.cannot(p)
 
 
 def slower(p: Problem) -> str | None:
-  """Where it runs the round trip, the weight-only kernel's own reason (more rows than it
-  takes; XLA's GEMM is faster there)."""
-  if not int8_kernel_runs():
-    return weight_only.slower(p)
+  """None: the int8 product runs every row count (it reads the weight once per 16 rows, and
+  its block dots are cheaper than a float32 product's)."""
+  del p
   return None
 
 
@@ -77,19 +67,16 @@ def run(
 ) -> jax.Array:
   """On x2d (m, K) and q (K, N), scale (K/32, N) or, with `layer`, layer `layer` of stacked
   q (L, K, N), scale (L, K/32, N) read in place: (m, N) float32."""
-  if int8_kernel_runs():
-    return q8_matmul_cpu_act_q8(x2d, q, scale, layer)
-  if layer is None:
-    return weight_only.q8_matmul_cpu(round_trip(x2d), q, scale)
-  return weight_only.q8_matmul_cpu_layer(round_trip(x2d), q, scale, layer)
+  return q8_matmul_cpu_act_q8(x2d, q, scale, layer)
 
 
 def quantize_activations_native(
-  x: np.ndarray, simd: bool = True
+  x: np.ndarray, isa: str = "scalar"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The kernel's own Q8_0 of float32 rows x (m, K), as the Q8_0-activation product uses it:
   int8 values (m, K), float32 scales (m, K/32: the float16 d widened) and int32 -128 * each
-  block's sum of values; on AVX-512 with `simd` where the CPU has VNNI, else scalar (tests)."""
+  block's sum of values; by the quantizer of `isa`'s int8 path (a name of
+  `native.simd.ISAS`; scalar where this CPU lacks it), for tests."""
   lib = library.require()
   x = np.ascontiguousarray(x, np.float32)
   m, k = x.shape
@@ -106,7 +93,7 @@ def quantize_activations_native(
     ptr(xq.ctypes.data),
     ptr(dx.ctypes.data),
     ptr(xc.ctypes.data),
-    ctypes.c_int(int(simd)),
+    ctypes.c_int(simd.ISAS.index(isa)),
   )
   return xq, dx, xc
 
@@ -115,7 +102,6 @@ __all__ = [
   "NAME",
   "SUMMARY",
   "cannot",
-  "int8_kernel_runs",
   "q8_matmul_cpu_act_q8",
   "quantize_activations_native",
   "run",

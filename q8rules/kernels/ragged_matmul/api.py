@@ -79,7 +79,7 @@ def _run_on(platform: str, x2d, q, scale, group_sizes, *, implementation, interp
   experts, k, n = q.shape
   name = resolve_ragged(x2d.shape[0], k, n, experts, x2d.dtype, platform, implementation)
   if act_qtype is not None:
-    if name == cpu.NAME and act_q8.int8_kernel_runs():
+    if name == cpu.NAME:
       return cpu.ragged_cpu(x2d, q, scale, group_sizes, act_q8=True)
     x2d = round_trip(x2d)
   return OP.implementations[name].run(x2d, q, scale, group_sizes, platform, interpret)
