@@ -3,6 +3,11 @@ device program `GGUFModel.stream` runs), each op's time per step by kind, with t
 kind of Q8_0 product reads and its rate against the read probe.
 
     python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2] [--top 0] [--act-qtype q8_0]
+    python benchmarks/decode_breakdown.py FILE --serve-rows 4 [...]   # the server's batched step
+
+With `--serve-rows P` the step measured is `q8rules serve`'s (`serve.runner.BatchRunner`'s
+device program: P slots, every one decoding, greedy, `--steps` decode steps a program as the
+server runs them) instead of `GGUFModel.stream`'s one row.
 
 Kinds: the output head (the one product outside the layers), the layers' products (q | k | v
 and the output projection; a dense model's FFN too), the expert products (op
@@ -107,6 +112,32 @@ def product_bytes(ins: dict) -> int:
   return per
 
 
+def serve_steps(m, rows: int, steps: int, total: int):
+  """A function that runs `total` decode steps of the server's batched program on `rows`
+  slots, every one decoding (each slot prefilled with PROMPT, greedy), and returns ms a step."""
+  import numpy as np
+
+  from q8rules.serve.runner import HISTORY, BatchRunner
+  from q8rules.serve.sampling import RowSettings
+
+  runner = BatchRunner(m, slots=rows, context=len(PROMPT) + 4 * total + 8, steps=steps)
+  key, history = np.zeros((2,), np.uint32), np.full((HISTORY,), -1, np.int32)
+
+  def run() -> float:
+    for slot in range(rows):
+      runner.free(slot)
+      runner.prefill(slot, np.asarray(PROMPT, np.int32), 0, key, history, RowSettings.empty(1),
+                     last=True).fetch(False)  # fmt: skip
+    start, done = time.perf_counter(), 0
+    while done < total:
+      n = min(steps, total - done)
+      runner.decode(n).fetch(False)
+      done += n
+    return (time.perf_counter() - start) * 1e3 / total
+
+  return run
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("file")
@@ -114,9 +145,15 @@ def main() -> None:
   ap.add_argument("--threads", type=int, default=2, help="the read probe's threads")
   ap.add_argument("--top", type=int, default=0, help="list the N slowest XLA ops")
   ap.add_argument("--act-qtype", default=None, choices=("q8_0",), help="load_gguf's act_qtype")
+  ap.add_argument("--serve-rows", type=int, default=0, help="the server's step with P rows")
+  ap.add_argument("--steps", type=int, default=4, help="decode steps a server program runs")
   args = ap.parse_args()
   dump = tempfile.mkdtemp(prefix="decode-breakdown-")
-  flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*_loop.* --xla_dump_hlo_as_text"
+  module = "jit__decode_steps" if args.serve_rows else "jit__loop"
+  flags = (
+    f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{module.removeprefix('jit_')}.*"
+    " --xla_dump_hlo_as_text"
+  )
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
 
   import jax
@@ -137,13 +174,15 @@ def main() -> None:
     )
     return (time.perf_counter() - ready[0]) * 1e3 / (n - 1)
 
+  if args.serve_rows:
+    stream = serve_steps(m, args.serve_rows, args.steps, steps)
   stream()  # compiles
   wall = min(stream() for _ in range(3))
   trace = tempfile.mkdtemp(prefix="decode-breakdown-trace-")
   jax.profiler.start_trace(trace)
   traced = stream()
   jax.profiler.stop_trace()
-  hlo = sorted(glob.glob(f"{dump}/*jit__loop*after_optimizations.txt"))
+  hlo = sorted(glob.glob(f"{dump}/*{module}*after_optimizations.txt"))
   ins = instructions(Path(hlo[-1]).read_text())
   pb = max(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
   ms, calls, each = collections.Counter(), collections.Counter(), collections.Counter()
@@ -151,7 +190,7 @@ def main() -> None:
     for line in plane.lines:
       for ev in line.events:
         stats = dict(ev.stats)
-        if stats.get("hlo_module") != "jit__loop" or ev.name not in ins:
+        if stats.get("hlo_module") != module or ev.name not in ins:
           continue
         kind = kind_of(ins[ev.name])
         if kind is not None:
@@ -164,9 +203,15 @@ def main() -> None:
       read[kind_of(ins[name])] += product_bytes(ins[name]) * n / steps
   probe = read_bandwidth(args.threads, gib=2.0)
   c = m.config
+  what = (
+    f"the server's step, {args.serve_rows} rows ({args.steps} steps a program)"
+    if args.serve_rows
+    else "decode"
+  )
+  rate = max(args.serve_rows, 1) * 1e3 / wall
   rows = [
-    f"{Path(args.file).name}: {c.arch}, {c.layers} layers, dim {c.dim}, vocab {c.vocab}; decode"
-    f" {1e3 / wall:.1f} tokens/s ({wall:.2f} ms a step; {traced:.2f} under the profiler, which"
+    f"{Path(args.file).name}: {c.arch}, {c.layers} layers, dim {c.dim}, vocab {c.vocab}; {what}"
+    f" {rate:.1f} tokens/s ({wall:.2f} ms a step; {traced:.2f} under the profiler, which"
     f" the shares are of); read probe {probe:.1f} GB/s ({args.threads} threads)",
     "",
     "| kind | ms / step | share | MB / step | GB/s (of the probe) |",

@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   p.scale_f16 = true;
   p.x = x.data();
   p.y = y.data();
-  if (!SelectIsa(&p.isa)) return 2;
+  if (!q8isa::Select(&p.isa)) return 2;
   std::thread helper(Helper);
   const int64_t blocks = k / kBlock, split = blocks / 2;
   double best = 1e30;

@@ -8,12 +8,13 @@
 // sum leaves int16 (|w| <= 128, |x| <= 127) and every block dot is exact for any int8 weight.
 // The sums start at 0 (no offset, unlike VNNI's).
 //
-// q is (K, N) row-major. A 64-column stretch is two 32-column halves, each interleaved in
-// registers (four rows' bytes to a 32-bit lane: vpunpckl/h within each 128-bit lane) straight
-// from the loads. Half h's group i vector holds, in its 128-bit lane l, columns
-// 32 h + 16 l + 4 i + t (t < 4), which StoredColumn keeps at 16 i + 8 h + 4 l + t: one 8-float
-// store at 16 i + 8 h of the stretch. Register tiles take up to 2 x rows; one x row streams 8
-// rows at a time across all columns instead, as the VNNI path does.
+// q is (K, N) row-major. A 64-column stretch is two 32-column halves, each interleaved (four
+// rows' bytes to a 32-bit lane: vpunpckl/h within each 128-bit lane) once a block into an L1
+// buffer that register tiles of up to 4 x rows read. Half h's group i vector holds, in its
+// 128-bit lane l, columns 32 h + 16 l + 4 i + t (t < 4), which StoredColumn keeps at
+// 16 i + 8 h + 4 l + t: one 8-float store at 16 i + 8 h of the stretch. One x row streams 8
+// rows at a time across all columns instead, interleaving from the loads, as the VNNI path
+// does.
 
 #ifndef Q8RULES_Q8_ACT_AVX2_H_
 #define Q8RULES_Q8_ACT_AVX2_H_
@@ -120,31 +121,64 @@ Q8_AVX2 Q8_ALWAYS_INLINE I32x8 XQuad(const Int8Operands& p, int64_t b, int64_t r
   return A::Set1Int32(quad);
 }
 
-// MR (<= kTileRows) x rows from r0 against half h of block b's stretch at c.
-template <int MR>
-Q8_AVX2 inline void Tile(const Int8Operands& p, int64_t b, int64_t c, int h, int64_t r0,
-                         const F32x8* ds) {
-  I32x8 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = A::ZeroInt();
+// Half h of block b's stretch at c, interleaved once for every tile of rows: quad t's group i
+// at g[4 t + i], its magnitudes at ga[4 t + i] (2 KiB, L1).
+struct Interleaved {
+  I32x8 g[kBlock], ga[kBlock];
+};
+
+Q8_AVX2 inline void InterleaveHalf(const Int8Operands& p, int64_t b, int64_t c, int h,
+                                   Interleaved* w) {
   for (int t = 0; t < kBlock / 4; ++t) {
-    I32x8 g[4], ga[4];
     if (h == 0) {
-      InterleaveQuad<false, true>(p, b, c, t, g, ga);
+      InterleaveQuad<false, true>(p, b, c, t, w->g + 4 * t, w->ga + 4 * t);
     } else {
-      InterleaveQuad<false, false>(p, b, c + 32, t, g, ga);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const I32x8 xv = XQuad(p, b, r0 + r, t);
-      for (int i = 0; i < 4; ++i) acc[r][i] = A::DotInt8(acc[r][i], ga[i], g[i], xv);
+      InterleaveQuad<false, false>(p, b, c + 32, t, w->g + 4 * t, w->ga + 4 * t);
     }
   }
-  for (int r = 0; r < MR; ++r) FoldRow(p, b, c, h, r0 + r, acc[r], ds);
 }
 
-// x rows per register tile: 2 x 4 accumulators beside the 8 interleaved vectors fill AVX2's 16
-// registers.
-constexpr int64_t kTileRows = 2;
+// MR (<= kTileRows) x rows from r0 against groups [i0, i0 + 2) of an interleaved half: 2 MR
+// accumulators; y row r at those groups += (dx * dw) * acc, one FMA a column.
+template <int MR>
+Q8_AVX2 inline void Tile(const Int8Operands& p, const Interleaved& w, int64_t b, int64_t c, int h,
+                         int i0, int64_t r0, const F32x8* ds) {
+  I32x8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = A::ZeroInt();
+  for (int t = 0; t < kBlock / 4; ++t) {
+    const I32x8 g0 = w.g[4 * t + i0], g1 = w.g[4 * t + i0 + 1];
+    const I32x8 a0 = w.ga[4 * t + i0], a1 = w.ga[4 * t + i0 + 1];
+    for (int r = 0; r < MR; ++r) {
+      const I32x8 xv = XQuad(p, b, r0 + r, t);
+      acc[r][0] = A::DotInt8(acc[r][0], a0, g0, xv);
+      acc[r][1] = A::DotInt8(acc[r][1], a1, g1, xv);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const F32x8 dxr = A::Set1(p.dx[(r0 + r) * p.lddx + b]);
+    float* yr = p.y + (r0 + r) * p.n + c + 8 * h;
+    for (int j = 0; j < 2; ++j) {
+      float* yg = yr + 16 * (i0 + j);
+      const F32x8 scale = A::Mul(dxr, ds[i0 + j]);
+      A::StoreU(yg, A::Fma(scale, A::ToFloat(acc[r][j]), A::LoadU(yg)));
+    }
+  }
+}
+
+// x rows per register tile: 4 rows x 2 groups of accumulators beside the 4 interleaved vectors
+// they read fill AVX2's 16 registers.
+constexpr int64_t kTileRows = 4;
+
+template <int MR = kTileRows>
+Q8_AVX2 inline void TileRows(int64_t mr, const Int8Operands& p, const Interleaved& w, int64_t b,
+                             int64_t c, int h, int i0, int64_t r0, const F32x8* ds) {
+  if constexpr (MR == 1) {
+    Tile<1>(p, w, b, c, h, i0, r0, ds);
+  } else {
+    if (mr == MR) return Tile<MR>(p, w, b, c, h, i0, r0, ds);
+    TileRows<MR - 1>(mr, p, w, b, c, h, i0, r0, ds);
+  }
+}
 
 // One x row against the stretches of block b, reading q 8 rows at a time across all n64
 // columns (long sequential streams), the block's int32 sums in sums (n64 values, StoredColumn's
@@ -189,14 +223,17 @@ Q8_AVX2 inline void Columns(const Int8Operands& p) {
     std::vector<int32_t> sums(static_cast<size_t>(n64));
     for (int64_t b = 0; b < p.k / kBlock; ++b) StreamRow(p, b, n64, sums.data());
   } else {
+    Interleaved w;
     for (int64_t b = 0; b < p.k / kBlock; ++b) {
       for (int64_t c = 0; c < n64; c += kStretch) {
         for (int h = 0; h < 2; ++h) {
+          InterleaveHalf(p, b, c, h, &w);
           F32x8 ds[4];
           HalfScales(p, b, c, h, ds);
-          int64_t r = 0;
-          for (; r + kTileRows <= p.m; r += kTileRows) Tile<kTileRows>(p, b, c, h, r, ds);
-          if (r < p.m) Tile<1>(p, b, c, h, r, ds);
+          for (int64_t r = 0; r < p.m; r += kTileRows) {
+            const int64_t mr = p.m - r < kTileRows ? p.m - r : kTileRows;
+            for (int i0 = 0; i0 < 4; i0 += 2) TileRows(mr, p, w, b, c, h, i0, r, ds);
+          }
         }
       }
     }
