@@ -47,16 +47,19 @@ def best_isa() -> str:
 SHAPES = [
   # (m, K, N). N: 1, under 16, 64-column stretches plus a 16-column and a < 16 tail.
   # m: every AVX-512 tile height (1..6: one m x 64 tile, 7, 8: two m x 32, 9..16: float32
-  # stretch and 8-row tiles) and past one 16-row group.
+  # stretch and 8-row tiles), AVX2's (2, 3: m x 32; 4: m x 24; 5, 6: m x 16; 7..16: float32
+  # stretch and balanced tiles of up to 4 rows) and past one 16-row group.
   (1, 32, 1),
   (1, 64, 149),
   (2, 96, 13),
   (3, 64, 149),
+  (4, 96, 200),  # AVX2: 4 x 24, 4 x 24, 4 x 16 tiles
   (5, 128, 80),
   (6, 64, 64),
   (7, 96, 149),
   (8, 64, 128),
   (9, 64, 149),
+  (10, 64, 149),  # AVX2: float tiles of 4, 3 and 3 rows
   (12, 128, 96),
   (16, 64, 149),
   (17, 96, 70),

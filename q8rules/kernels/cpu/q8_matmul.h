@@ -265,10 +265,10 @@ constexpr int64_t kStripeColumns = 16384;
 // Stripe i of p: every unit of K (BlocksPerUnit) in order over the stripe's columns, unit 0
 // into y, each other one into `buf` (zeroed, M x the stripe's width) added into y as it is
 // done: each column's sums are the units' over all of N (Shared), in the same order.
-inline void RunStripe(const Problem& p, int64_t per_unit, int64_t units, int64_t i,
-                      std::vector<float>& buf) {
+inline void RunStripe(const Problem& p, int64_t per_unit, int64_t units, int64_t width,
+                      int64_t i, std::vector<float>& buf) {
   const int64_t blocks = p.k / kBlock;
-  const int64_t n0 = i * kStripeColumns, n1 = std::min(p.n, n0 + kStripeColumns);
+  const int64_t n0 = i * width, n1 = std::min(p.n, n0 + width);
   const int64_t w = n1 - n0;
   Columns(Blocks(p, 0, std::min(blocks, per_unit), p.y), n0, n1);
   if (units == 1) return;
@@ -285,7 +285,7 @@ inline void RunStripe(const Problem& p, int64_t per_unit, int64_t units, int64_t
 }
 
 // A product whose units' (M, N) buffers would be large (a vocabulary's output head: 1 MiB a
-// unit at N = 262144, M = 1), done as stripes of kStripeColumns columns, claimed one at a time
+// unit at N = 262144, M = 1), done as stripes of about kStripeColumns columns (StripeCount), claimed one at a time
 // by the caller and its helpers (RunStripe). The sums are Shared's, so y is the same bit for
 // bit; y and the partial sums of a stripe stay in the cache, where the units' buffers were
 // written to memory, read back and added on the caller alone at the end.
@@ -294,17 +294,29 @@ struct Stripes final : q8helpers::Task {
   int64_t units = 1;
   int64_t blocks_per_unit = 1;
   int64_t stripes = 1;
+  int64_t width = kStripeColumns;  // columns a stripe (the last one may have fewer)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Run() override {
     std::vector<float> buf;
     for (int64_t i = next.fetch_add(1); i < stripes; i = next.fetch_add(1)) {
-      RunStripe(p, blocks_per_unit, units, i, buf);
+      RunStripe(p, blocks_per_unit, units, width, i, buf);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// Stripes of a striped product of n columns on `threads` threads: about kStripeColumns columns
+// each, their count rounded up to a multiple of the threads so that every thread does as many
+// (Gemma 3's 262,144-column head: 16 stripes; SmolLM2's 49,152-column one: 4 of 12,288 on 2
+// threads, where 3 of 16,384 left one thread idle for a third of the product). Each column's
+// sums do not depend on the stripe it falls in (RunStripe), so neither does y.
+inline int64_t StripeCount(int64_t n, int64_t threads) {
+  const int64_t stripes = (n + kStripeColumns - 1) / kStripeColumns;
+  if (threads <= 1) return stripes;
+  return (stripes + threads - 1) / threads * threads;
+}
 
 // Whether p runs as column stripes (Stripes) rather than units of K over all of N (Shared): on
 // the float path, more than one stripe, and a unit's (M, N) buffer of kStripeMinValues values
@@ -399,10 +411,14 @@ inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
     task->p = p;
     task->blocks_per_unit = per_unit;
     task->units = units;
-    task->stripes = (p.n + kStripeColumns - 1) / kStripeColumns;
-    const int64_t threads = std::min(task->stripes, Threads(p, pool.num_threads()));
-    g_last_threads.store(static_cast<int>(threads), std::memory_order_relaxed);
-    Share(pool, task, threads, task->stripes);
+    const int64_t threads = Threads(p, pool.num_threads());
+    task->stripes = StripeCount(p.n, threads);
+    task->width = (p.n + task->stripes - 1) / task->stripes;
+    task->width = (task->width + 63) / 64 * 64;
+    task->stripes = (p.n + task->width - 1) / task->width;
+    g_last_threads.store(static_cast<int>(std::min(threads, task->stripes)),
+                         std::memory_order_relaxed);
+    Share(pool, task, std::min(threads, task->stripes), task->stripes);
     task->Release();
     return;
   }
