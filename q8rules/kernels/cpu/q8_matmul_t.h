@@ -141,8 +141,10 @@ struct Claims {
 };
 
 // y = dy @ W^T on the caller and up to the pool's threads: one per q8mm::kWorkPerThread values
-// of q x M (the weight-only product's rule), at most the CPUs this process may use.
-inline void Compute(ffi::ThreadPool& pool, const Transposed& p) {
+// of q x M (the weight-only product's rule), at most the CPUs this process may use. `pool`:
+// XLA's, or any type with its Schedule(f) and num_threads() (q8mm::Share).
+template <typename Pool>
+inline void Compute(Pool& pool, const Transposed& p) {
   const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
   int64_t threads = std::max<int64_t>(1, work / q8mm::kWorkPerThread);
   threads = std::min<int64_t>({threads, pool.num_threads() + 1, q8mm::UsableCpus(),
