@@ -4,9 +4,10 @@
 // q int8 (K, N) row-major, scale float32 or float16 (K/32, N). Numerics are the fold's: per
 // 32-row block b, s[n] = sum_i x[32b + i] q[32b + i, n] in float32 (FMA), then
 // y[n] += scale[b, n] * s[n]. Decode-sized M is bound by reading q, so q is read once,
-// converted to float32 in registers, and used by every x row. Paths (AVX-512, AVX2, scalar;
-// the same block order) are picked at run time from the CPU and $Q8RULES_CPU_ISA; the SIMD
-// tiles are q8_tiles.h, written once for both vector widths. Design measurements are in
+// converted to float32 in registers, and used by every x row. Paths (AVX-512, AVX2 or scalar
+// on x86-64; NEON or scalar on aarch64, where both NEON rungs run the same float code; the
+// same block order) are picked at run time from the CPU and $Q8RULES_CPU_ISA; the SIMD tiles
+// are q8_tiles.h, written once for every vector width. Design measurements are in
 // benchmarks/RESULTS.md.
 
 #ifndef Q8RULES_Q8_MATMUL_H_
@@ -108,7 +109,7 @@ inline float ScaleAt(const Problem& p, int64_t b, int64_t col) {
 }
 
 // ---------------------------------------------------------------------------
-// Scalar path (any x86-64): the same block order as the AVX2 path.
+// Scalar path (any CPU): the same block order as the SIMD paths.
 // Columns [n0, n1), x rows [m0, m0 + mg). s: mg x (n1 - n0) floats.
 // ---------------------------------------------------------------------------
 inline void ColumnsScalar(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mg,
@@ -161,6 +162,11 @@ using Vec = q8simd::Avx512;
 #else
 #pragma GCC pop_options
 #endif
+#elif Q8_ARM
+namespace neon {  // Advanced SIMD is baseline on aarch64: no target to add
+using Vec = q8simd::Neon;
+#include "q8_tiles.h"
+}  // namespace neon
 #endif  // Q8_X86
 
 // The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
@@ -191,6 +197,11 @@ inline void Columns(const Problem& p, int64_t n0, int64_t n1) {
     }
     if (p.isa == kAvx2) {
       avx2::Columns(p, n0, n1, m0, mg);
+      continue;
+    }
+#elif Q8_ARM
+    if (p.isa == kNeon || p.isa == kNeonDot) {
+      neon::Columns(p, n0, n1, m0, mg);
       continue;
     }
 #endif
