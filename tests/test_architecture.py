@@ -500,7 +500,8 @@ def test_intrinsics_check_catches_a_bypass(tmp_path):
   header.write_text(
     "// _mm_pause() in a comment is fine\n#include <immintrin.h>\n"
     "inline void Wait() { _mm_pause(); }\n__m512 v;\n"
-    "#include <arm_neon.h>\nint32x4_t Dot(int32x4_t a, int8x16_t w) { return vdotq_s32(a, w, w); }\n"
+    "#include <arm_neon.h>\n"
+    "int32x4_t Dot(int32x4_t a, int8x16_t w) { return vdotq_s32(a, w, w); }\n"
     "float Low(float32x4_t v) { return vgetq_lane_f32(v, 0); }\n"
     'inline void Yield() { asm volatile("yield"); __builtin_prefetch(&v); }\n'
     "int v_s8 = 0, vector_count = 0;\n"

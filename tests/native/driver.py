@@ -8,7 +8,8 @@ and run under `qemu-aarch64-static` twice, on a CPU model with ARMv8.2's sdot (`
 scalar, neon and neon_dotprod run) and one without (`-cpu cortex-a57`: scalar and neon), as a
 step of `.ci/run`:
 
-  python tests/native/driver.py --aarch64   (needs: apt-get install qemu-user-static g++-aarch64-linux-gnu)
+  apt-get install qemu-user-static g++-aarch64-linux-gnu
+  python tests/native/driver.py --aarch64
 
 The program is compiled with the library's own flags (`library.CXXFLAGS`, less those of a shared
 object) against the library's headers and XLA's FFI headers (`jax.ffi.include_dir()`).

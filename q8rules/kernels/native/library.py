@@ -4,8 +4,9 @@ loaded, and its FFI targets registered.
 The first use per process compiles the source with `$CXX` (default `c++`, warnings on) into
 `$Q8RULES_CACHE` (default `~/.cache/q8rules`), named by a hash of sources, jaxlib, compiler and
 flags; `available()` is False, with `unavailable_reason()`, where that cannot happen (neither
-x86-64 nor aarch64, no compiler, a failed build). It loads whatever JAX's default backend is: on a GPU or
-TPU host the GGUF repack runs on it, and the CPU kernels serve programs lowered for the CPU.
+x86-64 nor aarch64, no compiler, a failed build). It loads whatever JAX's default backend is: on
+a GPU or TPU host the GGUF repack runs on it, and the CPU kernels serve programs lowered for the
+CPU.
 Loading applies the threads' settings (`settings`: `$Q8RULES_THREADS`, `$Q8RULES_SPIN_US`).
 """
 
