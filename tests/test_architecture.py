@@ -464,12 +464,20 @@ def test_no_copied_cpp_code():
 
 
 CPU_SOURCES = PACKAGE / "kernels" / "cpu"
-SIMD_LAYER = "simd.h"
-"""The one C++ header that may include an intrinsics header or name an intrinsic or its types."""
+SIMD_LAYER = ("simd.h", "simd_neon.h")
+"""The SIMD layer, the C++ headers that alone may include an intrinsics header, name an
+intrinsic or its types, or hold inline assembly or a prefetch: simd.h and its aarch64 half,
+which only simd.h includes."""
 
 _INTRINSICS = re.compile(
-  r"#\s*include\s*[<\"]\w*intrin\.h[>\"]|\b(_mm\w*|_MM_\w+|__m(128|256|512)\w*|__mmask\w*"
-  r"|_cvt(ss_sh|sh_ss)|__builtin_ia32_\w+)"
+  # x86: <immintrin.h> and the like, _mm* / _MM_* names, __m128 / __m256 / __m512 and masks
+  r"#\s*include\s*[<\"](?:\w*intrin\.h|arm_neon\.h|arm_acle\.h)[>\"]"
+  r"|\b(?:_mm\w*|_MM_\w+|__m(?:128|256|512)\w*|__mmask\w*|_cvt(?:ss_sh|sh_ss)|__builtin_ia32_\w+)"
+  # aarch64: <arm_neon.h>, NEON intrinsics (vdotq_s32, vget_low_s8, ...) and vector types
+  r"|\b(?:__builtin_aarch64_\w+|v[a-z0-9]+(?:_[a-z0-9]+)*_[supf](?:8|16|32|64)"
+  r"|(?:u?int|float|poly|bfloat)(?:8|16|32|64)x\d+(?:x\d+)?_t)\b"
+  # either: inline assembly, prefetch hints
+  r"|\b(?:asm|__asm__|__builtin_prefetch)\b"
 )
 _CPP_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
@@ -479,7 +487,7 @@ def intrinsics_outside_simd(paths: list[Path]) -> list[str]:
   left out) of `paths`, but simd.h's."""
   found = []
   for path in paths:
-    if path.name == SIMD_LAYER:
+    if path.name in SIMD_LAYER:
       continue
     code = _CPP_COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text())
     for i, line in enumerate(code.splitlines(), 1):
@@ -492,22 +500,40 @@ def test_intrinsics_check_catches_a_bypass(tmp_path):
   header.write_text(
     "// _mm_pause() in a comment is fine\n#include <immintrin.h>\n"
     "inline void Wait() { _mm_pause(); }\n__m512 v;\n"
+    "#include <arm_neon.h>\n"
+    "int32x4_t Dot(int32x4_t a, int8x16_t w) { return vdotq_s32(a, w, w); }\n"
+    "float Low(float32x4_t v) { return vgetq_lane_f32(v, 0); }\n"
+    'inline void Yield() { asm volatile("yield"); __builtin_prefetch(&v); }\n'
+    "int v_s8 = 0, vector_count = 0;\n"
   )
-  layer = tmp_path / SIMD_LAYER
-  layer.write_text("#include <immintrin.h>\n")
+  layer = tmp_path / SIMD_LAYER[0]
+  layer.write_text("#include <immintrin.h>\n#include <arm_neon.h>\nint8x16_t v = vdupq_n_s8(0);\n")
   assert intrinsics_outside_simd([header, layer]) == [
     "bypass.h:2: #include <immintrin.h>",
     "bypass.h:3: _mm_pause",
     "bypass.h:4: __m512",
+    "bypass.h:5: #include <arm_neon.h>",
+    "bypass.h:6: int32x4_t",
+    "bypass.h:6: int32x4_t",
+    "bypass.h:6: int8x16_t",
+    "bypass.h:6: vdotq_s32",
+    "bypass.h:7: float32x4_t",
+    "bypass.h:7: vgetq_lane_f32",
+    "bypass.h:8: asm",
+    "bypass.h:8: __builtin_prefetch",
   ]
 
 
 def test_every_header_goes_through_simd_h():
-  """Only simd.h includes <immintrin.h> or uses intrinsics (`_mm*`, `__m128`/`__m256`/`__m512`,
-  masks): every other source of the native library reaches SIMD through its wrappers."""
+  """Only simd.h includes <immintrin.h> or <arm_neon.h> or uses intrinsics (`_mm*`,
+  `__m128`/`__m256`/`__m512`, masks; NEON's `v*_s8`-style names and `int8x16_t`-style types),
+  inline assembly or prefetches: every other source of the native library reaches SIMD through
+  its wrappers."""
   sources = sorted(p for p in CPU_SOURCES.iterdir() if p.suffix in (".h", ".cc"))
-  assert (CPU_SOURCES / SIMD_LAYER) in sources
+  assert all(CPU_SOURCES / name in sources for name in SIMD_LAYER)
   assert intrinsics_outside_simd(sources) == []
+  includers = [p.name for p in sources if re.search(r'#\s*include\s*"simd_neon\.h"', p.read_text())]
+  assert includers == ["simd.h"]
 
 
 REPO = PACKAGE.parent

@@ -2,10 +2,10 @@
 and the library's helper threads (`$Q8RULES_SPIN_US`).
 
 What the limit promises on every backend: it is a setting of the native CPU library, so where
-that library is unavailable (not x86-64, no compiler) there is nothing to limit and these
-tests skip. Where it runs, a product that would take both CPUs of a 2-CPU process takes one
-under a limit of 1, and its output is the same bit for bit (the work is cut by the problem,
-not by the threads). On a GPU or TPU host the products run on the host's CPU devices (the
+that library is unavailable (neither x86-64 nor aarch64, no compiler) there is nothing to limit
+and these tests skip. Where it runs, a product that would take both CPUs of a 2-CPU process
+takes one under a limit of 1, and its output is the same bit for bit (the work is cut by the
+problem, not by the threads). On a GPU or TPU host the products run on the host's CPU devices (the
 library serves programs lowered for the CPU), so every backend expects the same.
 """
 

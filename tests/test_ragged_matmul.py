@@ -273,12 +273,11 @@ def test_experts_without_rows_are_never_read(rng, name):
   assert rel_err(y, reference64(x, w, sizes)) <= 1e-5
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_cpu_kernel_paths_match_float64(rng, monkeypatch, isa):
-  """Each SIMD path of the native kernel ($Q8RULES_CPU_ISA caps it, read on every call), with
-  an expert of more than 16 rows (two passes of its rows over its weight)."""
+def test_cpu_kernel_paths_match_float64(rng, cpu_isa):
+  """Each SIMD path of the native kernel this CPU runs (`cpu_isa` sets $Q8RULES_CPU_ISA, read
+  on every call), with an expert of more than 16 rows (two passes of its rows over its
+  weight)."""
   skip_unless_runs("cpu")
-  monkeypatch.setenv("Q8RULES_CPU_ISA", isa)
   sizes, k, n = (2, 0, 19, 1), 96, 72
   w = experts(rng, len(sizes), k, n, np.float16)
   x = random_x(rng, sum(sizes), k)

@@ -93,7 +93,7 @@ def _bytes_of(
       f"{what}: rows of {n_cols} values are not whole blocks of {_name(qtype)}"
       f" ({values} values a block), for {n_rows} rows"
     )
-  if data.dtype.byteorder == ">":  # the library is x86-64 only: native order is little
+  if data.dtype.byteorder == ">":  # the library runs on x86-64 and aarch64: little-endian
     raise ValueError(
       f"{what}: {data.dtype} data is big-endian; the native code reads little-endian blocks"
       " (a big-endian GGUF file's tensors go through gguf.quants)"

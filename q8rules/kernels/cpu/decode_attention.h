@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "helper_threads.h"
+#include "isa.h"
 #include "simd.h"
 
 namespace q8attn {
@@ -131,10 +132,12 @@ Q8_ALWAYS_INLINE void AttendUnits(const Operands<E>& a, int64_t first, int64_t l
   }
 }
 
-#if Q8_X86
 // Contraction off: the SSE2 build has no FMA to contract into, so every path keeps the
-// separate multiplications and additions (the same bits).
+// separate multiplications and additions (the same bits). On aarch64, where FMA is baseline and
+// GCC contracts by default, both paths carry it.
 #define Q8_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+#if Q8_X86
 
 template <typename E>
 Q8_AVX2 Q8_NO_CONTRACT void AttendUnitsAvx2(const Operands<E>& a, int64_t first, int64_t last,
@@ -145,6 +148,20 @@ Q8_AVX2 Q8_NO_CONTRACT void AttendUnitsAvx2(const Operands<E>& a, int64_t first,
 template <typename E>
 Q8_AVX512 Q8_NO_CONTRACT void AttendUnitsAvx512(const Operands<E>& a, int64_t first,
                                                 int64_t last, float* p, float* top) {
+  AttendUnits(a, first, last, p, top);
+}
+#elif Q8_ARM
+// The NEON path (Advanced SIMD is baseline: the compiler's vectors of the generic code) and
+// the scalar one (the same code left unvectorized), both without contraction.
+template <typename E>
+Q8_NO_CONTRACT void AttendUnitsNeon(const Operands<E>& a, int64_t first, int64_t last,
+                                    float* p, float* top) {
+  AttendUnits(a, first, last, p, top);
+}
+
+template <typename E>
+__attribute__((optimize("fp-contract=off", "no-tree-vectorize"))) void AttendUnitsScalar(
+    const Operands<E>& a, int64_t first, int64_t last, float* p, float* top) {
   AttendUnits(a, first, last, p, top);
 }
 #endif
@@ -171,6 +188,12 @@ struct Work final : q8helpers::Task {
       } else {
         AttendUnits(a, u, u + 1, p.data(), top.data());
       }
+#elif Q8_ARM
+      if (isa == q8isa::kNeon || isa == q8isa::kNeonDot) {
+        AttendUnitsNeon(a, u, u + 1, p.data(), top.data());
+      } else {
+        AttendUnitsScalar(a, u, u + 1, p.data(), top.data());
+      }
 #else
       AttendUnits(a, u, u + 1, p.data(), top.data());
 #endif
@@ -179,8 +202,9 @@ struct Work final : q8helpers::Task {
   }
 };
 
-// Attention of a batch (`sinks` (H,) or null) on the path `isa` names (0 scalar / SSE2, 1 AVX2, 2 AVX-512: q8mm::Isa,
-// which the caller picks as for the products), on the caller and up to threads - 1 helpers.
+// Attention of a batch (`sinks` (H,) or null) on the path `isa` names (isa.h's codes: 0 scalar
+// (SSE2 on x86-64), 1 AVX2, 2 AVX-512, 3 and 4 NEON; the caller picks it as for the products),
+// on the caller and up to threads - 1 helpers.
 template <typename E>
 void DecodeAttention(int isa, const float* q, const E* k, const E* v, const float* sinks,
                      float* out, int64_t batch, int64_t length, int64_t kv_heads, int64_t heads,

@@ -157,7 +157,7 @@ class Helpers {
         }
         continue;
       }
-#if Q8_X86
+#if Q8_X86 || Q8_ARM
       q8simd::Pause();
 #else
       std::this_thread::yield();
@@ -182,7 +182,7 @@ class Helpers {
 // at most one each): spinning a while, then yielding the core.
 inline void WaitFor(const std::atomic<int64_t>& done, int64_t count) {
   for (int spins = 0; done.load(std::memory_order_acquire) < count; ++spins) {
-#if Q8_X86
+#if Q8_X86 || Q8_ARM
     if (spins < 4096) {
       q8simd::Pause();
       continue;

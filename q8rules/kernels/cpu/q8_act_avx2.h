@@ -50,8 +50,10 @@ Q8_AVX2 inline void QuantizeBlock(const float* xb, int8_t* qb, float* dx, int32_
     const F32x8 a = A::Abs(s);
     const F32x8 fl = A::Floor(a);
     const F32x8 twice = A::Add(A::Sub(a, fl), A::Sub(a, fl));
-    const F32x8 r = A::Min(A::Add(fl, A::Floor(twice)), limit);
-    q[j] = A::TruncToInt32(A::NegateWhere(A::Less(s, A::Zero()), r));
+    // the sign back, then the scalar path's clamp fmin(127, fmax(-127, r)) in its order: vmaxps
+    // gives its second operand when the first is NaN (1 / d overflowed), as fmax gives -127
+    const F32x8 r = A::NegateWhere(A::Less(s, A::Zero()), A::Add(fl, A::Floor(twice)));
+    q[j] = A::TruncToInt32(A::Min(A::Max(r, A::Set1(-127.0f)), limit));
   }
   A::StoreInt8x32(qb, q[0], q[1], q[2], q[3]);
   *dx = A::RoundToHalf(d);

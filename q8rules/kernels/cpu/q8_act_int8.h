@@ -7,7 +7,8 @@
 // from zero; a zero block has d = 0 and q = 0), and d as the float16 it is stored in.
 //
 // One path a call, from the ISA the product runs (isa.h): AVX-512 VNNI (q8_act_vnni.h), AVX2
-// (q8_act_avx2.h: also AVX-512 CPUs without VNNI), else scalar (q8_act_common.h). Every path computes the same integers and the same float32
+// (q8_act_avx2.h: also AVX-512 CPUs without VNNI), NEON with or without sdot (q8_act_neon.h),
+// else scalar (q8_act_common.h). Every path computes the same integers and the same float32
 // folds in the same order, so y is the same bits on each. y is accumulated in the stretch
 // order `StoredColumn` gives and put back in order once at the end (`UnpermuteColumns`).
 
@@ -19,6 +20,7 @@
 #include "isa.h"
 #include "q8_act_avx2.h"
 #include "q8_act_common.h"
+#include "q8_act_neon.h"
 #include "q8_act_vnni.h"
 #include "simd.h"
 
@@ -38,7 +40,7 @@ inline Isa PathFor(Isa isa) {
 // Rows [0, m) of x (m, k), row stride ldx, as Q8_0: xq (m, k) int8, dx (m, k / 32) the
 // float16 scales widened, xc (m, k / 32) -128 * each block's sum of values; the quantizer of
 // `path` (a PathFor result), each bit for bit the scalar one. Run with IEEE float32 (no flush
-// to zero: the caller's MXCSR may have it on; it is restored).
+// to zero: the caller's MXCSR or FPCR may have it on; it is restored).
 inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t ldx, int8_t* xq,
                          float* dx, int32_t* xc, Isa path) {
   const q8simd::IeeeFloat ieee;
@@ -53,6 +55,9 @@ inline void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t ldx, int8
 #if Q8_X86
         case q8isa::kAvx512: vnni::QuantizeBlock(xb, qb, d, c); continue;
         case q8isa::kAvx2: avx2::QuantizeBlock(xb, qb, d, c); continue;
+#elif Q8_ARM
+        case q8isa::kNeonDot:
+        case q8isa::kNeon: neon::QuantizeBlock(xb, qb, d, c); continue;
 #endif
         default: QuantizeBlockScalar(xb, qb, d, c);
       }
@@ -66,6 +71,9 @@ inline void ColumnsInt8(const Int8Operands& p, Isa path) {
 #if Q8_X86
     case q8isa::kAvx512: return vnni::Columns(p);
     case q8isa::kAvx2: return avx2::Columns(p);
+#elif Q8_ARM
+    case q8isa::kNeonDot: return neon::Columns<true>(p);
+    case q8isa::kNeon: return neon::Columns<false>(p);
 #endif
     default: return ColumnsInt8Scalar(p, 0, p.n);
   }

@@ -46,11 +46,12 @@ Q8_VNNI inline void QuantizeBlock(const float* xb, int8_t* qb, float* dx, int32_
     const F32x16 fl = F::Floor(a);
     const F32x16 twice = F::Add(F::Sub(a, fl), F::Sub(a, fl));
     F32x16 r = F::Add(fl, F::Floor(twice));
-    r = F::Min(r, limit);
-    // the sign back (a -0 becomes 0 as an integer either way)
+    // the sign back (a -0 becomes 0 as an integer either way), then the scalar path's clamp
+    // fmin(127, fmax(-127, r)) in its order: vmaxps gives its second operand when the first is
+    // NaN (1 / d overflowed), as fmax gives -127
     const Mask16 neg = F::Less(v, F::Zero());
     r = F::NegateWhere(neg, r);
-    q[h] = F::TruncToInt32(r);
+    q[h] = F::TruncToInt32(F::Min(F::Max(r, F::Set1(-127.0f)), limit));
   }
   F::StoreInt8(qb, q[0]);
   F::StoreInt8(qb + 16, q[1]);

@@ -4,9 +4,10 @@
 // q int8 (K, N) row-major, scale float32 or float16 (K/32, N). Numerics are the fold's: per
 // 32-row block b, s[n] = sum_i x[32b + i] q[32b + i, n] in float32 (FMA), then
 // y[n] += scale[b, n] * s[n]. Decode-sized M is bound by reading q, so q is read once,
-// converted to float32 in registers, and used by every x row. Paths (AVX-512, AVX2, scalar;
-// the same block order) are picked at run time from the CPU and $Q8RULES_CPU_ISA; the SIMD
-// tiles are q8_tiles.h, written once for both vector widths. Design measurements are in
+// converted to float32 in registers, and used by every x row. Paths (AVX-512, AVX2 or scalar
+// on x86-64; NEON or scalar on aarch64, where both NEON rungs run the same float code; the
+// same block order) are picked at run time from the CPU and $Q8RULES_CPU_ISA; the SIMD tiles
+// are q8_tiles.h, written once for every vector width. Design measurements are in
 // benchmarks/RESULTS.md.
 
 #ifndef Q8RULES_Q8_MATMUL_H_
@@ -108,7 +109,7 @@ inline float ScaleAt(const Problem& p, int64_t b, int64_t col) {
 }
 
 // ---------------------------------------------------------------------------
-// Scalar path (any x86-64): the same block order as the AVX2 path.
+// Scalar path (any CPU): the same block order as the SIMD paths.
 // Columns [n0, n1), x rows [m0, m0 + mg). s: mg x (n1 - n0) floats.
 // ---------------------------------------------------------------------------
 inline void ColumnsScalar(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mg,
@@ -161,6 +162,11 @@ using Vec = q8simd::Avx512;
 #else
 #pragma GCC pop_options
 #endif
+#elif Q8_ARM
+namespace neon {  // Advanced SIMD is baseline on aarch64: no target to add
+using Vec = q8simd::Neon;
+#include "q8_tiles.h"
+}  // namespace neon
 #endif  // Q8_X86
 
 // The path the last call ran (-1: none yet) and the threads it used, for tests and reports.
@@ -191,6 +197,11 @@ inline void Columns(const Problem& p, int64_t n0, int64_t n1) {
     }
     if (p.isa == kAvx2) {
       avx2::Columns(p, n0, n1, m0, mg);
+      continue;
+    }
+#elif Q8_ARM
+    if (p.isa == kNeon || p.isa == kNeonDot) {
+      neon::Columns(p, n0, n1, m0, mg);
       continue;
     }
 #endif
@@ -380,9 +391,10 @@ inline int64_t Threads(const Problem& p, int64_t pool_threads) {
 // Runs `task` (`count` pieces, each counted in its `done` when finished) on the caller and up to
 // threads - 1 helpers, and returns when every piece is done. Helpers hold a reference on the
 // task, so one that starts after the caller has done every piece finds nothing to claim and
-// touches no buffer. Helpers another caller is using are replaced by threads of XLA's pool.
-template <typename T>
-inline void Share(ffi::ThreadPool& pool, T* task, int64_t threads, int64_t count) {
+// touches no buffer. Helpers another caller is using are replaced by threads of `pool`: XLA's
+// (ffi::ThreadPool), or any type with its Schedule(f) and num_threads() (the C++ kernel test's).
+template <typename Pool, typename T>
+inline void Share(Pool& pool, T* task, int64_t threads, int64_t count) {
   auto& helpers = q8helpers::Helpers::Get();
   const int want = static_cast<int>(threads - 1);
   for (int t = want > 0 ? helpers.Post(task, want) : 0; t < want; ++t) {
@@ -398,11 +410,10 @@ inline void Share(ffi::ThreadPool& pool, T* task, int64_t threads, int64_t count
   if (want > 0) helpers.Retract(task);
 }
 
-// The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
-// of q's and scale's) and first elements; y (M, N).
 // The product p (y zeroed) on the caller and up to threads - 1 helpers, in units (Shared) or
 // column stripes (Stripes).
-inline void Compute(ffi::ThreadPool& pool, const Problem& p) {
+template <typename Pool>
+inline void Compute(Pool& pool, const Problem& p) {
   const int64_t blocks = p.k / kBlock;
   const int64_t per_unit = BlocksPerUnit(p);
   const int64_t units = (blocks + per_unit - 1) / per_unit;
@@ -478,6 +489,23 @@ struct ActivationsQ8 {
   }
 };
 
+// The product p (its operands, shape and path set; y (M, N) written whole), with Q8_0
+// activations (x quantized once on p.isa's int8 path) when act_q8.
+template <typename Pool>
+inline void Product(Pool& pool, Problem p, bool act_q8) {
+  std::fill(p.y, p.y + p.m * p.n, 0.0f);
+  if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  ActivationsQ8 act;
+  if (act_q8) {  // Q8_0 activations, once for every thread's share (q8_act_int8.h)
+    act.Quantize(p.x, p.m, p.k, p.ldx, p.isa);
+    act.Attach(p, 0);
+  }
+  Compute(pool, p);
+  if (act_q8) q8act::UnpermuteColumns(p.y, p.m, p.n);
+}
+
+// The product on x (M, K), q (K, N), scale (K/32, N) given as their dimensions (the trailing two
+// of q's and scale's) and first elements; y (M, N).
 inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> qd,
                const int8_t* q, ffi::Span<const int64_t> sd, ffi::DataType scale_type,
                const void* scale, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool act_q8) {
@@ -510,15 +538,7 @@ inline ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span
   p.ldy = p.n;
   if (!q8isa::Select(&p.isa)) return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_gemv"));
   g_last_isa.store(p.isa, std::memory_order_relaxed);
-  std::fill(p.y, p.y + p.m * p.n, 0.0f);
-  if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
-  ActivationsQ8 act;
-  if (act_q8) {  // Q8_0 activations, once for every thread's share (q8_act_int8.h)
-    act.Quantize(p.x, p.m, p.k, p.ldx, p.isa);
-    act.Attach(p, 0);
-  }
-  Compute(pool, p);
-  if (act_q8) q8act::UnpermuteColumns(p.y, p.m, p.n);
+  Product(pool, p, act_q8);
   return ffi::Error::Success();
 }
 

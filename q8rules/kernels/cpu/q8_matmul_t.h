@@ -9,7 +9,8 @@
 // order, then the N % lanes tail). No float weight is kept: a q row is converted in registers
 // and used by a tile of dy rows. Threads take runs of k rows; each y element is computed by
 // one thread in one order, so the output does not depend on the threads. The path (AVX-512,
-// AVX2, scalar) is the weight-only product's (isa.h: $Q8RULES_CPU_ISA).
+// AVX2 or scalar on x86-64; NEON or scalar on aarch64) is the weight-only product's (isa.h:
+// $Q8RULES_CPU_ISA).
 
 #ifndef Q8RULES_Q8_MATMUL_T_H_
 #define Q8RULES_Q8_MATMUL_T_H_
@@ -65,13 +66,14 @@ inline void RowsScalar(const Transposed& p, int64_t k0, int64_t k1) {
   }
 }
 
-#if Q8_X86
+#if Q8_X86 || Q8_ARM
 // Rows [k0, k1) of y's columns on vector type Vec (simd.h): for each k, dy rows in tiles of
 // Vec::kTileRows, one accumulator vector per row; each w vector is formed once per tile and
 // used by all its rows. A short last tile repeats its first row in the unused slots (their
 // sums are dropped), so the tile is always full width. Always inlined into RowsAvx2 and
-// RowsAvx512, which carry the targets, so its vectors never cross a call (GCC's -Wpsabi note
-// on the template itself, compiled without them, is about an ABI no call uses).
+// RowsAvx512, which carry the x86 targets, and RowsNeon, so its vectors never cross a call
+// (GCC's -Wpsabi note on the template itself, compiled without the x86 targets, is about an
+// ABI no call uses).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 template <class Vec>
@@ -102,7 +104,9 @@ Q8_ALWAYS_INLINE void RowsSimd(const Transposed& p, int64_t k0, int64_t k1) {
   }
 }
 #pragma GCC diagnostic pop
+#endif  // Q8_X86 || Q8_ARM
 
+#if Q8_X86
 Q8_AVX2 inline void RowsAvx2(const Transposed& p, int64_t k0, int64_t k1) {
   RowsSimd<q8simd::Avx2>(p, k0, k1);
 }
@@ -110,13 +114,19 @@ Q8_AVX2 inline void RowsAvx2(const Transposed& p, int64_t k0, int64_t k1) {
 Q8_AVX512 inline void RowsAvx512(const Transposed& p, int64_t k0, int64_t k1) {
   RowsSimd<q8simd::Avx512>(p, k0, k1);
 }
-#endif  // Q8_X86
+#elif Q8_ARM
+inline void RowsNeon(const Transposed& p, int64_t k0, int64_t k1) {
+  RowsSimd<q8simd::Neon>(p, k0, k1);
+}
+#endif
 
 // Rows [k0, k1) of y's columns on p's path.
 inline void Rows(const Transposed& p, int64_t k0, int64_t k1) {
 #if Q8_X86
   if (p.isa == q8mm::kAvx512) return RowsAvx512(p, k0, k1);
   if (p.isa == q8mm::kAvx2) return RowsAvx2(p, k0, k1);
+#elif Q8_ARM
+  if (p.isa == q8mm::kNeon || p.isa == q8mm::kNeonDot) return RowsNeon(p, k0, k1);
 #endif
   RowsScalar(p, k0, k1);
 }
@@ -141,8 +151,10 @@ struct Claims {
 };
 
 // y = dy @ W^T on the caller and up to the pool's threads: one per q8mm::kWorkPerThread values
-// of q x M (the weight-only product's rule), at most the CPUs this process may use.
-inline void Compute(ffi::ThreadPool& pool, const Transposed& p) {
+// of q x M (the weight-only product's rule), at most the CPUs this process may use. `pool`:
+// XLA's, or any type with its Schedule(f) and num_threads() (q8mm::Share).
+template <typename Pool>
+inline void Compute(Pool& pool, const Transposed& p) {
   const int64_t work = p.k * p.n * std::max<int64_t>(p.m, 1);
   int64_t threads = std::max<int64_t>(1, work / q8mm::kWorkPerThread);
   threads = std::min<int64_t>({threads, pool.num_threads() + 1, q8mm::UsableCpus(),

@@ -77,8 +77,10 @@ struct Experts final : q8helpers::Task {
     }
   }
 
-  // Every unit on the caller and up to threads - 1 helpers.
-  void Compute(ffi::ThreadPool& pool, int64_t threads) {
+  // Every unit on the caller and up to threads - 1 helpers (threads of `pool` where other
+  // callers hold the helpers: q8mm::Share).
+  template <typename Pool>
+  void Compute(Pool& pool, int64_t threads) {
     auto& helpers = q8helpers::Helpers::Get();
     const int want = static_cast<int>(threads - 1);
     for (int t = want > 0 ? helpers.Post(this, want) : 0; t < want; ++t) {
@@ -94,42 +96,24 @@ struct Experts final : q8helpers::Task {
   }
 };
 
-// x (M, K) f32, q (E, K, N) int8, scale (E, K/32, N) f32 or f16, group_sizes (E) int32 summing
-// to at most M (rows past their sum get zeros), y (M, N) f32. kActQ8: x quantized to Q8_0
-// first (on AVX-512 VNNI where the CPU has it, else the scalar int8 path).
-template <bool kActQ8>
-inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                               ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scale,
-                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  const auto gd = group_sizes.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || gd.size() != 1 || yd.size() != 2 ||
-      qd[1] != xd[1] || xd[1] % q8mm::kBlock != 0 || sd[0] != qd[0] ||
-      sd[1] != qd[1] / q8mm::kBlock || sd[2] != qd[2] || gd[0] != qd[0] || yd[0] != xd[0] ||
-      yd[1] != qd[2]) {
-    return ffi::Error::InvalidArgument(
-        "q8_ragged_matmul: expected x (M, K), q (E, K, N), scale (E, K/32, N), group_sizes (E), "
-        "y (M, N), K a multiple of 32");
-  }
-  if (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("q8_ragged_matmul: scale must be float32 or float16");
-  }
+// x (m, k) f32, q (experts, k, n) int8, scale (experts, k/32, n) f32 or f16 (scale_f16),
+// sizes (experts) int32 summing to at most m (rows past their sum get zeros), out (m, n) f32,
+// on path `isa` (and its int8 path, q8act::PathFor) and the caller, the helpers and `pool`.
+// kActQ8: x quantized to Q8_0 first. An error for sizes that are negative or sum past m.
+template <bool kActQ8, typename Pool>
+inline ffi::Error Ragged(Pool& pool, const float* x, const int8_t* q, const void* scale,
+                         bool scale_f16, const int32_t* sizes, int64_t m, int64_t k,
+                         int64_t experts, int64_t n, float* out, q8mm::Isa isa) {
   q8mm::Problem base;
-  if (!q8isa::Select(&base.isa)) {
-    return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_ragged_matmul"));
-  }
-  q8mm::g_last_isa.store(base.isa, std::memory_order_relaxed);
-  const int64_t m = xd[0], k = xd[1], experts = qd[0], n = qd[2];
-  base.scale_f16 = scale.element_type() == ffi::DataType::F16;
+  base.isa = isa;
+  base.scale_f16 = scale_f16;
   base.k = k;
   base.n = n;
   base.ldy = n;
   base.ldx = k;
-  float* out = y->typed_data();
   std::fill(out, out + m * n, 0.0f);
   q8mm::ActivationsQ8 act;
-  if (kActQ8 && m > 0 && k > 0) act.Quantize(x.typed_data(), m, k, k, base.isa);  // every row once
-  const int32_t* sizes = group_sizes.typed_data();
+  if (kActQ8 && m > 0 && k > 0) act.Quantize(x, m, k, k, base.isa);  // every row once
   const int64_t scale_bytes = base.scale_f16 ? 2 : 4;
   auto* work = new Experts;  // reference counted: helpers that start late hold it
   int64_t start = 0, total = 0, partial_size = 0;
@@ -144,10 +128,9 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     if (rows > 0 && n > 0 && k > 0) {  // an expert without rows is never read
       q8mm::Problem p = base;
       p.m = rows;
-      p.x = x.typed_data() + start * k;
-      p.q = q.typed_data() + e * k * n;
-      p.scale = static_cast<const char*>(scale.untyped_data()) +
-                e * (k / q8mm::kBlock) * n * scale_bytes;
+      p.x = x + start * k;
+      p.q = q + e * k * n;
+      p.scale = static_cast<const char*>(scale) + e * (k / q8mm::kBlock) * n * scale_bytes;
       p.y = out + start * n;
       if (kActQ8) act.Attach(p, start);
       Experts::Expert ex;
@@ -178,6 +161,36 @@ inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->Release();
   if (kActQ8) q8act::UnpermuteColumns(out, m, n);  // y's stretches back in column order
   return ffi::Error::Success();
+}
+
+// x (M, K) f32, q (E, K, N) int8, scale (E, K/32, N) f32 or f16, group_sizes (E) int32 summing
+// to at most M (rows past their sum get zeros), y (M, N) f32. kActQ8: x quantized to Q8_0
+// first (on the int8 path of the ISA the product runs: q8act::PathFor).
+template <bool kActQ8>
+inline ffi::Error Q8RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::S8> q, ffi::AnyBuffer scale,
+                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  const auto gd = group_sizes.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || gd.size() != 1 || yd.size() != 2 ||
+      qd[1] != xd[1] || xd[1] % q8mm::kBlock != 0 || sd[0] != qd[0] ||
+      sd[1] != qd[1] / q8mm::kBlock || sd[2] != qd[2] || gd[0] != qd[0] || yd[0] != xd[0] ||
+      yd[1] != qd[2]) {
+    return ffi::Error::InvalidArgument(
+        "q8_ragged_matmul: expected x (M, K), q (E, K, N), scale (E, K/32, N), group_sizes (E), "
+        "y (M, N), K a multiple of 32");
+  }
+  if (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("q8_ragged_matmul: scale must be float32 or float16");
+  }
+  q8mm::Isa isa;
+  if (!q8isa::Select(&isa)) {
+    return ffi::Error::InvalidArgument(q8isa::BadEnv("q8_ragged_matmul"));
+  }
+  q8mm::g_last_isa.store(isa, std::memory_order_relaxed);
+  return Ragged<kActQ8>(pool, x.typed_data(), q.typed_data(), scale.untyped_data(),
+                        scale.element_type() == ffi::DataType::F16, group_sizes.typed_data(),
+                        xd[0], xd[1], qd[0], qd[2], y->typed_data(), isa);
 }
 
 }  // namespace

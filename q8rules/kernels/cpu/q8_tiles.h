@@ -1,7 +1,8 @@
 // The weight-only product's SIMD tiles, written once over a vector type `Vec` (simd.h: Avx2,
-// Avx512). q8_matmul.h includes this file twice, each time inside a namespace that names
-// `Vec` and under that path's target (so no include guard): the two paths' code is the same
-// text, and each keeps the FMAs of the hand-written code it replaced, in the same order.
+// Avx512, Neon). q8_matmul.h includes this file once per path, each time inside a namespace
+// that names `Vec` (and on x86 under that path's target; so no include guard): every path's
+// code is the same text, and each keeps the FMAs of the hand-written code it replaced, in the
+// same order.
 //
 // Needs, from the including namespace: Problem, kBlock, kStreamRows, kStreamColumns,
 // kStreamAheadL2, q8simd::kPrefetch, ScaleAt and YAt.
@@ -156,18 +157,20 @@ inline void ColumnsTail(const Problem& p, int64_t b, int64_t c0, int64_t c1, int
 // Columns [n0, n1) for x rows [m0, m0 + mg), block by block. One row against at least 64
 // columns streams q whole rows at a time (StreamBlock). Otherwise in 64-column stretches (one
 // cache line of each q row), with register tiles that fit the path's registers:
+//   4 lanes, 32 registers: mg <= 6 16-column tiles;
 //   8 lanes, 16 registers: mg = 2, 3 two mg x 32 tiles; mg = 4 4 x 24, 4 x 24, 4 x 16 (12
 //     accumulators: 8 left the FMAs waiting on their latency, 0.85x the time at 4096 x 4096
 //     and 576 x 3072 on an AVX2 EPYC); mg = 5, 6 16-column tiles;
 //   16 lanes, 32 registers: mg <= 6 one mg x 64 tile; mg = 7, 8 two mg x 32 tiles;
 // and more rows than a tile takes convert the stretch to float32 once (8 KiB, L1) for tiles
-// of up to kRows rows and 2 vectors (8 lanes: up to 4 rows, balanced, x 24, 24, 16 columns).
-// Then L columns at a time, and the last N % L scalar.
+// of up to kRows rows and kFloatVectors vectors (4 of 4 lanes, else 2; 8 lanes: up to 4 rows,
+// balanced, x 24, 24, 16 columns). Then L columns at a time, and the last N % L scalar.
 inline void Columns(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mg) {
   const int64_t w = n1 - n0;
   const int64_t n64 = n0 + (w & ~int64_t{63});
   const int64_t nl = n0 + (w & ~int64_t{L - 1});
   const bool stream = mg == 1 && w >= 64;
+  constexpr int kFloatVectors = L == 4 ? 4 : 2;
   for (int64_t b = 0; b < p.k / kBlock; ++b) {
     if (stream) {
       alignas(64) float s_buf[kStreamColumns];
@@ -191,13 +194,15 @@ inline void Columns(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_
             TileFRows<2>(mr, p, b, f, c, c + 48, m0 + r0);
           }
         } else {
-          for (int64_t cv = c; cv < c + 64; cv += 2 * L)
+          for (int64_t cv = c; cv < c + 64; cv += kFloatVectors * L)
             for (int64_t r = 0; r < mg; r += kRows)
-              TileFRows<2>(std::min(kRows, mg - r), p, b, f, c, cv, m0 + r);
+              TileFRows<kFloatVectors>(std::min(kRows, mg - r), p, b, f, c, cv, m0 + r);
         }
         continue;
       }
-      if constexpr (L == 8) {
+      if constexpr (L == 4) {  // at most 24 accumulators + 4 q vectors
+        for (int64_t cv = c; cv < c + 64; cv += 4 * L) TileRows<4>(mg, p, b, cv, m0);
+      } else if constexpr (L == 8) {
         if (mg == 2 || mg == 3) {  // 8 or 12 accumulators + 4 q vectors
           TileRows<4>(mg, p, b, c, m0);
           TileRows<4>(mg, p, b, c + 32, m0);

@@ -17,40 +17,56 @@ namespace q8repack {
 
 constexpr int64_t kBlock = 32;  // Q8_0 values per block
 
-// The 16 x 16 int8 block at s (row stride ls) transposed into d (row stride ld): four rounds of
-// SSE2 unpacks (baseline on x86-64); the column a result register holds is its index with the
-// four bits reversed. Elsewhere, element by element.
-inline void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
-#if Q8_X86
-  using S = q8simd::Sse2;
+// The 16 x 16 int8 block at s (row stride ls) transposed into d (row stride ld), element by
+// element: the form every SIMD one is checked against (tests/native/kernel_test.cc).
+inline void Transpose16Scalar(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) d[c * ld + r] = s[r * ls + c];
+  }
+}
+
+#if Q8_X86 || Q8_ARM
+// Transpose16Scalar in 16-byte registers S (simd.h: Sse2, or NeonBytes, whose unpacks are
+// zip1 / zip2): four rounds of unpacks; the column a result register holds is its index with
+// the four bits reversed.
+template <class S>
+Q8_ALWAYS_INLINE void Transpose16Simd(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
   static constexpr int kColumn[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  S::V x[16], t[16];
+  typename S::V x[16], t[16];
   for (int i = 0; i < 16; ++i) x[i] = S::Load(s + i * ls);
   for (int i = 0; i < 8; ++i) {
-    t[2 * i] = S::UnpackLo<8>(x[2 * i], x[2 * i + 1]);
-    t[2 * i + 1] = S::UnpackHi<8>(x[2 * i], x[2 * i + 1]);
+    t[2 * i] = S::template UnpackLo<8>(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = S::template UnpackHi<8>(x[2 * i], x[2 * i + 1]);
   }
   for (int i = 0; i < 4; ++i) {
     for (int j = 0; j < 2; ++j) {
-      x[4 * i + j] = S::UnpackLo<16>(t[4 * i + j], t[4 * i + j + 2]);
-      x[4 * i + j + 2] = S::UnpackHi<16>(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j] = S::template UnpackLo<16>(t[4 * i + j], t[4 * i + j + 2]);
+      x[4 * i + j + 2] = S::template UnpackHi<16>(t[4 * i + j], t[4 * i + j + 2]);
     }
   }
   for (int i = 0; i < 2; ++i) {
     for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = S::UnpackLo<32>(x[8 * i + j], x[8 * i + j + 4]);
-      t[8 * i + j + 4] = S::UnpackHi<32>(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j] = S::template UnpackLo<32>(x[8 * i + j], x[8 * i + j + 4]);
+      t[8 * i + j + 4] = S::template UnpackHi<32>(x[8 * i + j], x[8 * i + j + 4]);
     }
   }
   for (int j = 0; j < 8; ++j) {
-    x[j] = S::UnpackLo<64>(t[j], t[j + 8]);
-    x[j + 8] = S::UnpackHi<64>(t[j], t[j + 8]);
+    x[j] = S::template UnpackLo<64>(t[j], t[j + 8]);
+    x[j + 8] = S::template UnpackHi<64>(t[j], t[j + 8]);
   }
   for (int k = 0; k < 16; ++k) S::Store(d + kColumn[k] * ld, x[k]);
+}
+#endif
+
+// The 16 x 16 int8 block at s (row stride ls) transposed into d (row stride ld): in SSE2 on
+// x86-64 and NEON on aarch64 (each baseline there), elsewhere element by element.
+inline void Transpose16(const int8_t* s, int64_t ls, int8_t* d, int64_t ld) {
+#if Q8_X86
+  Transpose16Simd<q8simd::Sse2>(s, ls, d, ld);
+#elif Q8_ARM
+  Transpose16Simd<q8simd::NeonBytes>(s, ls, d, ld);
 #else
-  for (int r = 0; r < 16; ++r) {
-    for (int c = 0; c < 16; ++c) d[c * ld + r] = s[r * ls + c];
-  }
+  Transpose16Scalar(s, ls, d, ld);
 #endif
 }
 

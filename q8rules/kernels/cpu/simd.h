@@ -1,7 +1,7 @@
-// The native library's one SIMD layer: the only header that includes <immintrin.h> or names an
-// intrinsic (tests/test_architecture.py checks), as ggml keeps its SIMD in one place. It holds
-// the x86 target attributes and, per instruction set, a type with the operations the kernels
-// use:
+// The native library's one SIMD layer: with its aarch64 half (simd_neon.h), the only header that
+// includes <immintrin.h> or <arm_neon.h>, names an intrinsic, or holds inline assembly or a
+// prefetch (tests/test_architecture.py checks), as ggml keeps its SIMD in one place. It holds the target
+// attributes and, per instruction set, a type with the operations the kernels use. On x86-64:
 //   - Avx2 (8 float lanes, __m256) and Avx512 (16), the same operations on either, so each of
 //     the weight-only product's tiles (q8_tiles.h) and its transpose's (q8_matmul_t.h) is
 //     written once;
@@ -9,10 +9,14 @@
 //     q8_act_int8.h, on AVX-512 F alone;
 //   - Avx512Vnni: the Q8_0-activation product's byte interleave and int8 dots (q8_act_int8.h);
 //   - Avx2Int (8 floats, 8 int32 or 32 int8): the Q8_0 quantizers and the int8 dots on AVX2;
-//   - Sse2 (16 bytes, baseline on x86-64): the repack's 16 x 16 transposes (repack.h);
-// and the prefetches, the spin-wait hint and the MXCSR guard every path shares. Every operation
-// is one instruction (or the fixed sequence) the kernels' hand-written code used, so a kernel
-// computes the same bits through this layer as it did with the intrinsics inline.
+//   - Sse2 (16 bytes, baseline on x86-64): the repack's 16 x 16 transposes (repack.h).
+// On aarch64, simd_neon.h (this layer's other half, included here alone): Neon (4 float
+// lanes) for the same tiles, NeonInt for the quantizers and the int8 dots, NeonBytes for the
+// same transposes.
+// And the prefetches, the spin-wait hint and the floating-point control guard every path
+// shares. Every x86 operation is one instruction (or the fixed sequence) the kernels'
+// hand-written code used, so a kernel computes the same bits through this layer as it did with
+// the intrinsics inline.
 
 #ifndef Q8RULES_SIMD_H_
 #define Q8RULES_SIMD_H_
@@ -405,26 +409,72 @@ struct Sse2 {
 };
 #endif  // Q8_X86
 
-// IEEE float32 while it lives: flush-to-zero and denormals-are-zero off (the caller's MXCSR
-// may have them on), the caller's setting back at the end. Nothing to do off x86.
+#if Q8_ARM
+#include "simd_neon.h"  // Neon, NeonInt, NeonBytes, the prefetches and the spin-wait hint
+#endif
+
+// IEEE float32 while it lives: flush-to-zero and denormals-are-zero off (the caller's MXCSR,
+// or FPCR on aarch64, may have them on), the caller's setting back at the end. Nothing to do
+// elsewhere.
 class IeeeFloat {
  public:
   IeeeFloat() {
 #if Q8_X86
     csr_ = _mm_getcsr();
     _mm_setcsr(csr_ & ~0x8040u);  // FTZ is bit 15, DAZ bit 6
+#elif Q8_ARM
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr_));
+    const uint64_t ieee = fpcr_ & ~kFlush;
+    if (ieee != fpcr_) asm volatile("msr fpcr, %0" : : "r"(ieee));
 #endif
   }
   ~IeeeFloat() {
 #if Q8_X86
     _mm_setcsr(csr_);
+#elif Q8_ARM
+    if ((fpcr_ & kFlush) != 0) asm volatile("msr fpcr, %0" : : "r"(fpcr_));
 #endif
   }
   IeeeFloat(const IeeeFloat&) = delete;
   IeeeFloat& operator=(const IeeeFloat&) = delete;
 
+  // Whether the calling thread flushes subnormals to zero now (FTZ or DAZ on x86, FZ on
+  // aarch64), and turning that on or off: what a caller may have set, for the guard's tests
+  // (tests/native/kernel_test.cc).
+  static bool Flushing() {
+#if Q8_X86
+    return (_mm_getcsr() & 0x8040u) != 0;
+#elif Q8_ARM
+    uint64_t fpcr;
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return (fpcr & (uint64_t{1} << 24)) != 0;
+#else
+    return false;
+#endif
+  }
+  static void SetFlushing(bool on) {
+#if Q8_X86
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(on ? csr | 0x8040u : csr & ~0x8040u);
+#elif Q8_ARM
+    uint64_t fpcr;
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+    const uint64_t fz = uint64_t{1} << 24;
+    fpcr = on ? fpcr | fz : fpcr & ~fz;
+    asm volatile("msr fpcr, %0" : : "r"(fpcr));
+#else
+    (void)on;
+#endif
+  }
+
  private:
   unsigned csr_ = 0;
+#if Q8_ARM
+  // FPCR's flush-to-zero bits: FZ (bit 24, single and double precision) and FZ16 (bit 19, half
+  // precision, where the CPU has it; RES0 and ignored where not).
+  static constexpr uint64_t kFlush = (uint64_t{1} << 24) | (uint64_t{1} << 19);
+  uint64_t fpcr_ = 0;
+#endif
 };
 
 }  // namespace q8simd

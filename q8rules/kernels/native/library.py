@@ -3,9 +3,10 @@ loaded, and its FFI targets registered.
 
 The first use per process compiles the source with `$CXX` (default `c++`, warnings on) into
 `$Q8RULES_CACHE` (default `~/.cache/q8rules`), named by a hash of sources, jaxlib, compiler and
-flags; `available()` is False, with `unavailable_reason()`, where that cannot happen (not
-x86-64, no compiler, a failed build). It loads whatever JAX's default backend is: on a GPU or
-TPU host the GGUF repack runs on it, and the CPU kernels serve programs lowered for the CPU.
+flags; `available()` is False, with `unavailable_reason()`, where that cannot happen (neither
+x86-64 nor aarch64, no compiler, a failed build). It loads whatever JAX's default backend is: on
+a GPU or TPU host the GGUF repack runs on it, and the CPU kernels serve programs lowered for the
+CPU.
 Loading applies the threads' settings (`settings`: `$Q8RULES_THREADS`, `$Q8RULES_SPIN_US`).
 """
 
@@ -62,9 +63,14 @@ bytes enter the library's cache key)."""
 
 CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra")
 """Compiler flags, warnings on (the compiler's output is kept beside the library: `build_log`).
-No `-mavx2`: the AVX2 functions carry target attributes, so the scalar fallback stays runnable
-on any x86-64 CPU. `-pthread`: the repack starts threads (a glibc before 2.34 keeps them in
+No `-mavx2` (nor `-march` on aarch64): the AVX2 and AVX-512 functions, and those with ARMv8.2's
+sdot, carry target attributes, so the scalar fallback (and plain NEON) stays runnable on any
+x86-64 (aarch64) CPU. `-pthread`: the repack starts threads (a glibc before 2.34 keeps them in
 libpthread). XLA's FFI headers come in with `-isystem` (their own warnings are theirs)."""
+
+MACHINES = ("x86_64", "amd64", "aarch64", "arm64")
+"""`platform.machine()` of the hosts the library builds on (lower case): x86-64 and aarch64
+(little-endian: the GGUF repack reads blocks in the host's order)."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" (ctypes.CDLL) and "path", or "reason" (str), once decided
@@ -124,8 +130,10 @@ def _load() -> ctypes.CDLL | None:
       return _state.get("lib")  # type: ignore[return-value]
     try:
       machine = platform.machine().lower()
-      if machine not in ("x86_64", "amd64"):
-        raise RuntimeError(f"the kernel is x86-64 only (this host: {machine})")
+      if machine not in MACHINES:
+        raise RuntimeError(
+          f"the native kernel builds for x86-64 and aarch64 only (this host: {machine})"
+        )
       path = library_path()
       if not path.exists():
         _build(path)

@@ -1,0 +1,1 @@
+"""The native library's C++ kernel test program and its driver (driver.py)."""
