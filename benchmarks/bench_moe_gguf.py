@@ -175,6 +175,7 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--dir", default="/tmp")
   ap.add_argument("--write", action="store_true", help="write the table to benchmarks/RESULTS.md")
+  ap.add_argument("--section", default="moe-gguf", help="RESULTS.md section (e.g. moe-gguf-avx2)")
   args = ap.parse_args()
   build, missing = describe(**query(args.llama_cpp_python))
   print(build)
@@ -191,7 +192,7 @@ def main() -> None:
   table = [*header, *rows]
   print("\n".join(table))
   if args.write:
-    start, end = markers("moe-gguf")
+    start, end = markers(args.section)
     text = [
       start,
       "## MoE GGUF files against llama.cpp (CPU)",
@@ -206,7 +207,7 @@ def main() -> None:
       *table,
       end,
     ]
-    write_section("moe-gguf", "\n".join(text))
+    write_section(args.section, "\n".join(text))
 
 
 if __name__ == "__main__":

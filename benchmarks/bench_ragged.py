@@ -240,6 +240,7 @@ def main() -> None:
   ap.add_argument("--paths", default=",".join(PATHS))
   ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the Q8_0 paths")
   ap.add_argument("--write", action="store_true", help="write RESULTS.md's `ragged` section")
+  ap.add_argument("--section", default="ragged", help="RESULTS.md section (e.g. ragged-avx2)")
   args = ap.parse_args()
 
   import jax.numpy as jnp
@@ -322,7 +323,7 @@ def main() -> None:
     )
     heading = "## Grouped Q8_0 product: a Qwen3-30B-A3B-shaped MoE decode step (CPU)"
     cmd = "python benchmarks/bench_ragged.py --write"
-    write_section("ragged", section("ragged", heading, header, cmd, [table]))
+    write_section(args.section, section(args.section, heading, header, cmd, [table]))
 
 
 if __name__ == "__main__":

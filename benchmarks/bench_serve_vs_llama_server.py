@@ -243,6 +243,8 @@ def main() -> None:
   p.add_argument("--quiet-wait", type=float, default=300.0,
                  help="the most seconds to wait for a quiet machine before a measurement")  # fmt: skip
   p.add_argument("--write", action="store_true", help="write the section of RESULTS.md")
+  p.add_argument("--section", default="serve-vs-llama-server",
+                 help="RESULTS.md section (one per ISA: e.g. serve-vs-llama-server-avx2)")  # fmt: skip
   args = p.parse_args()
   model = str(Path(args.model).resolve())
   counts = [int(x) for x in args.parallel.split(",")]
@@ -338,7 +340,7 @@ def main() -> None:
   )
   command = "python benchmarks/bench_serve_vs_llama_server.py " + " ".join(sys.argv[1:])
   heading = "## q8rules serve against llama-server (`benchmarks/bench_serve_vs_llama_server.py`)"
-  name = "serve-vs-llama-server"
+  name = args.section
   write_section(name, section(name, heading, header, command, blocks))
 
 

@@ -41,7 +41,7 @@ def write_section(name: str, text: str, path: Path = RESULTS) -> None:
 
 
 def machine() -> str:
-  """`lscpu`'s model name, the core count and the OS."""
+  """`lscpu`'s model name, the core count, the OS, and the native kernels' SIMD path (`isa()`)."""
   model = platform.processor() or "unknown CPU"
   try:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -49,7 +49,35 @@ def machine() -> str:
     model = found.group(1).strip() if found else model
   except (OSError, subprocess.CalledProcessError):
     pass
-  return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+  return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, {isa()}"
+
+
+def isa() -> str:
+  """The SIMD path q8rules' native kernels run here, as `kernels/cpu/isa.h` picks it (the best
+  rung of this architecture's ladder the CPU's flags allow, capped by `$Q8RULES_CPU_ISA`),
+  read from /proc/cpuinfo without loading the library: e.g. 'SIMD path avx2 (the CPU's best:
+  avx2)' or 'SIMD path avx2 ($Q8RULES_CPU_ISA=avx2; the CPU's best: avx512)'."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    text = ""
+  line = next(
+    (ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")), ""
+  )
+  flags = set(line.partition(":")[2].split())
+  if platform.machine().lower() in ("aarch64", "arm64"):
+    ladder = ["scalar", "neon", "neon_dotprod"]
+    best = "neon_dotprod" if "asimddp" in flags else "neon"
+  else:
+    ladder = ["scalar", "avx2", "avx512"]
+    best = "scalar"
+    if {"avx2", "fma", "f16c"} <= flags:
+      best = "avx512" if "avx512f" in flags else "avx2"
+  want = os.environ.get("Q8RULES_CPU_ISA", "").strip()
+  if want in ladder:
+    chosen = ladder[min(ladder.index(want), ladder.index(best))]
+    return f"SIMD path {chosen} ($Q8RULES_CPU_ISA={want}; the CPU's best: {best})"
+  return f"SIMD path {best} (the CPU's best)"
 
 
 def load_average() -> str:
