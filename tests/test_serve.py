@@ -362,3 +362,29 @@ def test_sigterm_ends_the_server_cleanly(model):
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def test_q8_0_activations_are_served_as_generate_gives_them(model):
+  """A model loaded with `act_qtype='q8_0'` (`q8rules serve --act-qtype q8_0`) serves, greedy
+  and beside another request, the tokens its own `generate` gives."""
+  act = q8rules.load_gguf(model.path, dtype=jnp.float32, progress=False, act_qtype="q8_0")
+  ids = act.tokenizer.encode("the cat sat on")
+  with Server(act, parallel=2, ctx=CTX, chunk=8) as s:
+    other = ([5] * 8, 20, dict(temperature=0.0))
+    served = run_together(s, act, [other, (ids, 16, dict(temperature=0.0))])[1][0]
+  assert act.rule.act_qtype == "q8_0"
+  assert served == act.generate(ids, 16, stop_ids=())
+
+
+def test_serve_takes_act_qtype():
+  """`q8rules serve --act-qtype q8_0` parses (and anything else is refused by argparse)."""
+  import argparse
+
+  from q8rules.cli import serve as serve_cli
+
+  p = argparse.ArgumentParser()
+  serve_cli.add_arguments(p)
+  assert p.parse_args(["m.gguf", "--act-qtype", "q8_0"]).act_qtype == "q8_0"
+  assert p.parse_args(["m.gguf"]).act_qtype is None
+  with pytest.raises(SystemExit):
+    p.parse_args(["m.gguf", "--act-qtype", "int8"])

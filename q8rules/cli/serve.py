@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  " program per token)")  # fmt: skip
   p.add_argument("--bf16", action="store_true",
                  help="bfloat16 activations (default float32, as llama.cpp)")  # fmt: skip
+  p.add_argument("--act-qtype", choices=["q8_0"], default=None,
+                 help="Q8_0 activations too, as llama.cpp (int8 block dots; None: float)")  # fmt: skip
   p.add_argument("--no-progress", action="store_true",
                  help="no loading progress bar (it shows only on a terminal anyway)")  # fmt: skip
 
@@ -68,6 +70,7 @@ def execute(args: argparse.Namespace) -> dict:
     args.model,
     dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
     progress=bars(args.no_progress),
+    act_qtype=args.act_qtype,
     lora=args.lora,
     lora_scale=args.lora_scale,
   )
