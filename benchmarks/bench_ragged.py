@@ -322,7 +322,7 @@ def main() -> None:
       f" rounds): {probe_text}."
     )
     heading = "## Grouped Q8_0 product: a Qwen3-30B-A3B-shaped MoE decode step (CPU)"
-    cmd = "python benchmarks/bench_ragged.py --write"
+    cmd = "python benchmarks/bench_ragged.py " + " ".join(sys.argv[1:])
     write_section(args.section, section(args.section, heading, header, cmd, [table]))
 
 
