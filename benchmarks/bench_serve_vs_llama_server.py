@@ -85,12 +85,17 @@ class Measure:
   tokens: int
 
 
+def act(args: argparse.Namespace) -> list[str]:
+  """Our side's `--act-qtype` (Q8_0 activations: llama-server's own arithmetic), if asked."""
+  return ["--act-qtype", args.act_qtype] if args.act_qtype else []
+
+
 def serve_command(side: str, args: argparse.Namespace, model: str, port: int, n: int) -> list:
   """The command line of our server or llama-server with `n` slots."""
   t = str(args.threads)
   if side == "ours":
     return [sys.executable, "-m", "q8rules", "serve", model, "--port", str(port), "--parallel",
-            str(n), "--threads", t, "--ctx", str(args.ctx), "--no-progress"]  # fmt: skip
+            str(n), "--threads", t, "--ctx", str(args.ctx), "--no-progress", *act(args)]  # fmt: skip
   return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np",
           str(n), "-t", t, "-tb", t, "-c", str(n * args.ctx)]  # fmt: skip
 
@@ -185,7 +190,7 @@ def measure(url: str, n: int, tokens: int, limit: float = 0.0) -> Measure:
 def run_rate(args: argparse.Namespace, model: str) -> float:
   """`q8rules run`'s decode rate on PROMPTS[0], `TOKENS` tokens, the same threads."""
   cmd = [sys.executable, "-m", "q8rules", "run", model, "-p", PROMPTS[0], "-n", str(TOKENS),
-         "--threads", str(args.threads), "--no-progress"]  # fmt: skip
+         "--threads", str(args.threads), "--no-progress", *act(args)]  # fmt: skip
   proc = subprocess.run(
     cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
   )
@@ -242,6 +247,8 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--quiet-wait", type=float, default=300.0,
                  help="the most seconds to wait for a quiet machine before a measurement")  # fmt: skip
+  p.add_argument("--act-qtype", choices=["q8_0"], default=None,
+                 help="our server and run with Q8_0 activations (llama-server's int8 dots)")  # fmt: skip
   p.add_argument("--write", action="store_true", help="write the section of RESULTS.md")
   p.add_argument("--section", default="serve-vs-llama-server",
                  help="RESULTS.md section (one per ISA: e.g. serve-vs-llama-server-avx2)")  # fmt: skip
@@ -335,6 +342,7 @@ def main() -> None:
     f"{when}. Machine: {machine()}; load average at the end {load_average()}. Model:"
     f" {Path(args.model).name}; {args.threads} threads each; {TOKENS} greedy tokens a stream"
     f" (`ignore_eos`); {args.ctx} positions a slot; medians of {args.rounds} interleaved rounds."
+    f" Ours: {'act_qtype=' + args.act_qtype + ' (Q8_0 activations)' if args.act_qtype else 'weight-only (float32 activations)'}."
     f" Code: {code_version()}."
     f" llama-server: `{info[0]}`; system_info: `{info[1]}`."
   )
