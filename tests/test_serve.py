@@ -192,6 +192,11 @@ FIELDS = [  # (what, path, body, the `param` named)
   ),  # fmt: skip
   ("grammar", CHAT, {**GOOD, "grammar": "root ::= [a-z]+"}, "grammar"),
   ("echo", "/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+  ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "16"}, "max_tokens"),
+  ("max_tokens not whole", CHAT, {**GOOD, "max_tokens": 16.0}, "max_tokens"),
+  ("max_tokens true", CHAT, {**GOOD, "max_tokens": True}, "max_tokens"),
+  ("stream a string", CHAT, {**GOOD, "stream": "yes"}, "stream"),
+  ("temperature a string", CHAT, {**GOOD, "temperature": "0.5"}, "temperature"),
   ("top_k past the vocabulary", CHAT, {**GOOD, "top_k": 1099511627776}, "top_k"),
   ("top_k < 0", CHAT, {**GOOD, "top_k": -1}, "top_k"),
   ("temperature > 2", CHAT, {**GOOD, "temperature": 2.5}, "temperature"),

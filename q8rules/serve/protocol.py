@@ -1,8 +1,9 @@
 """The OpenAI-compatible request and response shapes, their checks, and OpenAI-style errors.
 
-Requests are pydantic models, the handlers' typed bodies (so `/openapi.json` describes them):
-a field of the wrong type, out of its range or missing fails validation, and the API answers
-400 with OpenAI's error body naming the field:
+Requests are pydantic models, the handlers' typed bodies (so `/openapi.json` describes them),
+in strict mode: a field is the JSON type the schema says (16, not "16", 16.0 or true, for an
+integer). A field of the wrong type, out of its range or missing fails validation, and the API
+answers 400 with OpenAI's error body naming the field:
 
   {"error": {"message": "top_p: ...", "type": "invalid_request_error", "param": "top_p",
              "code": null}}
@@ -189,7 +190,7 @@ def _refuse_unserved(name: str, value: Any) -> Any:
 class TextFormat(BaseModel):
   """`response_format` as served: plain text (structured output is not supported yet)."""
 
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
 
   type: Literal["text"]
 
@@ -206,7 +207,7 @@ def _float32_positive(name: str, v: float | None) -> float | None:
 class StreamOptions(BaseModel):
   """`stream_options`: `include_usage` adds a last chunk with the usage."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   include_usage: bool | None = None
 
@@ -215,7 +216,7 @@ class _Request(BaseModel):
   """What chat and text completions share: the model and the sampling settings (null: the
   default)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   model: str | None = Field(default=None, description="the one model served (or left out)")
   max_tokens: int | None = Field(default=None, ge=1)
@@ -325,7 +326,7 @@ class _Request(BaseModel):
 class ContentPart(BaseModel):
   """A part of a message's content: only text parts are served."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   type: Literal["text"]
   text: str
@@ -334,7 +335,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
   """One message: a role and its content (a string, or a list of text parts; never null)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   role: Literal["system", "developer", "user", "assistant"]
   content: str | Annotated[list[ContentPart], Field(min_length=1)]
@@ -459,7 +460,7 @@ class CompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
   """`POST /tokenize` (llama-server's): the ids of `content`."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   content: str
   add_special: bool = False
@@ -469,7 +470,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
   """`POST /detokenize` (llama-server's): the text of `tokens` (ids of the vocabulary)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   tokens: list[int]
 
