@@ -22,7 +22,7 @@ MODEL = Path(__file__).parent / "data" / "gguf_models" / "tiny-qwen2-q8_0.gguf"
 KEY = "sk-http"
 ORIGIN = "https://app.example.com"
 CONNECTIONS = 6
-LONG = {"prompt": [5] * 8, "max_tokens": 100, "repeat_penalty": 1.5}
+LONG = {"prompt": [5] * 8, "max_tokens": 100, "repeat_penalty": 1.5, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
