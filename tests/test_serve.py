@@ -141,6 +141,15 @@ CHAT = "/v1/chat/completions"
 GOOD = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 BAD = [
   ("malformed JSON", CHAT, b'{"messages": [', {}, 400),
+  ("empty body", CHAT, b"", {}, 400),
+  ("JSON nested too deeply", CHAT, b"[" * 30_000 + b"]" * 30_000, {}, 400),
+  (
+    "a body that is not UTF-8",
+    "/v1/completions",
+    '{"prompt": "caf\xe9"}'.encode("latin-1"),
+    {},
+    400,
+  ),
   ("missing field", CHAT, {"max_tokens": 2}, {}, 400),
   ("wrong type", CHAT, {"messages": "hi"}, {}, 400),
   ("wrong type of a number", CHAT, {**GOOD, "max_tokens": "many"}, {}, 400),

@@ -497,7 +497,10 @@ def create_app(
 
   @app.exception_handler(StarletteHTTPException)
   async def _http(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
-    return failed(P.APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
+    message = str(e.detail)
+    if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's
+      message = "the request body is not JSON that can be read (not UTF-8, nested too deeply, or a number too long)"  # fmt: skip
+    return failed(P.APIError(e.status_code, message, headers=dict(e.headers or {})))
 
   @app.exception_handler(Exception)
   async def _crash(http: HTTPRequest, e: Exception) -> JSONResponse:

@@ -172,6 +172,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"the request body is not valid JSON: {error or message}")
   if first.get("type") in ("model_attributes_type", "dict_type") and param is None:
     return APIError(400, "the request body must be a JSON object")
+  if first.get("type") == "missing" and param is None:
+    return APIError(400, "the request body is empty; a JSON object is needed")
   return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
