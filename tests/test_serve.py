@@ -141,6 +141,15 @@ CHAT = "/v1/chat/completions"
 GOOD = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 BAD = [
   ("malformed JSON", CHAT, b'{"messages": [', {}, 400),
+  ("empty body", CHAT, b"", {}, 400),
+  ("JSON nested too deeply", CHAT, b"[" * 30_000 + b"]" * 30_000, {}, 400),
+  (
+    "a body that is not UTF-8",
+    "/v1/completions",
+    '{"prompt": "caf\xe9"}'.encode("latin-1"),
+    {},
+    400,
+  ),
   ("missing field", CHAT, {"max_tokens": 2}, {}, 400),
   ("wrong type", CHAT, {"messages": "hi"}, {}, 400),
   ("wrong type of a number", CHAT, {**GOOD, "max_tokens": "many"}, {}, 400),
@@ -152,25 +161,217 @@ BAD = [
   ("top_p 0", CHAT, {**GOOD, "top_p": 0}, {}, 400),
   ("top_p > 1", CHAT, {**GOOD, "top_p": 1.5}, {}, 400),
   ("unknown model", CHAT, {**GOOD, "model": "gpt-4"}, {}, 404),
+  (
+    "unknown model, not Unicode",
+    CHAT,
+    b'{"model": "gpt\\ud800", "messages": [{"role": "user", "content": "x"}]}',
+    {},
+    404,
+  ),  # fmt: skip
   ("body over the limit", CHAT, {**GOOD, "pad": "x" * (1 << 17)}, {}, 413),
   ("no API key", CHAT, GOOD, {"Authorization": ""}, 401),
   ("wrong API key", CHAT, GOOD, {"Authorization": "Bearer nope"}, 401),
   ("template fails", CHAT, {"messages": [{"role": "user", "content": "please fail"}]}, {}, 400),
 ]
+FIELDS = [  # (what, path, body, the `param` named)
+  ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+  ("tool role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+  ("null content", CHAT, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+  ("no content", CHAT, {"messages": [{"role": "user"}]}, "messages.0.content"),
+  ("empty parts", CHAT, {"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+  (
+    "an image part",
+    CHAT,
+    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    "messages.0.content.0.type",
+  ),  # fmt: skip
+  (
+    "tool calls",
+    CHAT,
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+    "messages.0.tool_calls",
+  ),  # fmt: skip
+  ("tools", CHAT, {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+  ("tool_choice", CHAT, {**GOOD, "tool_choice": "auto"}, "tool_choice"),
+  (
+    "response_format",
+    CHAT,
+    {**GOOD, "response_format": {"type": "json_object"}},
+    "response_format",
+  ),  # fmt: skip
+  ("grammar", CHAT, {**GOOD, "grammar": "root ::= [a-z]+"}, "grammar"),
+  ("echo", "/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+  ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "16"}, "max_tokens"),
+  ("max_tokens not whole", CHAT, {**GOOD, "max_tokens": 16.0}, "max_tokens"),
+  ("max_tokens true", CHAT, {**GOOD, "max_tokens": True}, "max_tokens"),
+  ("stream a string", CHAT, {**GOOD, "stream": "yes"}, "stream"),
+  ("temperature a string", CHAT, {**GOOD, "temperature": "0.5"}, "temperature"),
+  ("top_k past the vocabulary", CHAT, {**GOOD, "top_k": 1099511627776}, "top_k"),
+  ("top_k < 0", CHAT, {**GOOD, "top_k": -1}, "top_k"),
+  ("temperature > 2", CHAT, {**GOOD, "temperature": 2.5}, "temperature"),
+  (
+    "temperature NaN",
+    CHAT,
+    b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+    "temperature",
+  ),  # fmt: skip
+  (
+    "max_tokens infinite",
+    CHAT,
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e999}',
+    "max_tokens",
+  ),  # fmt: skip
+  ("repeat_penalty 0", CHAT, {**GOOD, "repeat_penalty": 0}, "repeat_penalty"),
+  ("repeat_last_n past the history", CHAT, {**GOOD, "repeat_last_n": 65}, "repeat_last_n"),
+  ("frequency_penalty > 2", CHAT, {**GOOD, "frequency_penalty": 3}, "frequency_penalty"),
+  ("min_p > 1", CHAT, {**GOOD, "min_p": 1.5}, "min_p"),
+  ("n 2", CHAT, {**GOOD, "n": 2}, "n"),
+  ("top_logprobs past 20", CHAT, {**GOOD, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+  ("top_logprobs without logprobs", CHAT, {**GOOD, "top_logprobs": 2}, "top_logprobs"),
+  ("logit_bias id past the vocabulary", CHAT, {**GOOD, "logit_bias": {"384": 1}}, "logit_bias"),
+  ("logit_bias key not an id", CHAT, {**GOOD, "logit_bias": {"hello": 1}}, "logit_bias"),
+  ("logit_bias value > 100", CHAT, {**GOOD, "logit_bias": {"5": 101}}, "logit_bias.5"),
+  (
+    "logit_bias too many",
+    CHAT,
+    {**GOOD, "logit_bias": {str(i): 1 for i in range(301)}},
+    "logit_bias",
+  ),  # fmt: skip
+  ("five stop strings", CHAT, {**GOOD, "stop": list("abcde")}, "stop"),
+  ("a long stop string", CHAT, {**GOOD, "stop": "x" * 257}, "stop"),
+  ("prompt past the context", "/v1/completions", {"prompt": list(range(CTX))}, "prompt"),
+  ("a token id past the vocabulary", "/v1/completions", {"prompt": [5, 384]}, "prompt"),
+  ("a prompt of two strings", "/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+  ("unpaired surrogate", "/v1/completions", b'{"prompt": "a\\ud800"}', "prompt"),
+  ("detokenize past the vocabulary", "/detokenize", {"tokens": [10**20]}, "tokens"),
+]
+
+
+GREEDY = {**GOOD, "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def greedy_reply(server) -> dict:
+  """GREEDY's reply on the fresh server."""
+  return httpx.post(server.url + CHAT, json=GREEDY, headers=auth()).json()["choices"]
+
+
+def assert_still_serving(http: httpx.Client, url: str, want: dict) -> None:
+  """The same greedy request still gets the same reply."""
+  ok = http.post(url + CHAT, json=GREEDY, headers=auth())
+  assert ok.status_code == 200 and ok.json()["choices"] == want, ok.text
 
 
 @pytest.mark.parametrize("what, path, body, headers, status", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
-  server, what, path, body, headers, status
+  server, greedy_reply, what, path, body, headers, status
 ):
   content = body if isinstance(body, bytes) else json.dumps(body).encode()
   with httpx.Client(timeout=30) as http:
-    r = http.post(server.url + path, content=content, headers={**auth(), **headers})
+    r = http.post(
+      server.url + path, content=content,
+      headers={**auth(), "Content-Type": "application/json", **headers},
+    )  # fmt: skip
     assert r.status_code == status, (what, r.text)
     error = r.json()["error"]
     assert error["message"] and error["type"], error
-    ok = http.post(server.url + CHAT, json=GOOD, headers=auth())
-    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    assert_still_serving(http, server.url, greedy_reply)
+
+
+@pytest.mark.parametrize("what, path, body, param", FIELDS, ids=[f[0] for f in FIELDS])
+def test_each_field_out_of_its_range_is_a_400_naming_it(
+  server, greedy_reply, what, path, body, param
+):
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  with httpx.Client(timeout=30) as http:
+    r = http.post(
+      server.url + path, content=content, headers={**auth(), "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400, (what, r.text)
+    error = r.json()["error"]
+    assert error["param"] == param, (what, error)
+    assert error["message"].startswith(f"{param}: ") and error["type"] == "invalid_request_error"
+    assert_still_serving(http, server.url, greedy_reply)
+
+
+@pytest.mark.parametrize(
+  "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+def test_a_post_that_is_not_json_is_a_415(server, content_type):
+  headers = auth() if content_type is None else {**auth(), "Content-Type": content_type}
+  r = httpx.post(server.url + CHAT, content=json.dumps(GOOD).encode(), headers=headers)
+  assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
+  ok = httpx.post(
+    server.url + CHAT, content=json.dumps(GOOD).encode(),
+    headers={**auth(), "Content-Type": "application/json; charset=utf-8"},
+  )  # fmt: skip
+  assert ok.status_code == 200
+
+
+def test_a_method_a_path_does_not_take_is_a_405_with_allow(server):
+  for method, path in (("POST", "/health"), ("POST", "/v1/models"), ("GET", CHAT)):
+    r = httpx.request(method, server.url + path, headers=auth())
+    assert r.status_code == 405 and r.headers["allow"], (method, path, r.text)
+    assert r.json()["error"]["message"]
+
+
+def test_seeds_are_any_integer_reduced_to_32_bits(server):
+  """Any JSON integer is a seed; its low 32 bits are used (llama-server's uint32): 2**64 + 3
+  and -2**32 + 3 draw as 3 does, 2**63 (the issue's OverflowError) and -1 are served."""
+  body = {"prompt": "a b", "max_tokens": 8, "temperature": 1.0}
+
+  def text(seed: int) -> str:
+    r = httpx.post(server.url + "/v1/completions", json={**body, "seed": seed}, headers=auth())
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+  three = text(3)
+  assert text(2**64 + 3) == three and text(-(2**32) + 3) == three
+  assert text(2**63) and text(-1) is not None and text(10**40) is not None
+
+
+def test_null_fields_are_their_defaults_and_neutral_unserved_values_pass(server):
+  """A field sent as null is its default (as OpenAI reads it); `tools: []`, `tool_choice:
+  "none"` and `response_format: {"type": "text"}` ask for nothing and are served."""
+  plain = {**GOOD, "temperature": 0}
+  nulls = {**plain, "top_p": None, "top_k": None, "seed": None, "stop": None, "n": None,
+           "frequency_penalty": None, "presence_penalty": None, "logit_bias": None,
+           "stream": None, "logprobs": None, "max_completion_tokens": None}  # fmt: skip
+  neutral = {**plain, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+             "developer_field": 1}  # fmt: skip
+  want = httpx.post(server.url + CHAT, json=plain, headers=auth()).json()["choices"]
+  for body in (nulls, neutral):
+    r = httpx.post(server.url + CHAT, json=body, headers=auth())
+    assert r.status_code == 200 and r.json()["choices"] == want, r.text
+
+
+def test_logit_bias_moves_the_pick(server, model, client):
+  """Through the API, +100 on an id makes it the greedy pick at every step (the
+  log-probabilities stay the model's); in the engine, -100 on each greedy token bans it, alone
+  and in a batch beside unbiased requests (whose tokens do not move)."""
+  kw = dict(model=NAME, prompt="a b", max_tokens=4, temperature=0, logprobs=1)
+  forced = client.completions.create(**kw, logit_bias={"42": 100})
+  piece = httpx.post(server.url + "/detokenize", json={"tokens": [42]}, headers=auth()).json()
+  assert forced.choices[0].logprobs.tokens == [piece["content"]] * 4
+  assert all(lp < 0 for lp in forced.choices[0].logprobs.token_logprobs)
+
+  ids = model.tokenizer.encode("the cat sat on")
+  greedy = dict(temperature=0.0)
+  plain = run_together(server, model, [(ids, 6, greedy)])[0][0]
+  ban = tuple((t, -100.0) for t in sorted(set(plain)))
+  banned = run_together(server, model, [(ids, 6, {**greedy, "logit_bias": ban})])[0][0]
+  assert not set(banned) & set(plain), (plain, banned)
+  both = run_together(server, model, [(ids, 6, greedy), (ids, 6, {**greedy, "logit_bias": ban})])
+  assert both[0][0] == plain and both[1][0] == banned
+
+
+def test_a_text_completion_past_the_context_names_the_prompt(server):
+  r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * CTX}, headers=auth())
+  assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+  assert r.json()["error"]["code"] == "context_length_exceeded"
+  r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 8, "max_tokens": CTX},
+                 headers=auth())  # fmt: skip
+  assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def slots_busy(server) -> int:
@@ -388,3 +589,15 @@ def test_serve_takes_act_qtype():
   assert p.parse_args(["m.gguf"]).act_qtype is None
   with pytest.raises(SystemExit):
     p.parse_args(["m.gguf", "--act-qtype", "int8"])
+
+
+def test_no_cors_headers_unless_asked_for(server):
+  """Without `cors`, no response carries Access-Control-Allow-Origin: browsers refuse pages of
+  other origins (a preflight gets no permission)."""
+  origin = {"Origin": "https://evil.example"}
+  preflight = httpx.options(
+    server.url + CHAT, headers={**origin, "Access-Control-Request-Method": "POST"}
+  )
+  assert "access-control-allow-origin" not in preflight.headers
+  r = httpx.get(server.url + "/v1/models", headers={**auth(), **origin})
+  assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams, first_max, sample_rows
 
@@ -53,3 +54,38 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
   greedy = rows([plain[0]] * 4)
   np.testing.assert_array_equal(greedy[0], np.argmax(np.asarray(logits), axis=-1))
   np.testing.assert_array_equal(greedy[1], keys)  # a greedy row's key does not move
+
+
+def test_logit_bias_adds_to_its_rows_logits_only():
+  """A row's `logit_bias` is added to its logits before the chain: +100 makes an id the greedy
+  pick, -100 on the argmax moves the pick to the runner-up; a row without a bias keeps the
+  same token and key bits beside biased rows, and the log-probabilities stay the model's."""
+  rng = np.random.default_rng(2)
+  vocab = 300
+  logits = jnp.asarray(rng.standard_normal((3, vocab)), jnp.float32)
+  keys = jnp.asarray(np.stack([SamplingParams(seed=s).key() for s in range(3)]))
+  history = jnp.full((3, HISTORY), -1, jnp.int32)
+  top = np.argsort(-np.asarray(logits), axis=-1)
+  run = jax.jit(sample_rows)
+  sampled = SamplingParams(temperature=0.7, seed=5)
+  biased = [
+    SamplingParams(temperature=0.0, logit_bias=((17, 100.0),)),
+    SamplingParams(temperature=0.0, logit_bias=((int(top[2, 0]), -100.0),)),
+  ]
+  out = [np.asarray(a) for a in run(logits, keys, history, RowSettings.of([sampled, *biased]))]
+  assert out[0][1] == 17 and out[0][2] == top[2, 1] and top[1, 0] != 17
+  alone = [np.asarray(a) for a in run(logits, keys, history, RowSettings.of([sampled] * 3))]
+  np.testing.assert_array_equal(out[0][0], alone[0][0])  # the unbiased row: the same bits
+  np.testing.assert_array_equal(out[1][0], alone[1][0])
+  with_lp = [SamplingParams(temperature=0.0, logprobs=True, logit_bias=((17, 100.0),))]
+  got = run(logits[1:2], keys[1:2], history[1:2], RowSettings.of(with_lp))
+  want = jax.nn.log_softmax(logits[1])[17]
+  assert int(got[0][0]) == 17
+  np.testing.assert_allclose(np.asarray(got[3])[0], np.asarray(want), rtol=1e-6)
+
+
+def test_sampling_params_refuse_what_the_api_must_have_checked():
+  for bad in (dict(seed=-1), dict(seed=1 << 32), dict(logit_bias=((-1, 1.0),)),
+              dict(logit_bias=tuple((i, 1.0) for i in range(301)))):  # fmt: skip
+    with pytest.raises(ValueError):
+      SamplingParams(**bad)

@@ -4,24 +4,34 @@
                               events, as OpenAI's) with "stream": true
   POST /v1/completions        text (or token ids) in, text out; streamed likewise
   GET  /v1/models             the one model served
-  GET  /health                {"status": "ok", ...} (no key needed)
-  GET  /metrics               Prometheus text: requests, tokens in and out, queue depth,
-                              decode tokens/s
+  GET  /health                200 {"status": "ok", ...} while the engine runs, else 503
+                              (no key needed)
+  GET  /metrics               Prometheus text (`q8rules.serve.metrics`)
   POST /tokenize, /detokenize llama-server's
+  GET  /openapi.json          the OpenAPI schema of all of these (no key needed)
   GET  /                      a chat page (static HTML and JS; no key needed)
 
-Every error is OpenAI's JSON body (`protocol.APIError`) with its status: 400 for a malformed or
-invalid request (JSON, fields, ranges, a prompt past the context, a template that fails to
-render), 401 for a missing or wrong key when the server has one, 404 for an unknown model or
-path, 413 for a body over the limit, 503 once the server is stopping. A client that disconnects
-cancels its request: the engine frees its slot at its next turn.
+The handlers take typed bodies (`protocol`'s pydantic models), so FastAPI validates them and
+`/openapi.json` describes them. Every error is OpenAI's JSON body (`protocol.APIError`) with its
+status: 400 for a malformed or invalid request (JSON, fields, ranges, a prompt past the
+context, a template that fails to render), 401 for a missing or wrong key when the server has
+one, 404 for an unknown model or path, 413 for a body over the limit, 415 for a body that is
+not JSON, 500 when the server fails on a request, 503 when it is full (`Retry-After`), a
+request runs past its timeout, or the engine has stopped. `guards` runs before the handlers.
+
+Rendering the chat template and tokenizing run in worker threads, off the event loop. A client
+that disconnects cancels its request, streamed or not: the engine frees its slot at its next
+turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import secrets
+import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
@@ -29,87 +39,49 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from q8rules.serve import protocol as P
-from q8rules.serve.scheduler import DoneEvent, ErrorEvent, Request, Scheduler, TokenEvent
+from q8rules.serve.guards import Admission, KeyCheck, PostBody
+from q8rules.serve.scheduler import (
+  DoneEvent,
+  EngineDown,
+  ErrorEvent,
+  Request,
+  Scheduler,
+  TokenEvent,
+)
 
 MAX_BODY = 4 << 20
 """The largest request body read (bytes); a larger one gets 413."""
 
-PUBLIC = ("/", "/health")
-"""Paths that need no key when the server has one."""
+log = logging.getLogger("q8rules.serve")
 
-POLL_S = 0.5
-"""How often a non-streamed request waiting for its tokens checks that its client is there."""
+GONE = object()
+"""Put on a request's event queue when its client disconnects."""
 
 
-class KeyCheck:
-  """ASGI middleware: with a key, every path but `PUBLIC` needs `Authorization: Bearer KEY`
-  (401 with OpenAI's error body otherwise)."""
+class ASCIIJSONResponse(JSONResponse):
+  """JSON with every non-ASCII character escaped: an error may quote what the client sent,
+  and text with an unpaired surrogate has no UTF-8 bytes."""
 
-  def __init__(self, app: ASGIApp, api_key: str | None):
-    self.app = app
-    self.api_key = api_key
-
-  async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] != "http" or self.api_key is None or scope["path"] in PUBLIC:
-      await self.app(scope, receive, send)
-      return
-    headers = dict(scope["headers"])
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key):
-      await self.app(scope, receive, send)
-      return
-    message = "no API key given" if not given else "the API key is wrong"
-    error = P.APIError(401, f"{message}: send 'Authorization: Bearer KEY'", code="invalid_api_key")
-    await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+  def render(self, content: Any) -> bytes:
+    return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_response(e: P.APIError) -> JSONResponse:
-  return JSONResponse(e.body(), status_code=e.status)
+  return ASCIIJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def sse(data: Any) -> str:
   """One server-sent event carrying `data` as JSON (or the literal '[DONE]')."""
   return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-async def read_json(request: HTTPRequest, kind: type[BaseModel], max_body: int) -> Any:
-  """The body of `request` as a `kind`, read up to `max_body` bytes.
-
-  Raises:
-    APIError: 413 for a larger body, 400 for malformed JSON or a field that fails validation
-      (naming the field).
-  """
-  length = request.headers.get("content-length")
-  if length is not None and length.isdigit() and int(length) > max_body:
-    raise P.APIError(413, f"the request body is {length} bytes; the limit is {max_body}")
-  chunks, size = [], 0
-  async for piece in request.stream():
-    size += len(piece)
-    if size > max_body:
-      raise P.APIError(413, f"the request body exceeds the limit of {max_body} bytes")
-    chunks.append(piece)
-  try:
-    data = json.loads(b"".join(chunks) or b"null")
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
-  if not isinstance(data, dict):
-    raise P.APIError(400, "the request body must be a JSON object")
-  try:
-    return kind.model_validate(data)
-  except ValidationError as e:
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    raise P.APIError(
-      400, f"{param}: {first['msg']}" if param else first["msg"], param=param
-    ) from None
 
 
 class API:
@@ -120,18 +92,23 @@ class API:
     scheduler: the engine (`q8rules.serve.scheduler.Scheduler`), started.
     name: the model's id in `/v1/models` and in responses; a request naming another model
       gets 404.
-    max_body: the largest request body, bytes.
+    timeout: the most seconds a completion request may take from its arrival to its last
+      token (None: no limit); past it, it is cancelled and answered 503.
   """
 
-  def __init__(self, model: Any, scheduler: Scheduler, name: str, max_body: int = MAX_BODY):
+  def __init__(self, model: Any, scheduler: Scheduler, name: str, timeout: float | None = None):
     self.model = model
     self.scheduler = scheduler
     self.name = name
-    self.max_body = max_body
+    self.timeout = timeout
     self.context = scheduler.runner.context
-    self.http_errors: dict[int, int] = {}
+    self.vocab = model.config.vocab
+    self.metrics = scheduler.metrics
     tok = model.tokenizer
     self.stop_ids = frozenset(tok.eog_ids) if tok is not None else frozenset()
+
+  def count_error(self, status: int) -> None:
+    self.metrics.http_errors.labels(status=str(status)).inc()
 
   # --- checks ---------------------------------------------------------------------------------
 
@@ -143,37 +120,53 @@ class API:
         param="model", code="model_not_found",
       )  # fmt: skip
 
+  def check_vocab(self, body: Any) -> None:
+    """`top_k` and the `logit_bias` ids within the vocabulary (APIError 400 naming them)."""
+    if body.top_k is not None and body.top_k > self.vocab:
+      raise P.APIError(
+        400, f"top_k: {body.top_k} is more than the vocabulary's {self.vocab} ids", param="top_k"
+      )
+    bad = [i for i in body.bias() if i >= self.vocab]
+    if bad:
+      raise P.APIError(
+        400, f"logit_bias: token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab})",
+        param="logit_bias",
+      )  # fmt: skip
+
   def tokenizer(self) -> Any:
     if self.model.tokenizer is None:
       raise P.APIError(400, f"{self.name}: no tokenizer could be built; send token ids")
     return self.model.tokenizer
 
-  def check_ids(self, ids: list[int], limit: int | None) -> int:
+  def check_ids(self, ids: list[int], limit: int | None, param: str) -> int:
     """The number of tokens to generate: `limit`, or what the context leaves (APIError 400
-    when the prompt and `limit` do not fit the context, or an id is outside the vocabulary)."""
+    naming `param` (the prompt's field) when the prompt is empty, has an id outside the
+    vocabulary or fills the context, or `max_tokens` when the prompt and `limit` do not fit)."""
     if not ids:
-      raise P.APIError(400, "the prompt is empty", param="prompt")
-    vocab = self.model.config.vocab
-    bad = [i for i in ids if not 0 <= i < vocab]
+      raise P.APIError(400, f"{param}: the prompt is empty", param=param)
+    bad = [i for i in ids if not 0 <= i < self.vocab]
     if bad:
-      raise P.APIError(400, f"token ids {bad[:5]} lie outside [0, {vocab})", param="prompt")
+      raise P.APIError(
+        400, f"{param}: token ids {bad[:5]} lie outside [0, {self.vocab})", param=param
+      )
     if len(ids) >= self.context:
       raise P.APIError(
-        400, f"the prompt's {len(ids)} tokens fill the context of {self.context} tokens;"
-        " nothing is left to generate", param="messages", code="context_length_exceeded",
+        400, f"{param}: the prompt's {len(ids)} tokens fill the context of {self.context} tokens;"
+        " nothing is left to generate", param=param, code="context_length_exceeded",
       )  # fmt: skip
     if limit is None:
       return self.context - len(ids)
     if len(ids) + limit > self.context:
       raise P.APIError(
-        400, f"the prompt's {len(ids)} tokens and max_tokens {limit} exceed the context of"
-        f" {self.context} tokens", param="max_tokens", code="context_length_exceeded",
+        400, f"max_tokens: the prompt's {len(ids)} tokens and max_tokens {limit} exceed the"
+        f" context of {self.context} tokens", param="max_tokens", code="context_length_exceeded",
       )  # fmt: skip
     return limit
 
-  # --- completions ----------------------------------------------------------------------------
+  # --- prompts (in worker threads) ------------------------------------------------------------
 
   def chat_ids(self, body: P.ChatCompletionRequest) -> list[int]:
+    """The chat template over `body.messages`, tokenized."""
     from q8rules.llm.chat import ChatTemplateError
 
     self.tokenizer()
@@ -182,14 +175,45 @@ class API:
       return list(self.model.apply_chat_template(messages, add_generation_prompt=True))
     except ChatTemplateError as e:
       raise P.APIError(400, str(e), param="messages", code="template_error") from None
+    except UnicodeError as e:
+      raise P.APIError(
+        400, f"messages: the text is not valid Unicode ({e})", param="messages"
+      ) from None
     except ValueError as e:  # a message the renderer refuses
       raise P.APIError(400, str(e), param="messages") from None
 
   def completion_ids(self, body: P.CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, str):
-      tok = self.tokenizer()
-      return tok.encode(body.prompt) or ([tok.bos_id] if tok.bos_id is not None else [])
-    return list(body.prompt)
+    """The prompt's ids: `body.prompt` tokenized, or as given."""
+    if not isinstance(body.prompt, str):
+      return list(body.prompt)
+    tok = self.tokenizer()
+    try:
+      ids = tok.encode(body.prompt)
+    except UnicodeError as e:
+      raise P.APIError(
+        400, f"prompt: the text is not valid Unicode ({e})", param="prompt"
+      ) from None
+    return ids or ([tok.bos_id] if tok.bos_id is not None else [])
+
+  def tokenize(self, body: P.TokenizeRequest) -> dict[str, Any]:
+    tok = self.tokenizer()
+    try:
+      ids = tok.encode(body.content, add_special=body.add_special, parse_special=True)
+    except UnicodeError as e:
+      raise P.APIError(
+        400, f"content: the text is not valid Unicode ({e})", param="content"
+      ) from None
+    if not body.with_pieces:
+      return {"tokens": ids}
+    return {"tokens": [{"id": i, "piece": tok.decode([i], special=True)} for i in ids]}
+
+  def detokenize(self, body: P.DetokenizeRequest) -> dict[str, Any]:
+    bad = [i for i in body.tokens if not 0 <= i < self.vocab]
+    if bad:
+      raise P.APIError(400, f"tokens: ids {bad[:5]} lie outside [0, {self.vocab})", param="tokens")
+    return {"content": self.tokenizer().decode(body.tokens)}
+
+  # --- completions ----------------------------------------------------------------------------
 
   def logprob_entries(self, logprobs: list[tuple[int, float, list[tuple[int, float]]]]) -> list:
     def piece(i: int) -> str:
@@ -204,35 +228,64 @@ class API:
       {**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]} for i, lp, top in logprobs
     ]
 
-  async def run(
-    self, http: HTTPRequest, body: Any, ids: list[int], chat: bool
-  ) -> StreamingResponse | JSONResponse:
+  async def complete(self, http: HTTPRequest, body: Any, chat: bool) -> Response:
+    """A chat or text completion: checked, tokenized off the loop, run by the engine."""
+    arrived = time.perf_counter()
     self.check_model(body.model)
-    limit = self.check_ids(ids, body.limit())
+    self.check_vocab(body)
+    if chat:
+      ids = await run_in_threadpool(self.chat_ids, body)
+    else:
+      ids = await run_in_threadpool(self.completion_ids, body)
+    limit = self.check_ids(ids, body.limit(), "messages" if chat else "prompt")
     want, top = body.logprob_settings()
     try:
       params = body.sampling(secrets.randbits(31), want, top)
     except ValueError as e:
       raise P.APIError(400, str(e)) from None
-    queue, emit = Request.queue_for(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    queue, emit = Request.queue_for(loop)
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
     stop_ids = frozenset() if body.ignore_eos else self.stop_ids
-    request = Request(ids, limit, params, body.stops(), stop_ids, emit)
+    request = Request(ids, limit, params, body.stops(), stop_ids, emit, rid=rid, arrived=arrived)
     try:
       self.scheduler.submit(request)
-    except RuntimeError as e:
+    except EngineDown as e:
       raise P.APIError(503, str(e)) from None
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    timer = None
+    if self.timeout is not None:
+      left = max(0.0, self.timeout - (time.perf_counter() - arrived))
+      timer = loop.call_later(left, self._expire, request, queue)
     if body.stream:
       return StreamingResponse(
-        self.stream(request, queue, rid, chat, body.include_usage()),
+        self.stream(request, queue, rid, chat, body.include_usage(), timer),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
       )
-    return await self.whole(http, request, queue, rid, chat, want)
+    try:
+      return await self.whole(http, request, queue, rid, chat, want)
+    finally:
+      if timer is not None:
+        timer.cancel()
 
   def _cancel(self, request: Request) -> None:
     request.cancel()
     self.scheduler.wake()
+
+  def _expire(self, request: Request, queue: asyncio.Queue) -> None:
+    """`request` ran past the timeout: cancelled, and its reader told (503)."""
+    if request.ended:
+      return
+    self._cancel(request)
+    message = f"the request ran past the server's timeout of {self.timeout:g} s and was cancelled"
+    queue.put_nowait(ErrorEvent(message, 503))
+
+  async def _watch(self, http: HTTPRequest, request: Request, queue: asyncio.Queue) -> None:
+    """Wait for the client to disconnect (its body is in already): then cancel `request`."""
+    while (await http.receive())["type"] != "http.disconnect":
+      pass
+    self._cancel(request)
+    queue.put_nowait(GONE)
 
   async def whole(
     self,
@@ -242,27 +295,26 @@ class API:
     rid: str,
     chat: bool,
     want: bool,
-  ) -> JSONResponse:
+  ) -> Response:
     text, entries = [], []
+    watcher = asyncio.ensure_future(self._watch(http, request, queue))
     try:
       while True:
-        try:
-          event = await asyncio.wait_for(queue.get(), POLL_S)
-        except asyncio.TimeoutError:
-          if await http.is_disconnected():
-            self._cancel(request)
-            return JSONResponse({}, status_code=499)
-          continue
+        event = await queue.get()
+        if event is GONE:
+          return Response(status_code=499)  # nobody reads it
         if isinstance(event, TokenEvent):
           text.append(event.text)
           entries.extend(self.logprob_entries(event.logprobs or []))
         elif isinstance(event, ErrorEvent):
-          return error_response(P.APIError(event.status, event.message))
+          raise P.APIError(event.status, event.message)
         else:
           break
-    except asyncio.CancelledError:
+    except BaseException:  # an error, or the handler cancelled: the engine drops the request
       self._cancel(request)
       raise
+    finally:
+      watcher.cancel()
     done: DoneEvent = event
     text.append(done.text)
     content = "".join(text)
@@ -282,7 +334,13 @@ class API:
     return JSONResponse(out)
 
   async def stream(
-    self, request: Request, queue: asyncio.Queue, rid: str, chat: bool, include_usage: bool
+    self,
+    request: Request,
+    queue: asyncio.Queue,
+    rid: str,
+    chat: bool,
+    include_usage: bool,
+    timer: asyncio.TimerHandle | None = None,
   ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     offset = 0
@@ -322,6 +380,7 @@ class API:
             continue
         ended = True
         if isinstance(event, ErrorEvent):
+          self.count_error(event.status)
           yield sse(P.APIError(event.status, event.message).body())
           yield sse("[DONE]")
           return
@@ -336,6 +395,8 @@ class API:
         yield sse("[DONE]")
         return
     finally:
+      if timer is not None:
+        timer.cancel()
       if not ended:  # the client went away (or the server is closing the stream)
         self._cancel(request)
 
@@ -352,38 +413,29 @@ class API:
     card = {"id": self.name, "object": "model", "created": 0, "owned_by": "q8rules", "meta": meta}
     return {"object": "list", "data": [card]}
 
-  def health(self) -> dict[str, Any]:
+  def health(self) -> tuple[int, dict[str, Any]]:
+    """(200, {"status": "ok", ...}) while the engine runs; (503, {"status": "error", "error":
+    why, ...}) once it has stopped or failed."""
     s = self.scheduler
-    return {
-      "status": "ok",
+    out: dict[str, Any] = {
+      "status": "ok" if s.alive else "error",
       "slots_idle": s.runner.slots - s.running,
       "slots_processing": s.running,
       "requests_waiting": s.queued,
     }
+    if out["status"] == "ok":
+      return 200, out
+    out["error"] = (
+      f"the engine failed ({s.failure_message()})" if s.failure else "the engine is not running"
+    )
+    return 503, out
 
-  def metrics(self) -> str:
-    s, m = self.scheduler, self.scheduler.metrics
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-      lines.extend([f"# HELP q8rules_{name} {help}", f"# TYPE q8rules_{name} {kind}"])
-      lines.extend(f"q8rules_{name}{labels} {value}" for labels, value in samples)
-
-    ended = sorted(m.requests.items()) or [("stop", 0)]
-    metric("requests_total", "counter", "Requests ended, by how they ended.",
-           [(f'{{finish_reason="{k}"}}', v) for k, v in ended])  # fmt: skip
-    metric("prompt_tokens_total", "counter", "Prompt tokens taken in.", [("", m.prompt_tokens)])
-    metric("generation_tokens_total", "counter", "Tokens generated.", [("", m.generated_tokens)])
-    metric("decode_steps_total", "counter", "Decode steps run.", [("", m.decode_steps)])
-    metric("requests_running", "gauge", "Requests holding a slot.", [("", s.running)])
-    metric("requests_waiting", "gauge", "Requests queued for a slot.", [("", s.queued)])
-    metric("slots", "gauge", "Slots of the batched KV cache.", [("", s.runner.slots)])
-    metric("decode_tokens_per_second", "gauge", "Tokens/s of the recent decode steps.",
-           [("", round(m.decode_rate(), 3))])  # fmt: skip
-    errors = sorted(self.http_errors.items()) or [(400, 0)]
-    metric("http_errors_total", "counter", "Error responses, by status.",
-           [(f'{{status="{k}"}}', v) for k, v in errors])  # fmt: skip
-    return "\n".join(lines) + "\n"
+  def retry_after(self) -> int:
+    """Seconds a shed client should wait: the requests ahead of it over the slots, times the
+    recent requests' mean duration (1 to 60)."""
+    s = self.scheduler
+    rounds = max(1.0, s.queued / s.runner.slots)
+    return int(min(60, max(1, math.ceil(rounds * self.metrics.typical_duration()))))
 
 
 def page() -> str:
@@ -391,12 +443,48 @@ def page() -> str:
   return resources.files("q8rules.serve").joinpath("static/index.html").read_text("utf-8")
 
 
-def create_app(api: API, api_key: str | None = None) -> ASGIApp:
-  """The ASGI app over `api` (with `api_key`: the key check in front)."""
-  app = FastAPI(title="q8rules serve", docs_url=None, redoc_url=None, openapi_url=None)
+ERRORS: dict[int | str, dict[str, Any]] = {
+  400: {"model": P.ErrorBody, "description": "an invalid request"},
+  401: {"model": P.ErrorBody, "description": "no API key, or a wrong one (with --api-key)"},
+  404: {"model": P.ErrorBody, "description": "a model other than the one served"},
+  413: {"model": P.ErrorBody, "description": "a body over the limit"},
+  415: {"model": P.ErrorBody, "description": "a body that is not JSON"},
+  503: {"model": P.ErrorBody, "description": "full (Retry-After), past the timeout, or stopped"},
+}
+"""The error responses of the POST endpoints, for the OpenAPI schema."""
+
+COMPLETION_OK = {
+  200: {
+    "description": "the completion (JSON), or with stream: true server-sent events",
+    "content": {"application/json": {}, "text/event-stream": {}},
+  }
+}
+
+
+def create_app(
+  api: API,
+  api_key: str | None = None,
+  *,
+  max_body: int = MAX_BODY,
+  max_active: int | None = None,
+  cors: list[str] | None = None,
+) -> ASGIApp:
+  """The ASGI app over `api`, behind `guards`' middleware.
+
+  Args:
+    api: the endpoints.
+    api_key: when given, every path but `guards.PUBLIC` needs `Authorization: Bearer KEY`.
+    max_body: the largest request body (bytes; 413 past it).
+    max_active: the most completion requests at once, running or waiting (503 with
+      Retry-After past it; None: no limit).
+    cors: origins allowed to call the API from a browser page (None: no CORS headers at all).
+  """
+  app = FastAPI(
+    title="q8rules serve", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+  )
 
   def failed(e: P.APIError) -> JSONResponse:
-    api.http_errors[e.status] = api.http_errors.get(e.status, 0) + 1
+    api.count_error(e.status)
     return error_response(e)
 
   @app.exception_handler(P.APIError)
@@ -405,62 +493,84 @@ def create_app(api: API, api_key: str | None = None) -> ASGIApp:
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(_: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-    return failed(P.APIError(400, str(e)))
+    return failed(P.validation_error(list(e.errors())))
 
   @app.exception_handler(StarletteHTTPException)
   async def _http(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
-    return failed(P.APIError(e.status_code, str(e.detail)))
+    message = str(e.detail)
+    if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's
+      message = "the request body is not JSON that can be read (not UTF-8, nested too deeply, or a number too long)"  # fmt: skip
+    return failed(P.APIError(e.status_code, message, headers=dict(e.headers or {})))
 
   @app.exception_handler(Exception)
-  async def _crash(_: HTTPRequest, e: Exception) -> JSONResponse:
+  async def _crash(http: HTTPRequest, e: Exception) -> JSONResponse:
+    log.error("%s %s failed", http.method, http.url.path, exc_info=e)
     return failed(P.APIError(500, f"the server failed: {type(e).__name__}: {e}"))
 
-  @app.post("/v1/chat/completions")
-  async def chat(http: HTTPRequest) -> Any:
-    body = await read_json(http, P.ChatCompletionRequest, api.max_body)
-    api.check_model(body.model)
-    return await api.run(http, body, api.chat_ids(body), chat=True)
+  @app.post("/v1/chat/completions", response_model=None, responses={**COMPLETION_OK, **ERRORS})
+  async def chat(body: P.ChatCompletionRequest, http: HTTPRequest) -> Response:
+    """A chat completion through the model's chat template."""
+    return await api.complete(http, body, chat=True)
 
-  @app.post("/v1/completions")
-  async def completions(http: HTTPRequest) -> Any:
-    body = await read_json(http, P.CompletionRequest, api.max_body)
-    api.check_model(body.model)
-    return await api.run(http, body, api.completion_ids(body), chat=False)
+  @app.post("/v1/completions", response_model=None, responses={**COMPLETION_OK, **ERRORS})
+  async def completions(body: P.CompletionRequest, http: HTTPRequest) -> Response:
+    """A text completion of a prompt (text or token ids)."""
+    return await api.complete(http, body, chat=False)
 
-  @app.get("/v1/models")
+  @app.get("/v1/models", responses={401: ERRORS[401]})
   async def models() -> dict[str, Any]:
+    """The one model served."""
     return api.models()
 
-  @app.get("/health")
-  async def health() -> dict[str, Any]:
-    return api.health()
+  @app.get("/health", responses={503: {"description": "the engine is not running"}})
+  async def health() -> JSONResponse:
+    """200 while the engine runs, 503 once it has stopped or failed."""
+    status, body = api.health()
+    return JSONResponse(body, status_code=status)
 
-  @app.get("/metrics")
-  async def metrics() -> PlainTextResponse:
-    return PlainTextResponse(api.metrics(), media_type="text/plain; version=0.0.4")
+  @app.get("/metrics", response_class=Response, responses={401: ERRORS[401]})
+  async def metrics() -> Response:
+    """Prometheus metrics."""
+    content, media_type = api.metrics.exposition()
+    return Response(content, media_type=media_type)
 
-  @app.post("/tokenize")
-  async def tokenize(http: HTTPRequest) -> dict[str, Any]:
-    body = await read_json(http, P.TokenizeRequest, api.max_body)
-    tok = api.tokenizer()
-    ids = tok.encode(body.content, add_special=body.add_special, parse_special=True)
-    if not body.with_pieces:
-      return {"tokens": ids}
-    return {"tokens": [{"id": i, "piece": tok.decode([i], special=True)} for i in ids]}
+  @app.post("/tokenize", responses=ERRORS)
+  async def tokenize(body: P.TokenizeRequest) -> dict[str, Any]:
+    """llama-server's: the token ids of `content`."""
+    return await run_in_threadpool(api.tokenize, body)
 
-  @app.post("/detokenize")
-  async def detokenize(http: HTTPRequest) -> dict[str, Any]:
-    body = await read_json(http, P.DetokenizeRequest, api.max_body)
-    try:
-      return {"content": api.tokenizer().decode(body.tokens)}
-    except ValueError as e:
-      raise P.APIError(400, str(e), param="tokens") from None
+  @app.post("/detokenize", responses=ERRORS)
+  async def detokenize(body: P.DetokenizeRequest) -> dict[str, Any]:
+    """llama-server's: the text of `tokens`."""
+    return await run_in_threadpool(api.detokenize, body)
 
-  @app.get("/")
+  @app.get("/", response_class=HTMLResponse, include_in_schema=False)
   async def index() -> HTMLResponse:
     return HTMLResponse(page())
 
-  return KeyCheck(app, api_key)
+  def openapi() -> dict[str, Any]:
+    """FastAPI's schema without its 422 (invalid requests get 400, OpenAI's status)."""
+    if app.openapi_schema is None:
+      schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+      for path in schema.get("paths", {}).values():
+        for operation in path.values():
+          operation.get("responses", {}).pop("422", None)
+      for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+      app.openapi_schema = schema
+    return app.openapi_schema
+
+  app.openapi = openapi
+  outer: ASGIApp = PostBody(app, max_body, api.count_error)
+  if max_active is not None:
+    outer = Admission(outer, max_active, api.retry_after, api.count_error)
+  outer = KeyCheck(outer, api_key, api.count_error)
+  if cors:
+    outer = CORSMiddleware(
+      outer, allow_origins=cors, allow_methods=["GET", "POST"],
+      allow_headers=["Authorization", "Content-Type"],
+    )  # fmt: skip
+  return outer
 
 
-__all__ = ["API", "MAX_BODY", "PUBLIC", "KeyCheck", "create_app", "page", "read_json", "sse"]
+__all__ = ["API", "ERRORS", "GONE", "MAX_BODY", "create_app", "error_response", "page", "sse"]

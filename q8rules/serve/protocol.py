@@ -1,38 +1,85 @@
 """The OpenAI-compatible request and response shapes, their checks, and OpenAI-style errors.
 
-Requests are pydantic models: a field of the wrong type, out of range or missing fails
-validation, and the API answers 400 with OpenAI's error body:
+Requests are pydantic models, the handlers' typed bodies (so `/openapi.json` describes them),
+in strict mode: a field is the JSON type the schema says (16, not "16", 16.0 or true, for an
+integer). A field of the wrong type, out of its range or missing fails validation, and the API
+answers 400 with OpenAI's error body naming the field:
 
-  {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+  {"error": {"message": "top_p: ...", "type": "invalid_request_error", "param": "top_p",
+             "code": null}}
 
-Unknown fields are ignored (clients send many). Responses are plain dicts built here
-(`completion`, `chunk`), as OpenAI returns them: `id`, `object`, `created`, `model`, `choices`
-(with `finish_reason` and, when asked for, `logprobs`) and `usage`.
+Every number has a range (`docs/serve.md` lists them): what the sampling chain can compute in
+float32 without an infinity or a NaN, OpenAI's where OpenAI has one. `seed` takes any JSON
+integer and keeps its low 32 bits, as llama-server reads it into a uint32 (-1 is 4294967295).
+What depends on the model (`top_k` and `logit_bias` ids within the vocabulary, the prompt and
+`max_tokens` within the context) is checked by the API (`q8rules.serve.api`).
+
+Fields that would change the reply but are not implemented (`tools`, `tool_choice`,
+`response_format`, `grammar`, ...: `UNSERVED`) are refused by name, unless they hold the value
+that changes nothing (`"tools": []`, `"response_format": {"type": "text"}`). Other unknown
+fields are ignored (clients send many: `user`, `store`, `metadata`). A field sent as null is
+its default, as OpenAI reads it.
+
+Responses are plain dicts built here (`base`, `usage`, the log-probability shapes), as OpenAI
+returns them: `id`, `object`, `created`, `model`, `choices` (with `finish_reason` and, when
+asked for, `logprobs`) and `usage`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from q8rules.serve.sampling import HISTORY, MAX_TOP_LOGPROBS, SamplingParams
+from q8rules.serve.sampling import (
+  HISTORY,
+  MAX_LOGIT_BIAS,
+  MAX_TOP_LOGPROBS,
+  SEED_MODULUS,
+  SamplingParams,
+)
 
 MAX_STOP = 4
 """At most this many stop strings (OpenAI's limit)."""
 
-SAMPLING_FIELDS = (
-  "temperature",
-  "top_p",
-  "top_k",
-  "min_p",
-  "repeat_penalty",
-  "frequency_penalty",
-  "presence_penalty",
-)
-"""The request's fields that `SamplingParams` takes under the same names."""
+MAX_STOP_CHARS = 256
+"""The longest stop string (characters): a request's text is searched for its stops at every
+token, so their length is bounded."""
+
+TEMPERATURE_MAX = 2.0
+"""`temperature` is in [0, 2] (OpenAI's range)."""
+
+REPEAT_PENALTY_RANGE = (0.01, 100.0)
+"""`repeat_penalty` (llama.cpp's, which sets no range): a factor the float32 logits stay finite
+under."""
+
+LOGIT_BIAS_MAX = 100.0
+"""A `logit_bias` value is in [-100, 100] (OpenAI's range)."""
+
+ROLES = ("system", "developer", "user", "assistant")
+"""The message roles served; 'developer' (OpenAI's newer name for 'system') reaches the chat
+template as 'system'."""
+
+UNSERVED: dict[str, tuple[Any, ...]] = {
+  "tools": ([],),
+  "tool_choice": ("none",),
+  "functions": ([],),
+  "function_call": ("none",),
+  "response_format": ({"type": "text"},),
+  "grammar": ("",),
+  "json_schema": (),
+  "audio": (),
+  "modalities": (["text"],),
+  "suffix": ("",),
+  "echo": (False,),
+  "best_of": (1,),
+}
+"""Fields that would change the reply, not implemented yet: refused by name (400) unless absent,
+null, or the one value listed here that asks for nothing."""
 
 
 class APIError(Exception):
@@ -40,11 +87,12 @@ class APIError(Exception):
 
   Args:
     status: the HTTP status (400 bad request, 401 no or wrong key, 404 unknown model or path,
-      413 body too large, 500 the server failed, 503 shutting down).
+      413 body too large, 415 not JSON, 500 the server failed, 503 full or stopping).
     message: what went wrong, for the client.
     type: OpenAI's error type (defaults by status).
     param: the request field at fault, or None.
     code: a short machine-readable code, or None.
+    headers: extra response headers (`Retry-After` on a 503).
   """
 
   TYPES = {
@@ -52,6 +100,7 @@ class APIError(Exception):
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "server_error",
   }
@@ -64,6 +113,7 @@ class APIError(Exception):
     type: str | None = None,
     param: str | None = None,
     code: str | None = None,
+    headers: dict[str, str] | None = None,
   ):
     super().__init__(message)
     self.status = status
@@ -71,6 +121,7 @@ class APIError(Exception):
     self.type = type or self.TYPES.get(status, "invalid_request_error")
     self.param = param
     self.code = code
+    self.headers = headers or {}
 
   def body(self) -> dict[str, Any]:
     """OpenAI's error body."""
@@ -79,111 +130,330 @@ class APIError(Exception):
     }
 
 
+class ErrorDetail(BaseModel):
+  """What an error body holds (OpenAI's)."""
+
+  message: str
+  type: str
+  param: str | None
+  code: str | None
+
+
+class ErrorBody(BaseModel):
+  """OpenAI's error body, for the OpenAPI schema: every error response is one."""
+
+  error: ErrorDetail
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "none", "list", "dict")
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+  """A pydantic error's location as the request's field path: FastAPI's 'body' dropped, and
+  the tags pydantic adds for a union's member ('str', 'list[int]', 'function-after[...]')."""
+  out = [str(p) for p in loc]
+  if out and out[0] == "body":
+    out = out[1:]
+  return [p for p in out if p not in _TYPE_TAGS and "[" not in p and "(" not in p]
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+  """The 400 for pydantic's `errors`: the field's dotted path as `param` and at the head of the
+  message ('messages.0.role: ...'). Of a union's alternatives, the error that reached deepest
+  into the value is the one told (a content part's wrong type, not "not a string")."""
+  if not errors:
+    return APIError(400, "the request is invalid")
+  first = max(errors, key=lambda e: len(_field_path(tuple(e.get("loc", ())))))
+  loc = _field_path(tuple(first.get("loc", ())))
+  param = ".".join(loc) or None
+  message = str(first.get("msg", "the request is invalid"))
+  if first.get("type") == "json_invalid":
+    error = (first.get("ctx") or {}).get("error", "")
+    return APIError(400, f"the request body is not valid JSON: {error or message}")
+  if first.get("type") in ("model_attributes_type", "dict_type") and param is None:
+    return APIError(400, "the request body must be a JSON object")
+  if first.get("type") == "missing" and param is None:
+    return APIError(400, "the request body is empty; a JSON object is needed")
+  return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _refuse_unserved(name: str, value: Any) -> Any:
+  """`value` if field `name` asks for nothing (absent, null or its neutral value); else the
+  field's refusal."""
+  if value is None or any(value == v for v in UNSERVED[name]):
+    return value
+  raise PydanticCustomError(
+    "unsupported_field",
+    "{name} is not supported by this server yet; leave it out (or null)",
+    {"name": name},
+  )
+
+
+class TextFormat(BaseModel):
+  """`response_format` as served: plain text (structured output is not supported yet)."""
+
+  model_config = ConfigDict(extra="forbid", strict=True)
+
+  type: Literal["text"]
+
+
+def _float32_positive(name: str, v: float | None) -> float | None:
+  """`v` unless float32 (the sampling step's type) makes it 0."""
+  if v is not None and v > 0 and float(np.float32(v)) == 0:
+    raise PydanticCustomError(
+      "float32_zero", "{name} {v} is 0 in float32; use at least 1e-45", {"name": name, "v": v}
+    )
+  return v
+
+
+class StreamOptions(BaseModel):
+  """`stream_options`: `include_usage` adds a last chunk with the usage."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  include_usage: bool | None = None
+
+
 class _Request(BaseModel):
-  """What chat and text completions share: the model and the sampling settings."""
+  """What chat and text completions share: the model and the sampling settings (null: the
+  default)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
-  model: str | None = None
-  max_tokens: int | None = Field(default=None, gt=0)
-  temperature: float = Field(default=1.0, ge=0)
-  top_p: float = Field(default=1.0, gt=0, le=1)
-  top_k: int = Field(default=0, ge=0)
-  min_p: float = Field(default=0.0, ge=0, le=1)
-  seed: int | None = None
+  model: str | None = Field(default=None, description="the one model served (or left out)")
+  max_tokens: int | None = Field(default=None, ge=1)
+  temperature: float | None = Field(
+    default=None, ge=0, le=TEMPERATURE_MAX, allow_inf_nan=False, description="default 1; 0: greedy"
+  )
+  top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+  top_k: int | None = Field(default=None, ge=0, description="0: off; at most the vocabulary")
+  min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+  seed: int | None = Field(default=None, description="any integer; its low 32 bits are used")
   stop: str | list[str] | None = None
-  stream: bool = False
-  stream_options: dict[str, Any] | None = None
-  frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-  presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-  repeat_penalty: float = Field(default=1.0, gt=0)
-  repeat_last_n: int = Field(default=HISTORY, ge=0, le=HISTORY)
-  ignore_eos: bool = False
-  n: int = Field(default=1, ge=1, le=1)
+  stream: bool | None = None
+  stream_options: StreamOptions | None = None
+  frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+  presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+  repeat_penalty: float | None = Field(
+    default=None, ge=REPEAT_PENALTY_RANGE[0], le=REPEAT_PENALTY_RANGE[1], allow_inf_nan=False
+  )
+  repeat_last_n: int | None = Field(default=None, ge=0, le=HISTORY)
+  ignore_eos: bool | None = None
+  n: int | None = Field(default=None, ge=1, le=1, description="one choice per request")
+  logit_bias: (
+    dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)]]
+    | None
+  ) = Field(  # fmt: skip
+    default=None,
+    max_length=MAX_LOGIT_BIAS,
+    description="token id (a decimal string) -> a bias added to its logit, in [-100, 100]",
+  )
+  response_format: TextFormat | None = Field(
+    default=None, description='not supported yet: only {"type": "text"}'
+  )
+  grammar: Literal[None, ""] = Field(default=None, description="not supported yet")
+  json_schema: None = Field(default=None, description="not supported yet")
+
+  @field_validator("response_format", "grammar", "json_schema", mode="before")
+  @classmethod
+  def _unserved(cls, v: Any, info: Any) -> Any:
+    return _refuse_unserved(info.field_name, v)
+
+  @field_validator("top_p")
+  @classmethod
+  def _top_p(cls, v: float | None) -> float | None:
+    return _float32_positive("top_p", v)
+
+  @field_validator("seed")
+  @classmethod
+  def _seed(cls, v: int | None) -> int | None:
+    return None if v is None else v % SEED_MODULUS
 
   @field_validator("stop")
   @classmethod
   def _stop(cls, v: str | list[str] | None) -> list[str]:
     stops = [] if v is None else [v] if isinstance(v, str) else list(v)
     if len(stops) > MAX_STOP:
-      raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+      raise PydanticCustomError(
+        "too_many_stops", "at most {n} stop strings, got {got}", {"n": MAX_STOP, "got": len(stops)}
+      )
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+      raise PydanticCustomError(
+        "stop_too_long", "a stop string is at most {n} characters", {"n": MAX_STOP_CHARS}
+      )
     return stops
+
+  @field_validator("logit_bias")
+  @classmethod
+  def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+    for key in v or {}:
+      if not (key.isascii() and key.isdigit()) or len(key) > 12:
+        raise PydanticCustomError(
+          "logit_bias_key", "the key {key} is not a token id (a decimal number)", {"key": repr(key)}
+        )
+    return v
 
   def stops(self) -> list[str]:
     return list(self.stop or [])
 
   def include_usage(self) -> bool:
-    return bool((self.stream_options or {}).get("include_usage"))
+    return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+  def bias(self) -> dict[int, float]:
+    """`logit_bias` as {token id: bias}."""
+    return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
   def sampling(self, seed: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
-    """The request's `SamplingParams` (`seed` when it gives none)."""
+    """The request's `SamplingParams` (`seed` when it gives none; a null field's default)."""
+
+    def given(value: Any, default: Any) -> Any:
+      return default if value is None else value
+
     return SamplingParams(
-      **{name: getattr(self, name) for name in SAMPLING_FIELDS},
-      penalty_last_n=self.repeat_last_n,
-      seed=self.seed if self.seed is not None else seed,
+      temperature=given(self.temperature, 1.0),
+      top_p=given(self.top_p, 1.0),
+      top_k=given(self.top_k, 0),
+      min_p=given(self.min_p, 0.0),
+      repeat_penalty=given(self.repeat_penalty, 1.0),
+      frequency_penalty=given(self.frequency_penalty, 0.0),
+      presence_penalty=given(self.presence_penalty, 0.0),
+      penalty_last_n=given(self.repeat_last_n, HISTORY),
+      seed=given(self.seed, seed),
       logprobs=logprobs,
       top_logprobs=top_logprobs,
+      logit_bias=tuple(sorted(self.bias().items())),
     )
 
 
 class ContentPart(BaseModel):
-  """A part of a message's content: only text parts are read."""
+  """A part of a message's content: only text parts are served."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   type: Literal["text"]
   text: str
 
 
 class ChatMessage(BaseModel):
-  """One message: a role and its content (a string, or a list of text parts)."""
+  """One message: a role and its content (a string, or a list of text parts; never null)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
-  role: str
-  content: str | list[ContentPart] | None = None
+  role: Literal["system", "developer", "user", "assistant"]
+  content: str | Annotated[list[ContentPart], Field(min_length=1)]
+  name: str | None = None
+  tool_calls: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
+    default=None, description="not supported yet (no tools)"
+  )
+
+  @field_validator("role", mode="before")
+  @classmethod
+  def _role(cls, v: Any) -> Any:
+    if v in ("tool", "function"):
+      raise PydanticCustomError(
+        "unsupported_role",
+        "'{role}' messages answer tool calls, which this server does not make yet (tools are"
+        " not supported)",
+        {"role": v},
+      )
+    if isinstance(v, str) and v not in ROLES:
+      raise PydanticCustomError(
+        "unknown_role",
+        "{role} is not a role; one of {roles}",
+        {"role": repr(v), "roles": ", ".join(ROLES)},
+      )
+    return v
+
+  @field_validator("content", mode="before")
+  @classmethod
+  def _content(cls, v: Any) -> Any:
+    if v is None:
+      raise PydanticCustomError(
+        "null_content", "a message's content is a string or a list of text parts, not null"
+      )
+    return v
+
+  @field_validator("tool_calls", mode="before")
+  @classmethod
+  def _tool_calls(cls, v: Any) -> Any:
+    return _refuse_unserved("tools", v)
 
   def as_template_input(self) -> dict[str, Any]:
     content = self.content
     if isinstance(content, list):
       content = "".join(p.text for p in content)
-    return {"role": self.role, "content": content or ""}
+    return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatCompletionRequest(_Request):
   """`POST /v1/chat/completions`."""
 
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(default=None, gt=0)
-  logprobs: bool = False
+  max_completion_tokens: int | None = Field(default=None, ge=1)
+  logprobs: bool | None = None
   top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+  tools: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
+    default=None, description="not supported yet"
+  )
+  tool_choice: Literal[None, "none"] = Field(default=None, description="not supported yet")
+  functions: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
+    default=None, description="not supported yet"
+  )
+  function_call: Literal[None, "none"] = Field(default=None, description="not supported yet")
+  audio: None = Field(default=None, description="not supported")
+  modalities: (
+    Literal[None] | Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)]
+  ) = None
+
+  @field_validator("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
+                   mode="before")  # fmt: skip
+  @classmethod
+  def _unserved_chat(cls, v: Any, info: Any) -> Any:
+    return _refuse_unserved(info.field_name, v)
+
+  @field_validator("top_logprobs")
+  @classmethod
+  def _top_logprobs_need_logprobs(cls, v: int | None, info: Any) -> int | None:
+    if v and not info.data.get("logprobs"):
+      raise PydanticCustomError("logprobs_off", "top_logprobs needs logprobs: true")
+    return v
 
   def limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
   def logprob_settings(self) -> tuple[bool, int]:
-    return self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0
+    return bool(self.logprobs), (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class CompletionRequest(_Request):
   """`POST /v1/completions`: `prompt` a string, or token ids."""
 
-  prompt: str | list[int] | list[str] = Field(min_length=1)
-  max_tokens: int | None = Field(default=16, gt=0)
+  prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]  # fmt: skip
+  max_tokens: int | None = Field(default=16, ge=1)
   logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-  echo: bool = False
+  echo: Literal[None, False] = Field(default=None, description="not supported yet")
+  suffix: Literal[None, ""] = Field(default=None, description="not supported yet")
+  best_of: Literal[None, 1] = Field(default=None, description="one choice per request")
 
-  @field_validator("prompt")
+  @field_validator("echo", "suffix", "best_of", mode="before")
   @classmethod
-  def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-    if isinstance(v, list) and v and isinstance(v[0], str):
-      if len(v) != 1:
-        raise ValueError("one prompt per request (a list of several strings is not served)")
+  def _unserved_completion(cls, v: Any, info: Any) -> Any:
+    return _refuse_unserved(info.field_name, v)
+
+  @field_validator("prompt", mode="before")
+  @classmethod
+  def _one_prompt(cls, v: Any) -> Any:
+    if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+      if len(v) != 1 or isinstance(v[0], list):
+        raise PydanticCustomError(
+          "one_prompt",
+          "one prompt per request: a string, a list of token ids, or a list of one string",
+        )
       return v[0]
     return v
 
   def limit(self) -> int | None:
-    return self.max_tokens
+    return 16 if self.max_tokens is None else self.max_tokens
 
   def logprob_settings(self) -> tuple[bool, int]:
     return self.logprobs is not None, self.logprobs or 0
@@ -192,7 +462,7 @@ class CompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
   """`POST /tokenize` (llama-server's): the ids of `content`."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   content: str
   add_special: bool = False
@@ -200,9 +470,9 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-  """`POST /detokenize` (llama-server's): the text of `tokens`."""
+  """`POST /detokenize` (llama-server's): the text of `tokens` (ids of the vocabulary)."""
 
-  model_config = ConfigDict(extra="ignore")
+  model_config = ConfigDict(extra="ignore", strict=True)
 
   tokens: list[int]
 
@@ -248,12 +518,19 @@ __all__ = [
   "ChatMessage",
   "CompletionRequest",
   "DetokenizeRequest",
+  "ErrorBody",
+  "LOGIT_BIAS_MAX",
   "MAX_STOP",
-  "SAMPLING_FIELDS",
+  "MAX_STOP_CHARS",
+  "REPEAT_PENALTY_RANGE",
+  "ROLES",
+  "TEMPERATURE_MAX",
   "TokenizeRequest",
+  "UNSERVED",
   "base",
   "chat_logprobs",
   "completion_logprobs",
   "new_id",
   "usage",
+  "validation_error",
 ]

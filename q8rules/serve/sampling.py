@@ -5,15 +5,16 @@ the traced step the runner runs on the device: every setting is an array with on
 row, so one compiled program serves any mix of requests, and each row's token depends only on
 its own logits, settings, key and history (never on the other rows or its row number).
 
-The chain is llama.cpp's: penalties over the row's last `penalty_last_n` ids (prompt included:
-`repeat_penalty` divides positive logits and multiplies negative ones, then
-`frequency_penalty * count + presence_penalty * (count > 0)` is subtracted), then top-k, top-p,
-min-p, temperature and a draw. Greedy (temperature 0) is the argmax after the penalties. A
+The chain is llama.cpp's: `logit_bias` added to the logits, then penalties over the row's last
+`penalty_last_n` ids (prompt included: `repeat_penalty` divides positive logits and multiplies
+negative ones, then `frequency_penalty * count + presence_penalty * (count > 0)` is
+subtracted), then top-k, top-p, min-p, temperature and a draw. Greedy (temperature 0) is the
+argmax after the bias and the penalties. A
 sampled row splits its key once per token (`key, sub = split(key)`), the key starting from the
 request's seed, so a seed gives the same tokens at any slot and beside any requests.
 
 Log-probabilities are those of the model's distribution (log-softmax of the raw logits, before
-the penalties and the filters), as OpenAI's API reports them.
+the bias, the penalties and the filters), as OpenAI's API reports them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ HISTORY = 64
 MAX_TOP_LOGPROBS = 20
 """`top_logprobs` is at most this (OpenAI's limit)."""
 
+MAX_LOGIT_BIAS = 300
+"""A request's `logit_bias` holds at most this many ids (each row keeps this many slots)."""
+
+SEED_MODULUS = 1 << 32
+"""A seed is kept modulo this (its low 32 bits, as llama.cpp's uint32 seed)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -46,9 +53,11 @@ class SamplingParams:
     frequency_penalty, presence_penalty: in [-2, 2]; 0 is off (OpenAI's).
     penalty_last_n: how many of the last ids (prompt included) the penalties count, at most
       `HISTORY`.
-    seed: the draws' seed.
+    seed: the draws' seed, in [0, `SEED_MODULUS`).
     logprobs: whether the chosen tokens' log-probabilities are returned.
     top_logprobs: how many alternatives per token (0..`MAX_TOP_LOGPROBS`).
+    logit_bias: ((token id, bias), ...), at most `MAX_LOGIT_BIAS`: each bias is added to its
+      id's logit before the rest of the chain (the log-probabilities stay the model's).
   """
 
   temperature: float = 1.0
@@ -62,6 +71,7 @@ class SamplingParams:
   seed: int = 0
   logprobs: bool = False
   top_logprobs: int = 0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self) -> None:
     errors = chain_errors(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
@@ -73,6 +83,9 @@ class SamplingParams:
         0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
         f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
       ),
+      (0 <= self.seed < SEED_MODULUS, f"seed must be in [0, {SEED_MODULUS})"),
+      (len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} ids"),
+      (all(i >= 0 for i, _ in self.logit_bias), "logit_bias ids must be >= 0"),
     ]
     errors += [message for ok, message in checks if not ok]
     if errors:
@@ -96,6 +109,8 @@ class RowSettings:
       float32.
     top_k, penalty_last_n: (P,) int32.
     logprobs: (P,) bool, whether a row wants log-probabilities.
+    bias_ids: (P, MAX_LOGIT_BIAS) int32, each row's `logit_bias` ids (-1: none).
+    bias: (P, MAX_LOGIT_BIAS) float32, their biases (0: none).
   """
 
   temperature: np.ndarray
@@ -107,6 +122,8 @@ class RowSettings:
   top_k: np.ndarray
   penalty_last_n: np.ndarray
   logprobs: np.ndarray
+  bias_ids: np.ndarray
+  bias: np.ndarray
 
   FLOATS = (
     "temperature",
@@ -125,11 +142,17 @@ class RowSettings:
   @classmethod
   def of(cls, params: list[SamplingParams]) -> RowSettings:
     floats = {f: np.asarray([getattr(p, f) for p in params], np.float32) for f in cls.FLOATS}
+    bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
+    for row, p in enumerate(params):
+      _bias_row(p, bias_ids[row], bias[row])
     return cls(
       **floats,
       top_k=np.asarray([p.top_k for p in params], np.int32),
       penalty_last_n=np.asarray([p.penalty_last_n for p in params], np.int32),
       logprobs=np.asarray([p.logprobs for p in params], bool),
+      bias_ids=bias_ids,
+      bias=bias,
     )
 
   def set(self, row: int, p: SamplingParams) -> None:
@@ -139,17 +162,34 @@ class RowSettings:
     self.top_k[row] = p.top_k
     self.penalty_last_n[row] = p.penalty_last_n
     self.logprobs[row] = p.logprobs
+    _bias_row(p, self.bias_ids[row], self.bias[row])
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     """The settings in `sample_rows`' order."""
     return (*(getattr(self, f) for f in self.FLOATS), self.top_k, self.penalty_last_n)
 
 
+def _bias_row(p: SamplingParams, ids: np.ndarray, bias: np.ndarray) -> None:
+  """Write `p.logit_bias` into one row's `bias_ids` and `bias` (in place), the rest empty."""
+  ids.fill(-1)
+  bias.fill(0)
+  for j, (i, b) in enumerate(p.logit_bias):
+    ids[j], bias[j] = i, b
+
+
 jax.tree_util.register_pytree_node(
   RowSettings,
-  lambda s: ((*s.arrays(), s.logprobs), None),
-  lambda _, xs: RowSettings(*xs[:6], top_k=xs[6], penalty_last_n=xs[7], logprobs=xs[8]),
+  lambda s: ((*s.arrays(), s.logprobs, s.bias_ids, s.bias), None),
+  lambda _, xs: RowSettings(
+    *xs[:6], top_k=xs[6], penalty_last_n=xs[7], logprobs=xs[8], bias_ids=xs[9], bias=xs[10]
+  ),
 )
+
+
+def _biased(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+  """One row's logits (V,) with its biases (MAX_LOGIT_BIAS,) added at `ids` (-1: none)."""
+  vocab = logits.shape[0]
+  return logits.at[jnp.where(ids >= 0, ids, vocab)].add(bias, mode="drop")
 
 
 def _penalized(logits: jax.Array, history: jax.Array, s: tuple) -> jax.Array:
@@ -203,6 +243,11 @@ def sample_rows(
   """
   s = settings.arrays()
   x = logits.astype(jnp.float32)
+  x = jax.lax.cond(  # skipped when no row has a bias: the same bits
+    jnp.any(settings.bias != 0),
+    lambda: jax.vmap(_biased)(x, settings.bias_ids, settings.bias),
+    lambda: x,
+  )
   penalties = (
     (settings.repeat_penalty != 1)
     | (settings.frequency_penalty != 0)
@@ -255,7 +300,9 @@ def history_of(ids: list[int]) -> np.ndarray:
 
 __all__ = [
   "HISTORY",
+  "MAX_LOGIT_BIAS",
   "MAX_TOP_LOGPROBS",
+  "SEED_MODULUS",
   "RowSettings",
   "SamplingParams",
   "first_max",

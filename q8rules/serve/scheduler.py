@@ -22,6 +22,14 @@ each request's events from its own queue. Each turn of the loop:
 A request ends at an end-of-generation id or a stop string ('stop'), after `max_tokens` or at
 the end of its slot's context ('length'), when cancelled, or when the engine stops (its stream
 gets a final error event).
+
+Faults stay with the request they hit: an exception while admitting a request (its values made
+into the engine's state) ends it with a 400 `ErrorEvent`, one while prefilling its prompt or
+handing out its tokens (text, stop strings, log-probabilities) with a 500, logged with its id;
+its slot is freed and every other request goes on. An exception the loop cannot pin on one
+request (a decode program's) ends the engine: every waiting and running request gets a 503
+`ErrorEvent` at once, `alive` turns False, `failure` holds the exception, and `submit` refuses
+with `EngineDown`; `q8rules serve` then exits non-zero, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from q8rules.serve.metrics import EngineState, Metrics
 from q8rules.serve.output import TextStream
 from q8rules.serve.runner import BatchRunner, Sampled, Step, chunks
 from q8rules.serve.sampling import RowSettings, SamplingParams, history_of
@@ -81,6 +91,12 @@ class ErrorEvent:
 
 Event = TokenEvent | DoneEvent | ErrorEvent
 
+log = logging.getLogger("q8rules.serve")
+
+
+class EngineDown(RuntimeError):
+  """The engine takes no more requests: it is stopping, or it failed (`Scheduler.failure`)."""
+
 
 @dataclasses.dataclass
 class Request:
@@ -92,8 +108,11 @@ class Request:
     params: its sampling settings.
     stop: stop strings (the text ends before the first one found).
     stop_ids: ids that end it (the vocabulary's end-of-generation ids); not part of the text.
-    emit: called (from the engine's thread) with each event; `Request.for_loop` makes one that
-      feeds an asyncio queue.
+    emit: called (from the engine's thread) with each event; `Request.queue_for` makes one
+      that feeds an asyncio queue.
+    rid: the request's id in the API's response and the log.
+    arrived: when the API took it in (perf_counter seconds; default: when made), for the time
+      to first token and the duration.
   """
 
   prompt_ids: list[int]
@@ -102,6 +121,8 @@ class Request:
   stop: list[str]
   stop_ids: frozenset[int]
   emit: Callable[[Event], None]
+  rid: str = ""
+  arrived: float | None = None
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -113,37 +134,31 @@ class Request:
   key: np.ndarray | None = None
   history: np.ndarray | None = None
   first_token_at: float | None = None
+  last_token_at: float = 0.0
   ended: bool = False
   pending: int = 0
 
+  def __post_init__(self) -> None:
+    if self.arrived is None:
+      self.arrived = self.submitted
+
   @staticmethod
   def queue_for(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[Event], None]]:
-    """An asyncio queue on `loop` and an `emit` that puts events on it from any thread."""
+    """An asyncio queue on `loop` and an `emit` that puts events on it from any thread (once
+    the loop is closed, nobody listens: the event is dropped)."""
     queue: asyncio.Queue = asyncio.Queue()
-    return queue, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def emit(event: Event) -> None:
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+      except RuntimeError:  # the loop is closed
+        pass
+
+    return queue, emit
 
   def cancel(self) -> None:
     """Ask the engine to drop this request (its slot is freed at the loop's next turn)."""
     self.cancelled = True
-
-
-@dataclasses.dataclass
-class Metrics:
-  """Counters for `/metrics` (Prometheus): totals since start, and the state now."""
-
-  requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  prompt_tokens: int = 0
-  generated_tokens: int = 0
-  decode_steps: int = 0
-  recent_decode: collections.deque = dataclasses.field(
-    default_factory=lambda: collections.deque(maxlen=64)
-  )
-
-  def decode_rate(self) -> float:
-    """Tokens/s of the recent decode steps (each: (end time, tokens, seconds))."""
-    steps = list(self.recent_decode)
-    seconds = sum(s for _, _, s in steps)
-    return sum(n for _, n, _ in steps) / seconds if seconds > 0 else 0.0
 
 
 class Scheduler:
@@ -152,12 +167,18 @@ class Scheduler:
   Args:
     runner: the batched cache and programs.
     tokenizer: the model's `GGUFTokenizer` (for the text and the stop strings), or None.
+
+  Attributes:
+    metrics: its counters and histograms (`q8rules.serve.metrics`).
+    failure: the exception that ended the engine, or None.
   """
 
   def __init__(self, runner: BatchRunner, tokenizer: Any):
     self.runner = runner
     self.tokenizer = tokenizer
     self.metrics = Metrics()
+    self.metrics.watch(self.state)
+    self.failure: BaseException | None = None
     self.slots: list[Request | None] = [None] * runner.slots
     self.waiting: collections.deque[Request] = collections.deque()
     self._incoming: collections.deque[Request] = collections.deque()
@@ -170,10 +191,16 @@ class Scheduler:
   # --- the API's side -------------------------------------------------------------------------
 
   def submit(self, request: Request) -> None:
-    """Queue `request` (from any thread)."""
+    """Queue `request` (from any thread).
+
+    Raises:
+      EngineDown: the engine failed or is stopping.
+    """
     with self._wake:
+      if self.failure is not None:
+        raise EngineDown(f"the engine failed ({self.failure_message()})")
       if self._stop:
-        raise RuntimeError("the engine is stopping")
+        raise EngineDown("the server is shutting down")
       self._incoming.append(request)
       self._wake.notify()
 
@@ -189,6 +216,19 @@ class Scheduler:
   @property
   def queued(self) -> int:
     return len(self.waiting) + len(self._incoming)
+
+  @property
+  def alive(self) -> bool:
+    """Whether the engine runs: started, not stopped, not failed."""
+    thread = self._thread
+    return thread is not None and thread.is_alive() and not self._stop and self.failure is None
+
+  def state(self) -> EngineState:
+    return EngineState(self.running, self.queued, self.runner.slots, self.alive)
+
+  def failure_message(self) -> str:
+    e = self.failure
+    return "" if e is None else f"{type(e).__name__}: {e}"
 
   def start(self) -> None:
     """Run the loop in a daemon thread."""
@@ -209,13 +249,17 @@ class Scheduler:
     try:
       while self._turn():
         pass
-    except Exception as e:  # the engine is dead: tell everyone, then re-raise for the log
-      self._end_all(f"the engine failed: {type(e).__name__}: {e}", 500)
-      raise
+    except BaseException as e:  # the engine is dead: say so, and tell everyone at once
+      with self._wake:
+        self.failure = e
+      log.critical("the engine failed; every request is answered 503", exc_info=e)
+      self._end_all(f"the engine failed ({self.failure_message()}); the server is stopping", 503)
+      return
     self._end_all("the server is shutting down", 503)
 
   def _end_all(self, message: str, status: int) -> None:
     with self._wake:
+      self._stop = True
       everyone = [*self.waiting, *self._incoming, *(r for r in self.slots if r is not None)]
       self.waiting.clear()
       self._incoming.clear()
@@ -225,6 +269,18 @@ class Scheduler:
       r.ended = True
       self.metrics.requests["aborted"] += 1
       r.emit(ErrorEvent(message, status))
+
+  def _fail(self, r: Request, error: Exception, status: int, stage: str) -> None:
+    """End `r` alone after `error` (while `stage`): logged with its id, its slot freed, an
+    `ErrorEvent` with `status` (400: its values caused it; 500: the server failed)."""
+    log.error("request %s failed while %s", r.rid or r.id, stage, exc_info=error)
+    r.ended = True
+    if r.slot is not None and self.slots[r.slot] is r:
+      self.slots[r.slot] = None
+      self.runner.free(r.slot)
+    self.metrics.request_ended("error", time.perf_counter() - r.arrived)
+    what = "the request's values could not be used" if status == 400 else "the server failed"
+    r.emit(ErrorEvent(f"{what} while {stage}: {type(error).__name__}: {error}", status))
 
   def _turn(self) -> bool:
     """One turn of the loop; False once stopped."""
@@ -274,25 +330,37 @@ class Scheduler:
 
   def _admit(self) -> None:
     for i, r in enumerate(self.slots):
-      if r is None and self.waiting:
+      while r is None and self.waiting:
         nxt = self.waiting.popleft()
-        nxt.slot = i
-        nxt.plan = chunks(len(nxt.prompt_ids), self.runner.chunk)
-        nxt.key = nxt.params.key()
-        nxt.history = history_of(nxt.prompt_ids)
-        nxt.text = TextStream(self.tokenizer, nxt.stop)
-        self.slots[i] = nxt
-        self.runner.set_settings(i, nxt.params)
-        self.metrics.prompt_tokens += len(nxt.prompt_ids)
+        try:
+          self._take_slot(nxt, i)
+          r = nxt
+        except Exception as e:
+          self._fail(nxt, e, 400, "admitting it")
+
+  def _take_slot(self, r: Request, i: int) -> None:
+    """`r` gets slot `i`: its prompt's chunks, key, recent ids, text and settings."""
+    r.slot = i
+    r.plan = chunks(len(r.prompt_ids), self.runner.chunk)
+    r.key = r.params.key()
+    r.history = history_of(r.prompt_ids)
+    r.text = TextStream(self.tokenizer, r.stop)
+    self.slots[i] = r
+    self.runner.set_settings(i, r.params)
+    self.metrics.prompt_tokens += len(r.prompt_ids)
+    self.metrics.queue_time.observe(time.perf_counter() - r.submitted)
 
   def _prefill_some(self) -> None:
     """Prompt chunks of the requests still in their prompts, oldest first, up to `runner.chunk`
     tokens in all (at least one chunk): running streams wait at most that long a turn."""
     budget = self.runner.chunk
     for r in sorted((r for r in self.slots if r is not None and r.plan), key=lambda r: r.submitted):
-      while r.plan and (budget == self.runner.chunk or r.plan[0] <= budget):
+      while r.plan and not r.ended and (budget == self.runner.chunk or r.plan[0] <= budget):
         budget -= r.plan[0]
-        self._prefill(r)
+        try:
+          self._prefill(r)
+        except Exception as e:
+          self._fail(r, e, 500, "prefilling its prompt")
       if budget <= 0:
         return
 
@@ -319,13 +387,29 @@ class Scheduler:
       self._last_done = done
       self.metrics.decode_steps += started.steps
       self.metrics.recent_decode.append((done, len(live) * started.steps, seconds))
+    before = [len(r.generated) for _, r in live]
     for step in range(started.steps):
       for row, r in live:
         if r.ended:
           continue
-        if started.prompt:
-          r.first_token_at = done
-        self._accept(r, out, step, row)
+        try:
+          self._accept(r, out, step, row)
+        except Exception as e:
+          self._fail(r, e, 500, "handing out its tokens")
+    for (_, r), n in zip(live, before, strict=True):
+      self._timed(r, len(r.generated) - n, started, done)
+
+  def _timed(self, r: Request, got: int, started: Started, done: float) -> None:
+    """The histograms for `r`'s `got` tokens from `started`, handed out at `done`: its first
+    token's delay, or the time since its last tokens shared by this program's steps."""
+    if started.prompt:
+      r.first_token_at = done
+      self.metrics.time_to_first_token.observe(done - r.arrived)
+    elif got > 0 and r.last_token_at:
+      gap = (done - r.last_token_at) / started.steps
+      for _ in range(got):
+        self.metrics.inter_token_latency.observe(gap)
+    r.last_token_at = done
 
   def _accept(self, r: Request, out: Sampled, step: int, row: int) -> None:
     """Request `r` gets its next token from step `step`, row `row` of `out`."""
@@ -359,7 +443,7 @@ class Scheduler:
     if r.slot is not None and self.slots[r.slot] is r:
       self.slots[r.slot] = None
       self.runner.free(r.slot)
-    self.metrics.requests[reason] += 1
+    self.metrics.request_ended(reason, time.perf_counter() - r.arrived)
     rest = r.text.flush() if r.text is not None and reason != "cancelled" else ""
     r.emit(DoneEvent(reason, rest, len(r.prompt_ids), len(r.generated)))
 
@@ -385,9 +469,9 @@ class Started:
 
 __all__ = [
   "DoneEvent",
+  "EngineDown",
   "ErrorEvent",
   "Event",
-  "Metrics",
   "Request",
   "Scheduler",
   "Started",
