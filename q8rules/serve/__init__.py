@@ -1,8 +1,11 @@
 """An OpenAI-compatible server with continuous batching: `q8rules serve MODEL.gguf`, or
 `q8rules.serve(model)` for any `GGUFModel`.
 
-  protocol.py   the request and response shapes, their checks, OpenAI-style errors
-  api.py        the FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health,
+  protocol.py   the request shapes and their checks
+  responses.py  the response bodies
+  errors.py     OpenAI-style errors, and validation errors read as one 400 naming the field
+  api.py        the endpoints' work: a request checked, queued, answered whole or streamed
+  app.py        the FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health,
                 /metrics, /tokenize, /detokenize, /openapi.json, the chat page at /
   guards.py     what a request passes first: the key, a JSON body within the limit, room
   metrics.py    the Prometheus metrics
@@ -107,7 +110,8 @@ def build(
       cross-origin calls).
     warm_up: compile every program before returning.
   """
-  from q8rules.serve.api import API, MAX_BODY, create_app
+  from q8rules.serve.api import API, MAX_BODY
+  from q8rules.serve.app import create_app
   from q8rules.serve.runner import CHUNK, STEPS, BatchRunner
   from q8rules.serve.scheduler import Scheduler
 

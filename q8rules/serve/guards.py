@@ -7,7 +7,7 @@
   Admission    at most `limit` completion requests at once (running, waiting for a slot, or
                being tokenized); past it 503 with `Retry-After`, before the body is read
 
-Each answers with OpenAI's error body (`protocol.APIError`) and reports its status to `count`
+Each answers with OpenAI's error body (`errors.APIError`) and reports its status to `count`
 (the metrics' error counter). Requiring JSON on POST also keeps browsers' cross-site "simple"
 requests (forms, text/plain, sent without a CORS preflight) out.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from q8rules.serve.protocol import APIError
+from q8rules.serve.errors import APIError
 
 PUBLIC = ("/", "/health", "/openapi.json")
 """Paths that need no key when the server has one."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request and response shapes, their checks, and OpenAI-style errors.
+"""The OpenAI-compatible requests: their shapes and their checks.
 
 Requests are pydantic models, the handlers' typed bodies (so `/openapi.json` describes them),
 in strict mode: a field is the JSON type the schema says (16, not "16", 16.0 or true, for an
@@ -18,17 +18,11 @@ Fields that would change the reply but are not implemented (`tools`, `tool_choic
 `response_format`, `grammar`, ...: `UNSERVED`) are refused by name, unless they hold the value
 that changes nothing (`"tools": []`, `"response_format": {"type": "text"}`). Other unknown
 fields are ignored (clients send many: `user`, `store`, `metadata`). A field sent as null is
-its default, as OpenAI reads it.
-
-Responses are plain dicts built here (`base`, `usage`, the log-probability shapes), as OpenAI
-returns them: `id`, `object`, `created`, `model`, `choices` (with `finish_reason` and, when
-asked for, `logprobs`) and `usage`.
+its default, as OpenAI reads it. The responses are `responses`'; the error body, `errors`'.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -80,101 +74,6 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
 }
 """Fields that would change the reply, not implemented yet: refused by name (400) unless absent,
 null, or the one value listed here that asks for nothing."""
-
-
-class APIError(Exception):
-  """An error the API answers with OpenAI's error body.
-
-  Args:
-    status: the HTTP status (400 bad request, 401 no or wrong key, 404 unknown model or path,
-      413 body too large, 415 not JSON, 500 the server failed, 503 full or stopping).
-    message: what went wrong, for the client.
-    type: OpenAI's error type (defaults by status).
-    param: the request field at fault, or None.
-    code: a short machine-readable code, or None.
-    headers: extra response headers (`Retry-After` on a 503).
-  """
-
-  TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    500: "server_error",
-    503: "server_error",
-  }
-
-  def __init__(
-    self,
-    status: int,
-    message: str,
-    *,
-    type: str | None = None,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-  ):
-    super().__init__(message)
-    self.status = status
-    self.message = message
-    self.type = type or self.TYPES.get(status, "invalid_request_error")
-    self.param = param
-    self.code = code
-    self.headers = headers or {}
-
-  def body(self) -> dict[str, Any]:
-    """OpenAI's error body."""
-    return {
-      "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-    }
-
-
-class ErrorDetail(BaseModel):
-  """What an error body holds (OpenAI's)."""
-
-  message: str
-  type: str
-  param: str | None
-  code: str | None
-
-
-class ErrorBody(BaseModel):
-  """OpenAI's error body, for the OpenAPI schema: every error response is one."""
-
-  error: ErrorDetail
-
-
-_TYPE_TAGS = ("str", "int", "float", "bool", "none", "list", "dict")
-
-
-def _field_path(loc: tuple[Any, ...]) -> list[str]:
-  """A pydantic error's location as the request's field path: FastAPI's 'body' dropped, and
-  the tags pydantic adds for a union's member ('str', 'list[int]', 'function-after[...]')."""
-  out = [str(p) for p in loc]
-  if out and out[0] == "body":
-    out = out[1:]
-  return [p for p in out if p not in _TYPE_TAGS and "[" not in p and "(" not in p]
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-  """The 400 for pydantic's `errors`: the field's dotted path as `param` and at the head of the
-  message ('messages.0.role: ...'). Of a union's alternatives, the error that reached deepest
-  into the value is the one told (a content part's wrong type, not "not a string")."""
-  if not errors:
-    return APIError(400, "the request is invalid")
-  first = max(errors, key=lambda e: len(_field_path(tuple(e.get("loc", ())))))
-  loc = _field_path(tuple(first.get("loc", ())))
-  param = ".".join(loc) or None
-  message = str(first.get("msg", "the request is invalid"))
-  if first.get("type") == "json_invalid":
-    error = (first.get("ctx") or {}).get("error", "")
-    return APIError(400, f"the request body is not valid JSON: {error or message}")
-  if first.get("type") in ("model_attributes_type", "dict_type") and param is None:
-    return APIError(400, "the request body must be a JSON object")
-  if first.get("type") == "missing" and param is None:
-    return APIError(400, "the request body is empty; a JSON object is needed")
-  return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
 def _refuse_unserved(name: str, value: Any) -> Any:
@@ -477,48 +376,11 @@ class DetokenizeRequest(BaseModel):
   tokens: list[int]
 
 
-def new_id(prefix: str) -> str:
-  return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt: int, completion: int) -> dict[str, int]:
-  return {
-    "prompt_tokens": prompt,
-    "completion_tokens": completion,
-    "total_tokens": prompt + completion,
-  }
-
-
-def base(kind: str, rid: str, model: str) -> dict[str, Any]:
-  return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
-
-
-def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-  """Chat's `logprobs`: {'content': [{'token', 'logprob', 'bytes', 'top_logprobs'}]}."""
-  return {"content": entries}
-
-
-def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
-  """Text completions' legacy `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
-  offsets, at = [], offset
-  for e in entries:
-    offsets.append(at)
-    at += len(e["token"])
-  return {
-    "tokens": [e["token"] for e in entries],
-    "token_logprobs": [e["logprob"] for e in entries],
-    "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-    "text_offset": offsets,
-  }
-
-
 __all__ = [
-  "APIError",
   "ChatCompletionRequest",
   "ChatMessage",
   "CompletionRequest",
   "DetokenizeRequest",
-  "ErrorBody",
   "LOGIT_BIAS_MAX",
   "MAX_STOP",
   "MAX_STOP_CHARS",
@@ -527,10 +389,4 @@ __all__ = [
   "TEMPERATURE_MAX",
   "TokenizeRequest",
   "UNSERVED",
-  "base",
-  "chat_logprobs",
-  "completion_logprobs",
-  "new_id",
-  "usage",
-  "validation_error",
 ]
