@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: float64 references, fresh random Q8_0 data, a GGUF writer."""
+"""Helpers shared by the tests: float64 references, fresh random Q8_0 data, a GGUF writer, a
+matrix of cases split between the README's test command and the slow step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from q8rules.kernels import lowering_context as lowering_for  # noqa: F401 (tests import it here)
 from q8rules.q8_0 import BLOCK, Q8Array, quantize
@@ -102,3 +104,22 @@ def copy_gguf(src, dst, convert=None, **writer_kw) -> None:
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
+
+
+def matrix(values, *fast):
+  """A test's parameter values, those in `fast` as they are and the others marked `slow`: the
+  README's test command runs a test's `fast` cases, `.ci/run`'s slow step (`pytest -m slow`)
+  the whole matrix. A tuple is one case of several names. Spread the `fast` picks over a file's tests so that each value (an arch, a
+  variant) still runs somewhere in the README's command."""
+  missing = [f for f in fast if f not in values]
+  if missing or not fast:
+    raise ValueError(f"fast cases {missing or '(none)'} are not among {list(values)}")
+  slow = pytest.mark.slow
+  return [
+    v
+    if v in fast
+    else pytest.param(*v, marks=slow)
+    if isinstance(v, tuple)
+    else pytest.param(v, marks=slow)
+    for v in values
+  ]

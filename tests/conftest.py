@@ -5,7 +5,8 @@ Before any test module imports JAX, the CPU backend is given `HOST_DEVICES` devi
 multi-device tests (tests/test_sharding_mesh.py, tests/test_llm_gguf_mesh.py) run in this
 process; everything else runs on the first (the default device), as with one.
 
-The longest cases carry `@pytest.mark.slow` at the test: the README's test command leaves them
+The longest cases carry `@pytest.mark.slow` at the test, and the cases of a test's matrix
+beyond its picks carry it through `tests/_utils.matrix`: the README's test command leaves them
 out (pyproject's addopts) and `.ci/run` runs them next (`pytest -m slow`, printing the slowest
 durations); CI's first step prints its own time against its 600 s budget. The README's command
 runs in two pytest-xdist workers (`-n 2`): each is a process of its own, set up as above.

@@ -229,6 +229,7 @@ def test_load_like_gives_params_apply_takes(tmp_path, rng):
     q8_model.apply({"params": ckpt_st.load(path)}, x)
 
 
+@pytest.mark.slow
 def test_load_like_names_what_does_not_fit(tmp_path, rng):
   x = jnp.ones((2, 3, 32), jnp.float32)
   q8_model = qwix.quantize_model(_Net(), q8rules.Q8Provider([q8rules.Q8Rule()]))

@@ -36,6 +36,7 @@ def test_run_streams_the_text_and_the_numbers(capsys):
   assert "prefill: " in printed.err and "decode: " in printed.err and "loaded in" in printed.err
 
 
+@pytest.mark.slow
 def test_stdout_holds_only_the_text(tmp_path):
   """`python -m q8rules run FILE -p ... -n 32 > out.txt`: out.txt is the generated text."""
   out = tmp_path / "out.txt"
@@ -54,6 +55,7 @@ def test_stdout_holds_only_the_text(tmp_path):
   assert "decode: " in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_sampling_flags_reach_the_sampler(capsys):
   args = ["-p", "Hello", "-n", "6", "--float32", "--temp", "0.8", "--top-k", "7"]
   args += ["--top-p", "0.9", "--min-p", "0.05", "--repeat-penalty", "1.2", "-s", "3"]
@@ -164,6 +166,7 @@ def test_entry_point_errors_without_traceback(tmp_path):
   assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
+@pytest.mark.slow
 def test_threads_limit_the_process(tmp_path):
   """`-t 1`: the process runs on one CPU (its affinity) with XLA told one thread."""
   code = (

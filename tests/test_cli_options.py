@@ -60,6 +60,7 @@ def greedy_text(prompt: str, n: int = 4) -> str:
   return m.tokenizer.decode(m.generate(ids, n, stop_ids=sorted(m.tokenizer.eog_ids))) + "\n"
 
 
+@pytest.mark.slow
 def test_prompt_from_stdin_and_from_a_file(tmp_path, monkeypatch, capsys):
   """`echo TEXT | q8rules run MODEL` and `-f FILE`: the prompt is that text (not a default)."""
   monkeypatch.setattr(sys, "stdin", io.StringIO("The quick brown fox"))  # a pipe: no terminal

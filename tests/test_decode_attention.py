@@ -25,7 +25,7 @@ from q8rules.kernels.native import library as native_lib
 from q8rules.kernels.native import simd as native_simd
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import _attend_f32
-from tests._utils import rel_err
+from tests._utils import matrix, rel_err
 
 NATIVE = native_lib.available()
 needs_native = pytest.mark.skipif(
@@ -358,7 +358,9 @@ def sink_logits(rng, h):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+  "dtype", matrix([np.float32, ml_dtypes.bfloat16], np.float32), ids=["f32", "bf16"]
+)
 @pytest.mark.parametrize(("kv", "h"), [(2, 6), (1, 4), (4, 4)], ids=["gqa3", "mqa", "mha"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_native_kernel_with_sinks_against_float64(rng, dtype, kv, h, softcap):
@@ -437,6 +439,7 @@ def test_sinks_of_another_shape_are_refused(rng):
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.slow
 def test_decoder_with_sinks_the_same_either_way(rng, scan):
   """gpt-oss's attention (sinks on every head, sliding-window layers beside full ones, GQA):
   two rows prefilled to their own lengths (7 and 2 tokens), then decoded a token at a time at

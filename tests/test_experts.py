@@ -14,7 +14,7 @@ from flax import nnx
 
 import q8rules
 from q8rules.q8_0 import BLOCK
-from tests._utils import rel_err, weights
+from tests._utils import matrix, rel_err, weights
 
 pytestmark = pytest.mark.usefixtures("float32_matmuls")
 
@@ -162,7 +162,7 @@ def test_expert_slices_are_served_as_q8_0():
   assert all(r.q8_bytes for r in report.ops)
 
 
-@pytest.mark.parametrize("model_type", [RaggedExperts, LoopExperts])
+@pytest.mark.parametrize("model_type", matrix([RaggedExperts, LoopExperts], RaggedExperts))
 def test_qat_on_experts_is_the_served_model(model_type):
   rng = np.random.default_rng(2)
   float_model = model_type(np.random.default_rng(3))
@@ -345,6 +345,7 @@ def test_dot_general_batched_over_experts_in_bfloat16():
   assert rel_err(out, ref) <= 1e-2
 
 
+@pytest.mark.slow
 def test_qat_on_batched_experts_is_served_and_its_gradients_are_float64s():
   """QAT on the dense dispatch: the forward is the served model bit for bit (eagerly, and
   within 1e-6 jitted); d/dx and d/dw of sum(c * out) with the straight-through estimator
@@ -465,6 +466,7 @@ def _shapes(jaxpr) -> set[tuple[int, ...]]:
   return out
 
 
+@pytest.mark.slow
 def test_qat_on_expert_slices_quantizes_one_expert_and_its_gradients_are_float64s():
   """QAT on `w[i]` slices: each product quantizes expert i alone (no scales of the whole stack
   in the program), and d/dx, d/dw of sum(c * out) are float64's on the Q8_0 round trip."""

@@ -51,6 +51,7 @@ def test_items_split_by_whole_conversations():
   assert heldout.split_items([1], 0.1) == ([1], [])
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_token_weighted_mean():
   """Rows of different lengths, padded into batches: the mean over every target token, as one
   pass over the concatenated rows gives."""
@@ -110,6 +111,7 @@ def finetune(tmp_path: Path, *extra: str, text: str = TEXT) -> tuple[int, str, P
   return status, log.read_text(), out
 
 
+@pytest.mark.slow
 def test_finetune_reports_evaluations_and_writes_the_best(tmp_path):
   """A learning rate that overfits the text: the eval loss falls, then rises at two evaluations
   in a row; the warning names the steps; the adapter written is the best step's."""
@@ -136,6 +138,7 @@ def test_finetune_reports_evaluations_and_writes_the_best(tmp_path):
   assert read_lora_gguf(out).alpha == 32.0
 
 
+@pytest.mark.slow
 def test_the_warning_fires_on_a_rise(tmp_path):
   """The tiny model memorises a repeated sentence at a high learning rate: the held-out loss
   rises at two evaluations in a row and the warning says so."""
@@ -206,6 +209,7 @@ class Terminal(io.StringIO):
     return True
 
 
+@pytest.mark.slow
 def test_on_a_terminal_no_log_line_shares_a_bar_line(tmp_path, monkeypatch):
   """With bars up (stderr a terminal), each log line starts a line of its own as the terminal
   shows it (the text after a line's last carriage return)."""

@@ -27,6 +27,7 @@ from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
 from q8rules.lora.gguf_model import DEFAULT_TARGETS
 from q8rules.lora.trainer import LoraTrainer, split_adapters
 from q8rules.q8_0 import quantize
+from tests._utils import matrix
 from tests.gguf_numpy_forward import forward, load_float64
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
@@ -79,7 +80,7 @@ def base_leaves(params) -> list[np.ndarray]:
   return [np.asarray(x).copy() for x in jax.tree.leaves(base_params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", matrix(["llama", "qwen2", "phi3"], "qwen2"))
 def test_zero_b_is_the_served_model_bit_for_bit(arch):
   """With B = 0 (the default start) the logits equal the Q8_0 model's, unfused as the adapted
   groups run (each member its own product), bit for bit."""
@@ -103,7 +104,7 @@ SLOW_ARCHS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", *SLOW_ARCHS])
+@pytest.mark.parametrize("arch", [*matrix(["llama", "qwen2", "phi3"], "qwen2"), *SLOW_ARCHS])
 def test_random_adapters_against_float64(arch):
   m = random_b(base(arch).with_lora(rank=4, alpha=8.0, seed=1), seed=2)
   got = m.logits(IDS)
@@ -453,6 +454,7 @@ def test_unrolled_layers(tmp_path):
   assert set(fresh.adapters()) == {f"blk.{i}.ffn_down.weight" for i in range(m.config.layers)}
 
 
+@pytest.mark.slow
 def test_merged_file_for_llama_cpp(tmp_path):
   """`save_gguf` of an adapted model writes `merged()`: read back, its params are the merged
   model's bit for bit (the untouched tensors the source's bytes); llama.cpp runs the file and

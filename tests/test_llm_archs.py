@@ -20,6 +20,7 @@ import pytest
 
 from q8rules.llm import GGUFModel, load_gguf
 from q8rules.models.transformer import Transformer, init_cache
+from tests._utils import matrix
 from tests.gguf_numpy_forward import forward, gelu_fp16_table, load_float64
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
@@ -106,7 +107,7 @@ def test_config_from_metadata(name):
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "f32"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "qwen3", "gemma2"))
 def test_logits_match_float64(name, kind):
   """float32 activations within 1e-5 rel. L2 of a float64 forward of the file's weights
   (HF's way), over prompt + 31 tokens: past the sliding window."""
@@ -116,7 +117,7 @@ def test_logits_match_float64(name, kind):
   assert rel_l2(ours, ref) < 1e-5
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "llama31", "gemma3"))
 def test_f32_logits_match_llama_cpp(name):
   """On the F32 file, every position against llama.cpp's logits (same context)."""
   r = refs(name)
@@ -128,7 +129,7 @@ def test_f32_logits_match_llama_cpp(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", matrix(["gemma", "gemma2", "gemma3"], "gemma"))
 def test_gemma_gap_to_llama_cpp_is_its_float16_gelu(name):
   """The gemma archs' gap to llama.cpp is llama.cpp's CPU GELU (ggml reads it from a float16
   table): with every ffn_up zeroed (no GELU in either graph) we are within 1e-5 of
@@ -156,7 +157,7 @@ def clear_positions(theirs: np.ndarray) -> np.ndarray:
   return (top2[:, 1] - top2[:, 0]) > 0.05 * theirs.std(axis=-1)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "phi3", "gemma"))
 def test_q8_argmax_matches_llama_cpp(name):
   """On the Q8_0 file (llama.cpp quantizes activations to Q8_0 there): our argmax equals
   llama.cpp's wherever its margin is clear, over prompt + 31 greedy tokens."""
@@ -170,7 +171,7 @@ def test_q8_argmax_matches_llama_cpp(name):
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "f32"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma3"))
 def test_decode_past_the_window_equals_full_pass(name, kind):
   """Prefill a few tokens, then decode one token a step far past the window: the logits
   equal the one-pass logits, and the local layers' ring buffers stay the window's length."""
@@ -193,7 +194,7 @@ def test_decode_past_the_window_equals_full_pass(name, kind):
     assert cache["global"][0].shape[2] >= len(ids)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "llama31", "gemma2"))
 def test_generate_follows_llama_cpp(name):
   """Greedy `generate` (prefill, then one token a step on the KV cache) on the F32 file picks
   the argmax of the one-pass logits at every step, and follows llama.cpp's continuation
@@ -212,7 +213,7 @@ def test_generate_follows_llama_cpp(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", matrix(["gemma2", "gemma3"], "gemma3"))
 def test_unrolled_layers_equal_scanned(name):
   """scan_layers=False (each layer's kind static) gives the scanned model's logits (each
   layer's attention under lax.cond) on a float model of the same config."""

@@ -35,6 +35,7 @@ from q8rules.llm.config import config_from_metadata
 from q8rules.llm.tensors import skipped_tensors, tensor_slots
 from q8rules.models.transformer import Transformer, init_cache
 from q8rules.q8_0 import Q8Array
+from tests._utils import matrix
 from tests.gemma4_numpy_forward import forward, load
 from tests.gguf_numpy_forward import gelu_fp16_table
 
@@ -155,7 +156,7 @@ def test_shared_layers_hold_no_kv():
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "f32"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-31b"))
 def test_logits_match_float64(name, kind):
   """float32 activations within 1e-5 rel. L2 of a float64 forward of the file's weights,
   over prompt + 31 tokens (past the window)."""
@@ -165,6 +166,7 @@ def test_logits_match_float64(name, kind):
   assert rel_l2(ours, ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_f32_logits_match_llama_cpp(name):
   """On the F32 file, every position within 1e-3 of llama.cpp's logits (same context)."""
@@ -176,7 +178,7 @@ def test_f32_logits_match_llama_cpp(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-31b"))
 def test_gap_to_llama_cpp_is_its_float16_gelu(name):
   """The gap to llama.cpp is its CPU GELU's float16 table: with every GELU's input zeroed
   (ffn_gate, inp_gate, the experts' gate rows) we are within 1e-5 of llama.cpp at every
@@ -201,7 +203,7 @@ def test_gap_to_llama_cpp_is_its_float16_gelu(name):
   assert 1e-5 < exact < F32_VS_LLAMA_CPP and table < exact, (exact, table)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-31b"))
 def test_q8_0_no_farther_from_f32_than_llama_cpp(name):
   """Our Q8_0 logits are no farther from our F32 file's than llama.cpp's Q8_0 run is from its
   F32 run (it also rounds the activations to Q8_0), on the same tokens."""
@@ -213,7 +215,7 @@ def test_q8_0_no_farther_from_f32_than_llama_cpp(name):
   assert ours <= theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-31b"))
 def test_q4_k_m_loads_requantized(name):
   """llama.cpp's own Q4_K_M file loads with no flag (its other types requantized to Q8_0), its
   logits as far from the F32 file's as llama.cpp's own Q4_K_M run is from its F32 run, within
@@ -231,7 +233,7 @@ def test_q4_k_m_loads_requantized(name):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("q8_0", marks=pytest.mark.slow), "f32"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-e2b"))
 def test_decode_equals_full_pass(name, kind):
   """Prefill 3 tokens, then one token a step far past the window (and with the shared layers
   reading the KV of earlier ones): the one-pass logits."""
@@ -247,7 +249,7 @@ def test_decode_equals_full_pass(name, kind):
   assert rel_l2(np.concatenate(steps), full) < 1e-5
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-e2b"))
 def test_generate_equals_llama_cpp(name):
   """Greedy `generate` on the F32 file: llama.cpp's 32 tokens."""
   r = refs(name)

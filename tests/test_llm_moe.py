@@ -33,6 +33,7 @@ from q8rules.kernels.ragged_matmul import api as ragged_api
 from q8rules.llm import GGUFModel, load_gguf
 from q8rules.models.transformer import Transformer, init_cache
 from q8rules.providers.q8_weight import Q8Weight
+from tests._utils import matrix
 from tests.gguf_numpy_forward import forward, load_float64
 from tests.test_llm_gguf_errors import rewrite
 
@@ -99,7 +100,7 @@ def test_token_ids_are_llama_cpps(name):
     assert tok.encode(str(text)) == want, text
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "mixtral"))
 def test_f32_logits_match_llama_cpp_and_float64(name):
   """Per-position rel. L2 within 1e-5 of llama.cpp (measured 7e-7 and 1.1e-6); the float64
   forward (HF's sparse MoE block) within 1e-6 of llama.cpp's too."""
@@ -111,7 +112,7 @@ def test_f32_logits_match_llama_cpp_and_float64(name):
   assert rel_l2(ours, ref64) < 2e-6
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "mixtral"))
 def test_q8_0_is_its_float64_and_no_farther_from_f32_than_llama_cpp(name):
   """Our Q8_0 run is the float64 forward of the file's Q8_0 values; on the clearly routed
   positions it is no farther from the F32 model's logits than llama.cpp's own Q8_0 run."""
@@ -168,7 +169,7 @@ def test_q4_k_m_loads_requantized_beside_llama_cpps_error(name):
   assert mine <= 1.25 * theirs, (mine, theirs)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "mixtral"))
 def test_greedy_32_tokens_are_llama_cpps(name):
   r, m = refs(name), model(name, "f32")
   prompt = r["prompt_ids"]
@@ -202,7 +203,7 @@ def served(m: GGUFModel) -> tuple[q8rules.Q8Provider, Any]:
   return provider, qwix.quantize_model(Transformer(m.config), provider)
 
 
-@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fuse", matrix([True, False], True))
 @pytest.mark.parametrize("name", NAMES)
 def test_every_expert_weight_is_served_as_q8_0_and_a_decode_step_is_grouped(name, fuse):
   """Each layer stack of experts is a Q8_0 param (L, E, K, N), never float (gate | up fused along
@@ -245,7 +246,7 @@ def test_save_gguf_writes_the_experts_back(tmp_path, name):
 
 
 @pytest.mark.parametrize("act_qtype", [None, "q8_0"])
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("axis_type", matrix([AxisType.Auto, AxisType.Explicit], AxisType.Explicit))
 def test_experts_split_over_a_mesh(axis_type, act_qtype):
   """On a 2-device mesh the expert stacks are split along E (whole experts per device) and the
   logits are the single-device model's, with Q8_0 activations too. The single-device model is

@@ -72,7 +72,8 @@ def _twin_loss(model: nnx.Module, form: str, cotangent: np.ndarray):
   return loss
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.slow
 def test_expert_adapters_gradients_against_float64(form):
   rng = np.random.default_rng(20)
   model, x = _adapted(form, rng)

@@ -32,6 +32,7 @@ from q8rules.llm import load_gguf
 from q8rules.lora.gguf_file import read_lora_gguf, save_lora_gguf
 from q8rules.lora.trainer import join_adapters, split_adapters
 from tests._llamacpp import llama_cpp_python
+from tests._utils import matrix
 from tests.gguf_numpy_forward import forward, load_float64
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
@@ -116,7 +117,7 @@ def adapted(name: str):
   return random_b(m, seed=2)
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", matrix(["qwen3moe", "mixtral"], "mixtral"))
 def test_zero_b_is_the_unfused_model_bit_for_bit(name):
   """B = 0: the logits are the Q8_0 model's loaded unfused (q | k | v split for their adapters,
   gate and up as two stacks: the load-fused gate | up stack split back by columns, the same int8
@@ -135,7 +136,7 @@ def test_zero_b_is_the_unfused_model_bit_for_bit(name):
   assert not np.array_equal(a[0], a[1])  # each expert initialized on its own
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", matrix(["qwen3moe", "mixtral"], "qwen3moe"))
 def test_expert_adapters_against_float64(name):
   """Each routed row goes through its expert's adapter: within 1e-5 per position of the float64
   forward of the Q8_0 values plus each expert's delta (measured 1.1e-6 on qwen3moe)."""
@@ -184,6 +185,7 @@ def test_llama_cpp_applies_our_expert_adapter_as_we_do(tmp_path, name):
   assert np.median(rel_l2(q8_base, q8_lora)) > 5 * lora_gap
 
 
+@pytest.mark.slow
 def test_gemma4_fused_gate_up_stack_adapter_in_llama_cpp(tmp_path):
   """Gemma 4's file stores gate | up as one `ffn_gate_up_exps` stack: its adapter is on that
   stack, as llama.cpp applies one to the fused product; ffn_down_exps, whose per-expert scale
@@ -214,6 +216,7 @@ def test_gemma4_fused_gate_up_stack_adapter_in_llama_cpp(tmp_path):
     load_gguf(tiny(name), lora=path, progress=False)
 
 
+@pytest.mark.slow
 def test_merged_expert_adapters_fuse_again():
   """`merged()` folds each expert's delta into its Q8_0 matrix (one more Q8_0 rounding) and fuses
   gate | up again, served as a plain Q8_0 model."""

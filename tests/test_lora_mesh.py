@@ -193,6 +193,7 @@ def test_a_spec_naming_an_adapter_wins(linen_lora):
 # ---- linen: annotations ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_linen_partitioning_annotates_and_places_the_adapters(rng):
   """`nn.with_partitioning` on the float kernels: the init's adapter boxes carry the base's
   split (nn.get_partition_spec), so `jit(init, out_shardings=nn.get_sharding(...))` puts them
@@ -269,6 +270,7 @@ def annotated_block(seed: int) -> lm.NBlock:
   )
 
 
+@pytest.mark.slow
 def test_nnx_eager_sharding_annotates_and_places_the_adapters(rng):
   """A float model made under `jax.set_mesh` with annotated kernels (eager sharding):
   `apply_lora_to_model` gives each adapter the base's split in its metadata and its placement;
@@ -315,6 +317,7 @@ def test_nnx_adapters_made_outside_the_mesh_follow_the_placed_base(rng):
     assert meta["eager_sharding"] is False, meta
 
 
+@pytest.mark.slow
 def test_nnx_shard_params_explicit_axes(rng):
   """An nnx LoRA model placed by `shard_params` (kernels' specs only) on a mesh with Explicit
   axes: the adapters follow their base, the products split by the specs in their types; output

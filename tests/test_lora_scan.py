@@ -55,6 +55,7 @@ def _base_bytes(tree) -> list[bytes]:
   return [np.asarray(v).tobytes() for v in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_linen_scan_remat(rng):
   """nn.scan(nn.remat(Block)): stacked Q8 params and adapters (A distinct per layer; B = 0 is
   the Q8Provider model on the same Q8 params bit for bit); random A, B: output, dA, dB, dx against float64; adam on the

@@ -18,7 +18,7 @@ from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.moe import Moe, route
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import BLOCK
-from tests._utils import rel_err
+from tests._utils import matrix, rel_err
 from tests.moe_numpy import moe64, route64
 
 pytestmark = pytest.mark.usefixtures("float32_matmuls")
@@ -76,7 +76,9 @@ def experts64(w: q8rules.Q8Array) -> np.ndarray:
   return q * d
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(
+  "variant", matrix(sorted(VARIANTS), "softmax_weight_biases", "sigmoid_probs_bias_shared")
+)
 def test_block_is_llama_cpp_build_moe_ffn(variant):
   c = dataclasses.replace(BASE, **VARIANTS[variant])
   params = block_params(c, 1)
@@ -154,6 +156,7 @@ def unstacked(params: dict) -> dict:
   return out
 
 
+@pytest.mark.slow
 def test_decoder_scanned_in_place_served_and_decode_step():
   """A scanned Q8_0 decoder with experts: in place (each layer's experts read from the stack)
   equals unrolled, and a one-token decode step (grouped product, native CPU kernel) continues
@@ -181,6 +184,7 @@ def test_decoder_scanned_in_place_served_and_decode_step():
   assert decode and all(r.path == "cpu" for r in decode), provider.report()
 
 
+@pytest.mark.slow
 def test_float_decoder_scanned_equals_unrolled():
   model, params, tokens, cache = decoder(dataclasses.replace(BASE, expert_gating="sigmoid"))
   full, _ = model.apply({"params": params}, tokens, cache)

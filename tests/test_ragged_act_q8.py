@@ -17,7 +17,7 @@ from q8rules.kernels.matmul_act_q8.reference import reference_float64
 from q8rules.kernels.ragged_matmul import api as ragged_api
 from q8rules.kernels.ragged_matmul.api import q8_ragged_matmul, resolve_ragged
 from q8rules.q8_0 import Q8Array
-from tests._utils import rel_err
+from tests._utils import matrix, rel_err
 from tests.test_ragged_matmul import CASES, experts, random_x, skip_unless_runs
 
 IMPLEMENTATIONS = ("reference", "xla", "cpu")
@@ -36,8 +36,8 @@ def act_reference64(x, w: Q8Array, sizes) -> np.ndarray:
   return out
 
 
-@pytest.mark.parametrize("name", IMPLEMENTATIONS)
-@pytest.mark.parametrize("sizes,k,n", CASES)
+@pytest.mark.parametrize("name", matrix(IMPLEMENTATIONS, "xla", "cpu"))
+@pytest.mark.parametrize("sizes,k,n", matrix(CASES, CASES[0]))
 def test_matches_the_q8_0_activations_float64(rng, name, sizes, k, n):
   skip_unless_runs(name)
   w = experts(rng, len(sizes), -(-k // 32) * 32, n, np.float16)
@@ -87,7 +87,7 @@ def test_the_default_implementation_per_backend(rng):
   assert rel_err(y, act_reference64(x, w, sizes)) <= 1e-6
 
 
-@pytest.mark.parametrize("name", ("xla", "cpu"))
+@pytest.mark.parametrize("name", matrix(["xla", "cpu"], "cpu"))
 def test_gradients_are_the_weight_only_products(rng, name):
   """A straight-through estimator on the activations' rounding: d/dx and d/dscale are the
   weight-only product's."""

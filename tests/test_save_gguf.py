@@ -311,6 +311,7 @@ def next_token_loss(model, params, ids):
 @pytest.mark.parametrize(
   "name", ["tiny-llama-q8_0", pytest.param("tiny-phi3-q8_0", marks=pytest.mark.slow)]
 )
+@pytest.mark.slow
 def test_qat_model_is_the_served_model_in_float(tmp_path, name):
   """Each matrix the served model holds as Q8_0 is a float32 param equal to gguf.quants'
   dequantization of the file's tensor; the logits are the served model's (to float32

@@ -279,6 +279,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
 
 
 @pytest.mark.parametrize("what, path, body, param", FIELDS, ids=[f[0] for f in FIELDS])
+@pytest.mark.slow
 def test_each_field_out_of_its_range_is_a_400_naming_it(
   server, greedy_reply, what, path, body, param
 ):
@@ -565,6 +566,7 @@ def test_sigterm_ends_the_server_cleanly(model):
       proc.kill()
 
 
+@pytest.mark.slow
 def test_q8_0_activations_are_served_as_generate_gives_them(model):
   """A model loaded with `act_qtype='q8_0'` (`q8rules serve --act-qtype q8_0`) serves, greedy
   and beside another request, the tokens its own `generate` gives."""

@@ -259,6 +259,7 @@ def apply_and_compile(qmodel, params, x) -> tuple[jax.Array, str]:
   return fn({"params": params}, x), fn.lower({"params": params}, x).compile().as_text()
 
 
+@pytest.mark.slow
 def test_linen_params_on_a_mesh_xla_partitioned(linen_block):
   """shard_params + jit, no context: XLA partitions the chunked XLA products itself."""
   qmodel, _, x, abstract, float_params, q8_params, single = linen_block
@@ -382,6 +383,7 @@ def test_nnx_params_on_a_mesh(rng):
   check_only_partial_sums_move(hlo, [(4, 6, 64)])  # down's partial sums
 
 
+@pytest.mark.slow
 def test_nnx_model_made_under_an_explicit_mesh_quantizes(rng):
   """A float nnx model built under `jax.set_mesh` with Explicit axes (its kernels split by
   `nnx.with_partitioning`) is quantized by `qwix.quantize_model` as it stands: each Q8_0

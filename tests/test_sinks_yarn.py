@@ -17,6 +17,7 @@ import qwix
 from q8rules import Q8Provider
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import rope_angles, rope_mscale
+from tests._utils import matrix
 from tests.gpt_oss_numpy_forward import attention, yarn_inv_freq
 
 CONFIG = TransformerConfig(
@@ -99,8 +100,8 @@ def float64_logits(config: TransformerConfig, params: dict, ids: np.ndarray) -> 
   return rms(x, p64["norm"]["scale"]) @ p64["lm_head"]["kernel"]
 
 
-@pytest.mark.parametrize("served", [False, True], ids=["flax", "provider"])
-@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize("served", matrix([False, True], True), ids=["flax", "provider"])
+@pytest.mark.parametrize("scan", matrix([True, False], False), ids=["scan", "unrolled"])
 def test_sinks_biases_yarn_match_float64(rng, scan, served):
   """One pass, then the same tokens decoded one at a time through the cache (the sinks on the
   one-token path, the local ring wrapped): within float32 rounding of float64. Under a q8rules
@@ -122,6 +123,7 @@ def test_sinks_biases_yarn_match_float64(rng, scan, served):
   assert rel(np.stack(steps), want) < 1e-5
 
 
+@pytest.mark.slow
 def test_sinks_change_the_output(rng):
   """Sinks of zero still take a share of each softmax: not the model without sinks (whose
   params are the same but for them)."""

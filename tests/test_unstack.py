@@ -41,6 +41,7 @@ def _perturbed(params):
   return jax.tree.map(lambda p: p + 1e-3 * rng.standard_normal(p.shape).astype(p.dtype), params)
 
 
+@pytest.mark.slow
 def test_unrolled_qat_model_keeps_fake_quant():
   """A `trainable='qat'` model unrolled is quantized by Q8QatProvider with the same modules:
   on params off the Q8_0 grid its logits are the scanned QAT model's, not a float model's."""

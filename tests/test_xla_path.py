@@ -10,7 +10,7 @@ import pytest
 import q8rules
 from q8rules.kernels.matmul.xla_chunked import default_chunk, q8_matmul_xla
 from q8rules.q8_0 import BLOCK, Q8Array
-from tests._utils import random_q8, random_x, rel_err, weight64
+from tests._utils import matrix, random_q8, random_x, rel_err, weight64
 
 TOL = 1e-6
 
@@ -211,7 +211,7 @@ def test_mismatched_shapes_raise(xs, qs, ss, match):
     q8rules.q8_matmul(x, w, implementation="xla")
 
 
-@pytest.mark.parametrize("n", [768, 700, 200])
+@pytest.mark.parametrize("n", matrix([768, 700, 200], 768, 200))
 def test_column_chunks_for_more_rows_than_a_k_chunk(rng, monkeypatch, n):
   """More rows of x than a K chunk: chunks of N's columns (dividing N, leaving a tail, or the
   whole N), the product, its transposed product (op matmul_t's 'xla') and the gradient in x
