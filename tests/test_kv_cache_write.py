@@ -15,7 +15,6 @@ import pytest
 
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.models.attention import _global_write, _local_write
-from tests._utils import matrix
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
@@ -78,7 +77,8 @@ def _compiled_step(rng, dtype, donate: bool) -> tuple[str, dict]:
   return apply.lower(params, step, cache, jnp.int32(5)).compile().as_text(), cache
 
 
-@pytest.mark.parametrize("dtype", matrix([jnp.bfloat16, jnp.float16], jnp.float16))
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
   """The compiled decode step of a 16-bit model (global and sliding-window layers), on whatever
   backend runs the tests, updates each cache (a dynamic-update-slice or a scatter of a whole

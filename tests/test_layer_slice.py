@@ -18,7 +18,7 @@ from q8rules.kernels.native.library import TARGET, TARGET_LAYER
 from q8rules.llm import load_gguf
 from q8rules.llm.unstack import rebuilt
 from q8rules.q8_0 import Q8Array
-from tests._utils import close_to_float64, random_q8, random_x, rel_err, weight64
+from tests._utils import close_to_float64, matrix, random_q8, random_x, rel_err, weight64
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 IDS = [0, 41, 70, 77, 77, 80, 222, 88]
@@ -36,7 +36,7 @@ def runnable(m: int, k: int, n: int) -> list[str]:
 
 
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("m,k,n", [(1, 96, 40), (3, 256, 130), (17, 64, 7)])
+@pytest.mark.parametrize("m,k,n", matrix([(1, 96, 40), (3, 256, 130), (17, 64, 7)], (17, 64, 7)))
 def test_every_layer_matches_float64(rng, m, k, n, scale_dtype):
   w = stacked_q8(rng, 3, k, n, scale_dtype)
   x = random_x(rng, (m, k))

@@ -203,7 +203,8 @@ def test_gap_to_llama_cpp_is_its_float16_gelu(name):
   assert 1e-5 < exact < F32_VS_LLAMA_CPP and table < exact, (exact, table)
 
 
-@pytest.mark.parametrize("name", matrix(NAMES, "gemma4-31b"))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
 def test_q8_0_no_farther_from_f32_than_llama_cpp(name):
   """Our Q8_0 logits are no farther from our F32 file's than llama.cpp's Q8_0 run is from its
   F32 run (it also rounds the activations to Q8_0), on the same tokens."""

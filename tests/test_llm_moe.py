@@ -154,7 +154,7 @@ def test_q8_0_activations_give_llama_cpps_own_q8_0_logits(name):
   assert np.mean(rel_l2(plain[clear], theirs, axis=-1) < 1e-6) == 0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "qwen3moe"))
 def test_q4_k_m_loads_requantized_beside_llama_cpps_error(name):
   """llama.cpp's Q4_K_M file (its fallbacks Q5_0, Q5_1, Q8_0 at these widths) loads with no
   flag, the expert stacks requantized to Q8_0; its error against the F32 model, on the
@@ -182,7 +182,7 @@ def unfused(name: str) -> GGUFModel:
   return load_gguf(DATA / f"tiny-{name}-q8_0.gguf", dtype=jnp.float32, fuse=False, progress=False)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "mixtral"))
 def test_fused_gate_up_experts_are_the_file_values(name):
   """The gate | up stack fused at load holds the file's Q8_0 values and scales as they are
   (each expert's gate columns, then its up columns), so the logits are the unfused model's."""
@@ -237,7 +237,7 @@ def test_every_expert_weight_is_served_as_q8_0_and_a_decode_step_is_grouped(name
   assert report.float_params == []  # the rule matches the served modules; the router is apart
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", matrix(NAMES, "qwen3moe"))
 def test_save_gguf_writes_the_experts_back(tmp_path, name):
   """save_gguf of a loaded Q8_0 MoE model is the source file, byte for byte."""
   src = DATA / f"tiny-{name}-q8_0.gguf"
@@ -337,6 +337,7 @@ def without_keys(dst: Path, src: Path, keys: tuple[str, ...], meta: dict | None 
     (("qwen3moe.expert_feed_forward_length",), {"qwen3moe.feed_forward_length": 64}, 64),
   ],
 )
+@pytest.mark.slow
 def test_qwen3moe_optional_widths_are_llama_cpps(tmp_path, drop, meta, ffn):
   """llama.cpp reads `feed_forward_length` as optional (0) and takes the experts' width from
   `expert_feed_forward_length`, else feed_forward_length / expert_used_count (src/llama-model.cpp

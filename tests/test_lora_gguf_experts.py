@@ -166,7 +166,7 @@ def test_adapter_file_is_llama_cpps_expert_layout(tmp_path):
   np.testing.assert_array_equal(loaded.logits(ids("qwen3moe")), m.logits(ids("qwen3moe")))
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", matrix(["qwen3moe", "mixtral"], "mixtral"))
 def test_llama_cpp_applies_our_expert_adapter_as_we_do(tmp_path, name):
   """Our adapter file in llama.cpp: on the F32 file its logits are the float64 forward of the
   F32 weights plus each expert's delta within 1e-5 per position (measured 7.5e-7 on qwen3moe),

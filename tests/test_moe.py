@@ -76,9 +76,7 @@ def experts64(w: q8rules.Q8Array) -> np.ndarray:
   return q * d
 
 
-@pytest.mark.parametrize(
-  "variant", matrix(sorted(VARIANTS), "softmax_weight_biases", "sigmoid_probs_bias_shared")
-)
+@pytest.mark.parametrize("variant", matrix(sorted(VARIANTS), "sigmoid_probs_bias_shared"))
 def test_block_is_llama_cpp_build_moe_ffn(variant):
   c = dataclasses.replace(BASE, **VARIANTS[variant])
   params = block_params(c, 1)

@@ -30,6 +30,7 @@ from tests._qat_models import (
   nnx_model,
   np_fq,
 )
+from tests._utils import matrix
 
 pytestmark = pytest.mark.usefixtures(
   "float32_matmuls"
@@ -84,7 +85,7 @@ def test_serving_options_choose_the_forward_kernel(rng):
   assert "implementation" not in reports[0].ops[0].note
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("bad", matrix([np.nan, np.inf], np.nan))
 def test_non_finite_weight(rng, bad):
   x, y = data(rng)
   model = LinenNet()

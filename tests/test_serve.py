@@ -44,14 +44,19 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("serve")
+def tiny_chat_model(tmp_path_factory, folder: str):
+  """The tiny qwen2 Q8_0 file as `NAME` with `TEMPLATE` for its chat template, loaded in
+  float32 (the served model of the serve tests)."""
   path = rewrite_to(
-    tmp, NAME, src=DATA / "tiny-qwen2-q8_0.gguf",
+    tmp_path_factory.mktemp(folder), NAME, src=DATA / "tiny-qwen2-q8_0.gguf",
     typed_meta={"tokenizer.chat_template": (TEMPLATE, V.STRING, None)},
   )  # fmt: skip
   return q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  return tiny_chat_model(tmp_path_factory, "serve")
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import jax.numpy as jnp
 import pytest
-from gguf import GGUFValueType as V
 
-import q8rules
 from q8rules.serve import Server, free_port
 from q8rules.serve.output import TextStream
 from q8rules.serve.sampling import SamplingParams
-from tests.test_llm_gguf_errors import rewrite_to
-from tests.test_serve import DATA, NAME, TEMPLATE
+from tests.test_serve import tiny_chat_model
 
 CTX = 128
 TIMEOUT_S = 3.0
@@ -36,12 +32,7 @@ GREEDY = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("faults")
-  path = rewrite_to(
-    tmp, NAME, src=DATA / "tiny-qwen2-q8_0.gguf",
-    typed_meta={"tokenizer.chat_template": (TEMPLATE, V.STRING, None)},
-  )  # fmt: skip
-  return q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
+  return tiny_chat_model(tmp_path_factory, "faults")
 
 
 @pytest.fixture(scope="module")

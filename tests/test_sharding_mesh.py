@@ -26,8 +26,8 @@ from q8rules import kernels, sharding
 from q8rules.kernels.matmul import fold
 from q8rules.q8_0 import BLOCK, Q8Array
 from q8rules.sharding.product import shard_map_unchecked
+from tests._utils import matrix, rel_err
 from tests._utils import q8_weights as weights
-from tests._utils import rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore:Q8 rule matched nothing")
 
@@ -287,7 +287,9 @@ def test_linen_params_on_a_mesh_xla_partitioned(linen_block):
   assert np.array_equal(np.asarray(got), np.asarray(q8_params["down"]["kernel"].array.q))
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+  "axis_type", matrix([AxisType.Auto, AxisType.Explicit], AxisType.Explicit), ids=lambda t: t.name
+)
 def test_linen_shard_products_runs_each_product_per_shard(linen_block, axis_type):
   qmodel, provider, x, _, _, q8_params, single = linen_block
   mesh = mesh_of(4, axis_type=axis_type)
