@@ -24,7 +24,7 @@ the embedding table): over the step's time, as a fraction of `bandwidth.py`'s re
 Peak RSS is the process's high-water mark minus its RSS before the model, against the file.
 q8rules runs twice a round: weight-only (the default, float32-accurate products) and with
 `act_qtype='q8_0'` (activations quantized to Q8_0 as llama.cpp does: its own arithmetic, int8
-block dots on AVX-512 VNNI, the experts' included).
+block dots on the CPU's SIMD path (AVX-512 VNNI, AVX2, NEON), the experts' included).
 """
 
 from __future__ import annotations
