@@ -87,6 +87,9 @@ def test_decode_rate_arithmetic():
   stamps = [0.0] + [2.0] * 16 + [2.5] * 16 + [3.0] * 16  # first, then three chunks of 16
   r = decode_rate(stamps, 16)
   assert r.warm and r.tokens == 32 and r.seconds == 1.0 and r.per_s == 32.0
+  assert "over 32 tokens (the last 32 of 49: the first 17 wait on the decode program's" in (
+    r.describe()
+  ), r.describe()  # why not all 49 (it said 'over 32 tokens' alone)
   early = [0.0] + [0.5] * 12  # stopped inside the first chunk: 12 tokens in 0.5 s, cold
   r = decode_rate(early, 16)
   assert not r.warm and r.per_s == 24.0 and "compilation" in r.describe()

@@ -37,8 +37,33 @@ def test_every_option_has_help_and_shows_its_default(name):
       continue  # hidden on purpose
     shown = " ".join(formatter._format_action(action).split())
     assert action.help, f"{name} {action.option_strings}: no help"
-    assert "(default: " in shown, f"{name} {action.option_strings}: no default shown:\n{shown}"
+    if action.required:  # no default to show ("(default: None)" said there was one)
+      assert "(default: " not in shown, f"{name} {action.option_strings}: {shown}"
+    else:
+      assert "(default: " in shown, f"{name} {action.option_strings}: no default shown:\n{shown}"
   assert "(default: " in p.format_help()
+
+
+def test_a_required_option_shows_no_default():
+  p = subparsers()["finetune"]
+  (out,) = [a for a in p._actions if "--out" in a.option_strings]
+  assert out.required
+  shown = " ".join(p._get_formatter()._format_action(out).split())
+  assert "default" not in shown and "adapter file" in shown, shown
+
+
+def test_finetunes_schedule_line_says_why_its_epochs_are_not_whole():
+  from q8rules.cli.finetune_data import EPOCHS, _schedule
+
+  args = argparse.Namespace(steps=None, eval_every=None, batch=4)
+  steps, _, line = _schedule(args, 128, per_step=4.0, size=18.0, unit="text")
+  assert steps == 9 and EPOCHS == 2  # 2 epochs are 9 whole steps, 36 / 18 = 2.0
+  steps, _, line = _schedule(args, 128, per_step=4.0, size=17.0, unit="text")
+  assert steps == 9, line  # 8.5 steps for 2 epochs: 9 whole ones read the text 2.1 times
+  assert "the fewest whole steps that make 2 epochs" in line and "make 2.1 epochs" in line, line
+  assert "None" not in line, line
+  given = argparse.Namespace(steps=5, eval_every=None, batch=4)
+  assert "fewest" not in _schedule(given, 128, per_step=4.0, size=17.0, unit="text")[2]
 
 
 def test_version(capsys):

@@ -63,7 +63,10 @@ def test_defaults_lower_the_held_out_perplexity(tmp_path):
   text = "\n\n".join(pydoc_data.topics.topics[k] for k in COMPOUND)
   log = finetune(tmp_path, text)
   assert re.search(r"5,825 tokens: 5,245 to train on; 580 held out", log), log
-  assert "21 steps of 4 x 128 tokens (--steps None: 2 epochs) make 2.0 epochs" in log, log
+  assert (
+    "21 steps of 4 x 128 tokens (no --steps: the fewest whole steps that make 2 epochs) make 2.0 epochs"
+    in log
+  ), log
   evals = evaluations(log)
   before, after = evals[0][1], min(p for _, p in evals)
   summary = log.splitlines()[-1]

@@ -21,7 +21,13 @@ COMMANDS: list[ModuleType] = [demo, run, chat, finetune, serve]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-  """Each option's default after its help; descriptions and epilogs kept as written."""
+  """Each option's default after its help (not a required option's: it has none);
+  descriptions and epilogs kept as written."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.required:
+      return action.help
+    return super()._get_help_string(action)
 
 
 def version() -> str:

@@ -75,7 +75,7 @@ def _schedule(
   `per_step` units of the training data's `size`, and --eval-every (None: a tenth of them)."""
   steps = args.steps or max(1, math.ceil(EPOCHS * size / per_step))
   every = args.eval_every or max(1, round(steps / EVALUATIONS))
-  why = "" if args.steps else f" (--steps None: {EPOCHS} epochs)"
+  why = "" if args.steps else f" (no --steps: the fewest whole steps that make {EPOCHS} epochs)"
   line = (
     f"{steps} steps of {args.batch} x {length} tokens{why} make {steps * per_step / size:.1f}"
     f" epochs of the training {unit} (one epoch: {size / per_step:.1f} steps); evaluated every"

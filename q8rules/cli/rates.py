@@ -23,6 +23,8 @@ class DecodeRate:
   seconds: float
   warm: bool
   """True: counted after the first chunk (no compilation in it)."""
+  left_out: int = 0
+  """The tokens before those counted (the first and its chunk, when `warm`)."""
 
   @property
   def per_s(self) -> float | None:
@@ -31,7 +33,13 @@ class DecodeRate:
   def describe(self) -> str:
     if self.per_s is None:
       return "n/a (fewer than 2 tokens)"
-    what = "" if self.warm else " (with the decode program's compilation or cache fetch)"
+    if self.warm:
+      what = (
+        f" (the last {self.tokens} of {self.tokens + self.left_out}: the first"
+        f" {self.left_out} wait on the decode program's compilation or cache fetch)"
+      )
+    else:
+      what = " (with the decode program's compilation or cache fetch)"
     return f"{self.per_s:.1f} generated tokens/s over {self.tokens} tokens{what}"
 
 
@@ -42,7 +50,7 @@ def decode_rate(stamps: Sequence[float], chunk: int) -> DecodeRate:
   if n < 2:
     return DecodeRate(0, 0.0, False)
   if n > chunk + 1:
-    return DecodeRate(n - 1 - chunk, stamps[-1] - stamps[chunk], True)
+    return DecodeRate(n - 1 - chunk, stamps[-1] - stamps[chunk], True, chunk + 1)
   return DecodeRate(n - 1, stamps[-1] - stamps[0], False)
 
 

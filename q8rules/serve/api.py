@@ -63,6 +63,7 @@ class API:
     self.scheduler = scheduler
     self.name = name
     self.timeout = timeout
+    self.created = int(time.time())
     self.context = scheduler.runner.context
     self.vocab = model.config.vocab
     self.metrics = scheduler.metrics
@@ -370,7 +371,10 @@ class API:
       "n_ctx_train": c.context_length,
       "n_ctx": self.context,
     }
-    card = {"id": self.name, "object": "model", "created": 0, "owned_by": "q8rules", "meta": meta}
+    card = {
+      "id": self.name, "object": "model", "created": self.created, "owned_by": "q8rules",
+      "meta": meta,
+    }  # fmt: skip
     return {"object": "list", "data": [card]}
 
   def health(self) -> tuple[int, dict[str, Any]]:
