@@ -25,7 +25,36 @@ from q8rules.lora.gguf_file import read_lora_gguf
 from q8rules.lora.trainer import LoraTrainer
 
 QWEN2 = Path(__file__).parent / "data" / "gguf_models" / "tiny-qwen2-q8_0.gguf"
-TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun. " * 20
+
+
+def words_text(n: int, seed: int = 0) -> str:
+  """`n` words drawn from 225 made-up ones, in sentences: no run of 13 tokens stands twice, so
+  its held-out part is unseen by training (a repeated sentence is not)."""
+  rng = np.random.default_rng(seed)
+  syllables = [
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "su",
+    "ta",
+    "ri",
+    "po",
+    "ve",
+    "da",
+    "gu",
+    "ho",
+    "ze",
+    "bi",
+    "fu",
+  ]
+  words = [a + b for a in syllables for b in syllables]
+  picked = rng.choice(words, n)
+  return " ".join(w + ("." if i % 9 == 8 else "") for i, w in enumerate(picked)) + "\n"
+
+
+TEXT = words_text(320)
+REPEATING = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun. " * 20
 
 
 def test_held_out_windows_are_spread_and_never_drawn():
@@ -43,6 +72,23 @@ def test_held_out_windows_are_spread_and_never_drawn():
   assert heldout.held_out_spans(1000, 0.0, 32) == []
   short = heldout.held_out_spans(600, 0.1, 128)  # a short text: one window of 60 in its middle
   assert short == [(270, 330)] and heldout.longest_gap(600, short) == 270
+
+
+def test_repeats_of_the_training_text_are_found_token_by_token():
+  rng = np.random.default_rng(5)
+  train = rng.integers(0, 1000, 400)
+  held = rng.integers(0, 1000, 60)
+  assert not heldout.repeats_training(held, [train]).any()  # unseen
+  held[10:30] = train[100:120]  # 20 tokens said again: all of them flagged, nothing else
+  hit = heldout.repeats_training(held, [train[:50], train[50:]])
+  assert hit[10:30].all() and hit.sum() == 20
+  held[40:52] = train[200:212]  # 12 in a row: below GRAM, an ordinary phrase
+  assert heldout.repeats_training(held, [train]).sum() == 20 and heldout.GRAM == 13
+  rows, dropped = heldout.without_repeats([(held, np.ones(60, bool))], [train])
+  assert dropped == 20 and rows[0][1].sum() == 40
+  spans = [(100, 120), (300, 310)]
+  parts = heldout.training_streams(np.arange(400), spans)
+  assert [(int(p[0]), int(p[-1])) for p in parts] == [(0, 99), (120, 299), (310, 399)]
 
 
 def test_items_split_by_whole_conversations():
@@ -136,6 +182,26 @@ def test_finetune_reports_evaluations_and_writes_the_best(tmp_path):
   ppl = re.findall(r"eval loss [\d.]+, perplexity ([\d.]+)", log)
   assert lines[-1].startswith(f"eval perplexity {ppl[0]} before -> {ppl[best]} after")
   assert read_lora_gguf(out).alpha == 32.0
+
+
+def test_held_out_text_that_training_reads_is_left_out_with_a_warning(tmp_path):
+  """A text that says its paragraphs twice: the held-out windows inside a repeat would be read
+  from memory (the eval perplexity fell to ~1 while a truly unseen paragraph's rose); those
+  tokens leave the evaluation, and the log says how many. All of them: no evaluation."""
+  a, b = words_text(150, seed=1), words_text(150, seed=2)
+  status, log, _ = finetune(tmp_path, "--steps", "2", "--eval-every", "2", text=a + b + a)
+  assert status == 0, log
+  said = re.search(r"warning: ([\d,]+) of the ([\d,]+) held-out tokens repeat the training", log)
+  assert said, log
+  dropped, total = int(said.group(1).replace(",", "")), int(said.group(2).replace(",", ""))
+  assert 0 < dropped < total
+  assert "before training: eval loss" in log  # the rest is evaluated
+  status, log, _ = finetune(tmp_path, "--steps", "2", text=REPEATING)
+  assert status == 0, log
+  assert re.search(r"warning: all [\d,]+ held-out tokens repeat the training text verbatim", log)
+  assert "eval loss" not in log, log
+  status, log, _ = finetune(tmp_path, "--steps", "2", text=TEXT)  # nothing repeats: no warning
+  assert status == 0 and "repeat the training" not in log and "eval loss" in log, log
 
 
 @pytest.mark.slow

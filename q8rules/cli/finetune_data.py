@@ -56,16 +56,42 @@ def read_text(path: str, flag: str) -> str:
   return text
 
 
-def _eval_text(m: GGUFModel, args: argparse.Namespace) -> tuple[list, str]:
-  """The --eval-text batches and the line describing them."""
+def _unrepeated(rows: list, training: list, args: argparse.Namespace) -> tuple[list, str]:
+  """The held-out `rows` as batches, their tokens that repeat the `training` streams verbatim
+  left out of the loss (`heldout.without_repeats`; no batches when that is all of them), and a
+  warning line when there were any ('' otherwise)."""
+  from q8rules.lora import heldout
+
+  total = heldout.targets(heldout.eval_batches(rows, args.batch, args.length))
+  rows, dropped = heldout.without_repeats(rows, training)
+  batches = heldout.eval_batches(rows, args.batch, args.length)
+  if not dropped:
+    return batches, ""
+  if heldout.targets(batches) == 0:
+    return [], (
+      f"warning: all {total:,} held-out tokens repeat the training text verbatim"
+      f" ({heldout.GRAM} tokens in a row or more): no evaluation, which could only measure"
+      " recall (--eval-text: a text training does not read)"
+    )
+  return batches, (
+    f"warning: {dropped:,} of the {total:,} held-out tokens repeat the training text verbatim"
+    f" ({heldout.GRAM} tokens in a row or more): left out of the evaluation, which would read"
+    " them from memory and look better than it is"
+  )
+
+
+def _eval_text(m: GGUFModel, args: argparse.Namespace, training: list) -> tuple[list, str, str]:
+  """The --eval-text batches, the line describing them and the repeats' warning ('' for none):
+  tokens that repeat the `training` streams verbatim are left out."""
   from q8rules.lora import heldout
 
   ids = m.tokenizer.encode(read_text(args.eval_text, "--eval-text"))
   spans = heldout.windows_of(ids, args.length)
   if not spans:
     raise E.UsageError(f"--eval-text {args.eval_text}: {len(ids)} token(s), fewer than 2")
-  batches = heldout.eval_batches(heldout.text_rows(ids, spans), args.batch, args.length)
-  return batches, f"evaluated on --eval-text {args.eval_text}: {heldout.targets(batches):,} tokens"
+  batches, warning = _unrepeated(heldout.text_rows(ids, spans), training, args)
+  said = f"evaluated on --eval-text {args.eval_text}: {heldout.targets(batches):,} tokens"
+  return batches, said, warning
 
 
 def _schedule(
@@ -91,14 +117,16 @@ def text_data(m: GGUFModel, args: argparse.Namespace) -> Data:
   ids = m.tokenizer.encode(read_text(args.text, "--text"))
   n = len(ids)
   if args.eval_text is not None:
-    spans, (batches, said) = [], _eval_text(m, args)
+    spans, (batches, said, warning) = [], _eval_text(m, args, [ids])
   else:
     try:
       spans = heldout.held_out_spans(n, args.eval_split, args.length)
     except ValueError as e:
       raise E.UsageError(f"--text {args.text}: {e} (--eval-split 0: no evaluation)") from None
-    rows = heldout.text_rows(ids, spans)
-    batches = heldout.eval_batches(rows, args.batch, args.length) if spans else []
+    batches, warning = [], ""
+    if spans:
+      rows = heldout.text_rows(ids, spans)
+      batches, warning = _unrepeated(rows, heldout.training_streams(ids, spans), args)
     held = sum(b - a for a, b in spans)
     said = (
       f"{held:,} held out for evaluation ({len(spans)} window(s) of {spans[0][1] - spans[0][0]}"
@@ -113,11 +141,13 @@ def text_data(m: GGUFModel, args: argparse.Namespace) -> Data:
   draw = datasets.text_windows(ids, length, args.batch, seed=args.seed, exclude=spans)
   steps, every, line = _schedule(args, length, args.batch * length, train, "text")
   plan = [f"{args.text}: {n:,} tokens: {train:,} to train on; {said}", line]
-  return Data(draw, batches, plan, length, steps, every)
+  return Data(draw, batches, plan + ([warning] if warning else []), length, steps, every)
 
 
 def chat_data(m: GGUFModel, args: argparse.Namespace) -> Data:
-  """--chat: conversations at random, whole conversations held out."""
+  """--chat: conversations at random, whole conversations held out (not checked for repeats:
+  every conversation repeats its chat template's tokens by design; an --eval-text is checked
+  against the training conversations)."""
   from q8rules.lora import datasets, heldout
 
   try:
@@ -126,8 +156,11 @@ def chat_data(m: GGUFModel, args: argparse.Namespace) -> Data:
     raise E.UsageError(f"--chat {args.chat}: {e.strerror}") from None
   except ValueError as e:
     raise E.UsageError(str(e)) from None
+  warning = ""
   if args.eval_text is not None:
-    train, (batches, said) = conversations, _eval_text(m, args)
+    train = conversations
+    read = [datasets.conversation_ids(m, c)[0] for c in train]
+    batches, said, warning = _eval_text(m, args, read)
   else:
     train, held = heldout.split_items(conversations, args.eval_split)
     rows = [datasets.conversation_ids(m, c) for c in held]
@@ -144,7 +177,7 @@ def chat_data(m: GGUFModel, args: argparse.Namespace) -> Data:
     f"{args.chat}: {len(conversations)} conversations: {len(train)} to train on; {said}",
     line,
   ]
-  return Data(draw, batches, plan, args.length, steps, every)
+  return Data(draw, batches, plan + ([warning] if warning else []), args.length, steps, every)
 
 
 def data_of(m: GGUFModel, args: argparse.Namespace) -> Data:

@@ -7,6 +7,11 @@ evaluation reads every part of it, not only its end); training draws its windows
 and never across a held-out window (`text_windows(..., exclude=spans)`). Chat data holds out
 whole conversations. The evaluation reads its windows in order, every token once, as batches
 of (tokens (B, T) int32, mask (B, T) bool) padded with masked rows and positions.
+
+Held out is not unseen when the text repeats itself: a held-out token inside `GRAM` tokens in a
+row that training also reads (a paragraph said twice, a refrain, a licence at every chapter) is
+predicted from memory, and the eval loss falls while the adapter learns the text by heart.
+`repeats_training` finds those tokens; the evaluation leaves them out and says how many.
 """
 
 from __future__ import annotations
@@ -74,6 +79,58 @@ def split_items(items: Sequence[T], fraction: float) -> tuple[list[T], list[T]]:
   )
 
 
+GRAM = 13
+"""Tokens in a row that make a verbatim repeat: the n-gram GPT-3's paper used to find test text
+in its training data (Brown et al. 2020, appendix C)."""
+
+
+def _gram_hashes(ids: np.ndarray, gram: int) -> np.ndarray:
+  """A 64-bit polynomial hash (uint64) of each window ids[p : p + gram], p in [0, n - gram]."""
+  n = len(ids) - gram + 1
+  h = np.zeros(max(n, 0), np.uint64)
+  if n <= 0:
+    return h
+  base = np.uint64(0x100000001B3)
+  with np.errstate(over="ignore"):
+    for i in range(gram):
+      h = h * base + ids[i : i + n].astype(np.uint64) + np.uint64(1)
+  return h
+
+
+def repeats_training(held: Any, training: Sequence[Any], gram: int = GRAM) -> np.ndarray:
+  """Which tokens of the held-out stream `held` ((t,) ids) lie inside `gram` tokens in a row
+  that also stand, in the same order, in one of the `training` streams: (t,) bool."""
+  held = np.asarray(held, np.int64)
+  out = np.zeros(len(held), bool)
+  seen = [_gram_hashes(np.asarray(t, np.int64), gram) for t in training]
+  seen = np.concatenate(seen) if seen else np.zeros(0, np.uint64)
+  if len(held) < gram or not len(seen):
+    return out
+  for p in np.flatnonzero(np.isin(_gram_hashes(held, gram), seen)):
+    out[p : p + gram] = True
+  return out
+
+
+def training_streams(ids: Any, spans: Sequence[Span]) -> list[np.ndarray]:
+  """The parts of the stream `ids` that training reads: the tokens between (and around) the
+  held-out `spans`."""
+  ids = np.asarray(ids)
+  edges = [0, *[x for span in sorted(spans) for x in span], len(ids)]
+  return [ids[edges[i] : edges[i + 1]] for i in range(0, len(edges), 2)]
+
+
+def without_repeats(rows: Sequence[Batch], training: Sequence[Any]) -> tuple[list[Batch], int]:
+  """`rows` with the mask cleared where a row's tokens repeat the `training` streams verbatim
+  (`repeats_training`), and how many of the loss's tokens (`targets`' count) that drops."""
+  out, dropped = [], 0
+  for tokens, mask in rows:
+    mask = np.asarray(mask, bool)
+    keep = mask & ~repeats_training(tokens, training)
+    dropped += int(mask[1:].sum() - keep[1:].sum())
+    out.append((tokens, keep))
+  return out, dropped
+
+
 def text_rows(ids: Any, spans: Sequence[Span]) -> list[Batch]:
   """The rows of the held-out spans of the stream `ids`: (tokens (t,), mask (t,) all set)."""
   ids = np.asarray(ids, np.int32)
@@ -108,12 +165,16 @@ def targets(batches: Sequence[Batch]) -> int:
 
 
 __all__ = [
+  "GRAM",
   "eval_batches",
   "held_out_spans",
   "longest_gap",
+  "repeats_training",
   "split_items",
   "targets",
   "text_rows",
   "train_starts",
+  "training_streams",
   "windows_of",
+  "without_repeats",
 ]
