@@ -21,13 +21,8 @@ COMMANDS: list[ModuleType] = [demo, run, chat, finetune, serve]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-  """Each option's default after its help (not a required option's: it has none);
-  descriptions and epilogs kept as written."""
-
-  def _get_help_string(self, action: argparse.Action) -> str | None:
-    if action.required:
-      return action.help
-    return super()._get_help_string(action)
+  """Each option's default after its help (a required option's default is SUPPRESS: it has
+  none to show); descriptions and epilogs kept as written."""
 
 
 def version() -> str:

@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   data.add_argument("--text", help="a plain text file to train on (None: --chat)")
   data.add_argument("--chat", help="a JSON-lines file of conversations, rendered by the model's"
                     " chat template (None: --text)")  # fmt: skip
-  p.add_argument("--out", required=True, help="the adapter file to write (llama.cpp's format)")
+  p.add_argument(
+    "--out", required=True, default=argparse.SUPPRESS,
+    help="the adapter file to write (llama.cpp's format)",
+  )  # fmt: skip
   p.add_argument("--merged", default=None,
                  help="also write the merged model here (.gguf; None: not written)")  # fmt: skip
   add_threads(p)
