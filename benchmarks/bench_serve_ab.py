@@ -26,14 +26,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_vs_llama_server import TOKENS, code_version, fmt, measure  # noqa: E402
+from benchmarks.bench_serve_vs_llama_server import start as start_server  # noqa: E402
 from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
@@ -54,20 +52,8 @@ def start(tree: Path, args: argparse.Namespace, model: str, n: int, log: Path) -
   port = free_port()
   cmd = [sys.executable, "-m", "q8rules", "serve", model, "--port", str(port), "--parallel",
          str(n), "--threads", str(args.threads), "--ctx", str(args.ctx), "--no-progress"]  # fmt: skip
-  env = {**os.environ, "PYTHONPATH": str(tree)}
-  proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + 900
-  while True:
-    if proc.poll() is not None or time.monotonic() > deadline:
-      proc.kill()
-      raise SystemExit(f"the server from {tree} did not start (see {log})")
-    try:
-      if httpx.get(url + "/health", timeout=2).status_code == 200:
-        return proc, url
-    except httpx.HTTPError:
-      pass
-    time.sleep(0.5)
+  return start_server(cmd, log, url, tree=tree), url
 
 
 def imported_from(tree: Path) -> str:

@@ -100,10 +100,13 @@ def serve_command(side: str, args: argparse.Namespace, model: str, port: int, n:
           str(n), "-t", t, "-tb", t, "-c", str(n * args.ctx)]  # fmt: skip
 
 
-def start(cmd: list, log: Path, url: str, timeout: float = 900.0) -> subprocess.Popen:
-  """`cmd` in a subprocess (output to `log`), once its /health answers 200."""
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+def start(
+  cmd: list, log: Path, url: str, timeout: float = 900.0, tree: Path | None = None
+) -> subprocess.Popen:
+  """`cmd` in a subprocess (output to `log`), once its /health answers 200; q8rules imported
+  from this checkout, or from `tree` (then also its working directory)."""
+  env = {**os.environ, "PYTHONPATH": str(tree or ROOT)}
+  proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tree)
   deadline = time.monotonic() + timeout
   while True:
     if proc.poll() is not None or time.monotonic() > deadline:
