@@ -62,12 +62,12 @@ def _unrepeated(rows: list, training: list, args: argparse.Namespace) -> tuple[l
   warning line when there were any ('' otherwise)."""
   from q8rules.lora import heldout
 
-  total = heldout.targets(heldout.eval_batches(rows, args.batch, args.length))
   rows, dropped = heldout.without_repeats(rows, training)
   batches = heldout.eval_batches(rows, args.batch, args.length)
   if not dropped:
     return batches, ""
-  if heldout.targets(batches) == 0:
+  total = heldout.targets(batches) + dropped
+  if total == dropped:
     return [], (
       f"warning: all {total:,} held-out tokens repeat the training text verbatim"
       f" ({heldout.GRAM} tokens in a row or more): no evaluation, which could only measure"
