@@ -58,7 +58,8 @@ def reference64(q, keys, values, slot, pos, scale, softcap, sinks=None):
 def xla_reference(scale, softcap):
   """The decoder's own XLA attention (`models.attention._attend_f32`) as a `Reference`."""
 
-  def ref(q, cache_k, cache_v, slot, pos, sinks=None):
+  def ref(call):
+    q, cache_k, cache_v, slot, pos = call.q, call.keys, call.values, call.slot, call.pos
     h, kv, d = q.shape[2], cache_k.shape[3], q.shape[3]
     c = TransformerConfig(
       vocab=8,
@@ -75,7 +76,7 @@ def xla_reference(scale, softcap):
     values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
     p = jnp.asarray(pos)
     visible = jnp.arange(keys.shape[1])[None] <= (p[:, None, None] if p.ndim else p)
-    return _attend_f32(c, q, keys, values, visible, sinks)  # visible (1, S) or (B, 1, S)
+    return _attend_f32(c, q, keys, values, visible, call.sinks)  # visible (1, S) or (B, 1, S)
 
   return ref
 

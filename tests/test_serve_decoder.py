@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import q8rules
-from q8rules.attention_params import AttentionParams
+from q8rules.attention_params import AttentionCall, AttentionParams
 from q8rules.kernels.decode_attention import cpu as attention_cpu
 from q8rules.kernels.decode_attention.api import attend
 from q8rules.kernels.native import library as native_lib
@@ -71,7 +71,11 @@ def test_attention_with_a_position_per_row_is_each_row_alone(dtype):
   pos = np.asarray([0, 11, 23, 40], np.int32)
   params = AttentionParams.of(1 / np.sqrt(d), None, None)
   for name in ("cpu", "xla"):
-    run = jax.jit(lambda q, k, v, p, name=name: attend(q, k, v, 1, p, params, implementation=name))
+    run = jax.jit(
+      lambda q, k, v, p, name=name: attend(
+        AttentionCall(q, k, v, 1, p, params), implementation=name
+      )
+    )
     batch = np.asarray(run(q, keys, values, jnp.asarray(pos)))
     for i in range(b):
       row = [a[:, i : i + 1] for a in (keys, values)]

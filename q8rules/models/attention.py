@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from q8rules.attention_params import AttentionParams
+from q8rules.attention_params import AttentionCall, AttentionParams
 from q8rules.models import hooks, yarn
 from q8rules.models.config import RopeStyle, TransformerConfig
 
@@ -170,7 +170,7 @@ def _scale(c: TransformerConfig) -> float:
   return c.attn_scale if c.attn_scale is not None else 1.0 / float(c.head_dim) ** 0.5
 
 
-def _attend(
+def _attend_f32(
   c: TransformerConfig,
   q: jax.Array,
   keys: jax.Array,
@@ -180,19 +180,7 @@ def _attend(
 ) -> jax.Array:
   """Softmax attention of q (B, T, heads, H) over keys / values (B, S, kv_heads, H) where
   visible (T, S) (or (B, T, S), per row), with each head's sink logit (heads,) float32 in its
-  softmax when given; float32 inside, returns (B, T, heads * H) in the config's dtype."""
-  return _attend_f32(c, q, keys, values, visible, sinks).astype(c.dtype)
-
-
-def _attend_f32(
-  c: TransformerConfig,
-  q: jax.Array,
-  keys: jax.Array,
-  values: jax.Array,
-  visible: jax.Array,
-  sinks: jax.Array | None = None,
-) -> jax.Array:
-  """`_attend` before the cast: (B, T, heads * H) float32."""
+  softmax when given: (B, T, heads * H) float32 (the caller casts to the config's dtype)."""
   b, t = q.shape[:2]
   group = c.heads // c.kv_heads
   qg = q.reshape(b, t, c.kv_heads, group, c.head_dim).astype(jnp.float32)
@@ -298,23 +286,22 @@ def _global_read(c, q, pair, slot, pos, sinks=None):
   `hooks.attend_one_token` (this XLA attention; under a q8rules provider, the
   decode-attention kernel where it runs, sinks included)."""
 
-  def xla(q, cache_k, cache_v, slot, pos, sinks):
-    keys = jax.lax.dynamic_index_in_dim(cache_k, slot, 0, keepdims=False)  # (B, S, KV, H)
-    values = jax.lax.dynamic_index_in_dim(cache_v, slot, 0, keepdims=False)
-    positions = jnp.asarray(pos)[..., None] + jnp.arange(q.shape[1])  # (T,) or (B, T)
+  def xla(call: AttentionCall) -> jax.Array:
+    keys = jax.lax.dynamic_index_in_dim(call.keys, call.slot, 0, keepdims=False)  # (B, S, KV, H)
+    values = jax.lax.dynamic_index_in_dim(call.values, call.slot, 0, keepdims=False)
+    positions = jnp.asarray(call.pos)[..., None] + jnp.arange(call.q.shape[1])  # (T,) or (B, T)
     visible = jnp.arange(keys.shape[1]) <= positions[..., None]  # (T, S) or (B, T, S)
-    return _attend_f32(c, q, keys, values, visible, sinks)
+    return _attend_f32(c, call.q, keys, values, visible, call.sinks)
 
-  if q.shape[1] != 1:
-    return xla(q, pair[0], pair[1], slot, pos, sinks).astype(c.dtype)
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
-  out = hooks.attend_one_token(q, pair[0], pair[1], slot, pos, how, sinks=sinks)
+  call = AttentionCall(q, pair[0], pair[1], slot, pos, how, sinks)
+  out = hooks.attend_one_token(call) if q.shape[1] == 1 else xla(call)
   return out.astype(c.dtype)
 
 
 def _local_read(c, q, k, v, pair, slot, pos, sinks=None):
   """Attend over layer `slot`'s ring (positions < pos) and the chunk, within the window (`pos`
-  a scalar, or (B,) per row: then the masks are (B, T, R + T)); `sinks` as `_attend`'s."""
+  a scalar, or (B,) per row: then the masks are (B, T, R + T)); `sinks` as `_attend_f32`'s."""
   ring_k = jax.lax.dynamic_index_in_dim(pair[0], slot, 0, keepdims=False)  # (B, R, KV, H)
   ring_v = jax.lax.dynamic_index_in_dim(pair[1], slot, 0, keepdims=False)
   t, ring = k.shape[1], ring_k.shape[1]
@@ -328,7 +315,7 @@ def _local_read(c, q, k, v, pair, slot, pos, sinks=None):
   visible = written[..., None, :] & (diff >= 0) & (diff < c.sliding_window)
   keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
   values = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
-  return _attend(c, q, keys, values, visible, sinks)
+  return _attend_f32(c, q, keys, values, visible, sinks).astype(c.dtype)
 
 
 def _local_write(pair, k, v, slot, pos, keep: Any = False):

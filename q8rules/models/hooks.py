@@ -4,7 +4,7 @@ or `Q8QatProvider` (Qwix's interception, as for the products) they are routed to
 `q8rules.kernels`: `take_layer` gives Q8_0 weights as `LayerSlice`s (the native CPU kernel
 reads the layer in place instead of a copy), and `attend_one_token` runs op
 'decode_attention' (the native CPU kernel where it runs). The models import nothing from
-`q8rules.kernels`: what the attention hook and the kernel both take, `AttentionParams`, lives
+`q8rules.kernels`: what the attention hook and the kernel both take, one `AttentionCall`, lives
 below both (`q8rules.attention_params`).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax import Array
 
-from q8rules.attention_params import AttentionParams
+from q8rules.attention_params import AttentionCall
 
 
 def take_layer(tree: Any, i: jax.Array | int) -> Any:
@@ -23,21 +23,12 @@ def take_layer(tree: Any, i: jax.Array | int) -> Any:
   return jax.tree.map(lambda a: a[i], tree)
 
 
-def attend_one_token(
-  q: Array,
-  keys: Array,
-  values: Array,
-  slot: Any,
-  pos: Any,
-  how: AttentionParams,
-  sinks: Array | None = None,
-) -> Array:
-  """One new token's attention over layer `slot` of the cache: q (B, 1, H, D), keys / values
-  (L, B, S, KV, D) with the token written at `pos` (a scalar, or (B,) one per row), `sinks`
-  each head's sink logit (H,) float32 or None -> (B, 1, H * D) float32. Here, the decoder's
-  own attention `how.reference(q, keys, values, slot, pos, sinks)`; `how.scale`,
-  `how.softcap` and `sinks` are what a kernel needs to compute the same."""
-  return how.reference(q, keys, values, slot, pos, sinks).astype("float32")
+def attend_one_token(call: AttentionCall) -> Array:
+  """One new token's attention over layer `call.slot` of the cache (`AttentionCall`'s shapes)
+  -> (B, 1, H * D) float32. Here, the decoder's own attention `call.how.reference(call)`;
+  `call.how.scale`, `call.how.softcap` and `call.sinks` are what a kernel needs to compute the
+  same."""
+  return call.how.reference(call).astype("float32")
 
 
 __all__ = ["attend_one_token", "take_layer"]

@@ -45,6 +45,17 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 """Seconds: a request's duration."""
 
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+  "queue_time_seconds": ("Seconds from the engine's queue to a slot.", LATENCY_BUCKETS),
+  "time_to_first_token_seconds": (
+    "Seconds from a request's arrival to its first token.",
+    LATENCY_BUCKETS,
+  ),
+  "inter_token_latency_seconds": ("Seconds between a request's tokens.", LATENCY_BUCKETS),
+  "request_duration_seconds": ("Seconds from a request's arrival to its end.", DURATION_BUCKETS),
+}
+"""Each histogram's name (less `PREFIX`) -> its help text and buckets."""
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineState:
@@ -79,23 +90,14 @@ class Metrics:
     self._state: Callable[[], EngineState] | None = None
     self.registry = CollectorRegistry()
 
-    def histogram(name: str, help: str, buckets: tuple[float, ...]) -> Histogram:
+    def histogram(name: str) -> Histogram:
+      help, buckets = HISTOGRAMS[name]
       return Histogram(PREFIX + name, help, buckets=buckets, registry=self.registry)
 
-    self.queue_time = histogram(
-      "queue_time_seconds", "Seconds from the engine's queue to a slot.", LATENCY_BUCKETS
-    )
-    self.time_to_first_token = histogram(
-      "time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
-      LATENCY_BUCKETS,
-    )  # fmt: skip
-    self.inter_token_latency = histogram(
-      "inter_token_latency_seconds", "Seconds between a request's tokens.", LATENCY_BUCKETS
-    )
-    self.request_duration = histogram(
-      "request_duration_seconds", "Seconds from a request's arrival to its end.",
-      DURATION_BUCKETS,
-    )  # fmt: skip
+    self.queue_time = histogram("queue_time_seconds")
+    self.time_to_first_token = histogram("time_to_first_token_seconds")
+    self.inter_token_latency = histogram("inter_token_latency_seconds")
+    self.request_duration = histogram("request_duration_seconds")
     self.http_errors = Counter(
       PREFIX + "http_errors", "Error responses, by status.", ["status"], registry=self.registry
     )
@@ -169,4 +171,4 @@ class _EngineCollector:
       yield GaugeMetricFamily(PREFIX + name, help, value=value)
 
 
-__all__ = ["DURATION_BUCKETS", "EngineState", "LATENCY_BUCKETS", "Metrics"]
+__all__ = ["DURATION_BUCKETS", "HISTOGRAMS", "EngineState", "LATENCY_BUCKETS", "Metrics"]

@@ -94,6 +94,21 @@ Q8_AVX512F inline void QuantizeBlockAvx512(const float* x, uint8_t* out) {
 }
 #endif
 
+// RoundToInt8 of each lane of v * id, as int32 lanes, on the int lanes S (simd.h's Avx2Int or
+// NeonInt), bit for bit: the truncation plus one where the dropped fraction is at least 0.5,
+// 0 where |v * id| is not below 128 (or is NaN), then the sign.
+template <class S, class F>
+Q8_INT_LANES Q8_ALWAYS_INLINE auto RoundLanesToInt8(F v, F id) {
+  const F s = S::Mul(v, id);
+  const F a = S::Abs(s);
+  const auto small = S::Less(a, S::Set1(128.0f));
+  auto r = S::KeepWhere(small, S::TruncToInt32(a));
+  const F dropped = S::Sub(a, S::ToFloat(r));
+  const auto up = S::And(small, S::GreaterEqual(dropped, S::Set1(0.5f)));
+  r = S::SubInt32(r, S::MaskToInt32(up));  // + 1 where up (the mask is -1 there)
+  return S::NegateInt32Where(S::Less(s, S::Zero()), r);
+}
+
 #if Q8_X86
 // QuantizeBlock on AVX2, bit for bit: as the AVX-512 form, in four vectors of 8.
 Q8_AVX2 inline void QuantizeBlockAvx2(const float* x, uint8_t* out) {
@@ -106,16 +121,7 @@ Q8_AVX2 inline void QuantizeBlockAvx2(const float* x, uint8_t* out) {
   const F32x8 mag = A::Max(A::Max(A::Abs(v[0]), A::Abs(v[1])), A::Max(A::Abs(v[2]), A::Abs(v[3])));
   const F32x8 id = A::Set1(StoreScale(A::ReduceMax(mag), A::Any(unordered), out));
   I32x8 t[4];
-  for (int j = 0; j < 4; ++j) {
-    const F32x8 s = A::Mul(v[j], id);
-    const F32x8 a = A::Abs(s);
-    const F32x8 small = A::Less(a, A::Set1(128.0f));
-    I32x8 r = A::KeepWhere(small, A::TruncToInt32(a));
-    const F32x8 dropped = A::Sub(a, A::ToFloat(r));
-    const F32x8 up = A::And(small, A::GreaterEqual(dropped, A::Set1(0.5f)));
-    r = A::SubInt32(r, A::MaskToInt32(up));  // + 1 where up (the mask is -1 there)
-    t[j] = A::NegateInt32Where(A::Less(s, A::Zero()), r);
-  }
+  for (int j = 0; j < 4; ++j) t[j] = RoundLanesToInt8<A>(v[j], id);
   A::StoreInt8x32(out + 2, t[0], t[1], t[2], t[3]);
 }
 #endif
@@ -136,16 +142,7 @@ inline void QuantizeBlockNeon(const float* x, uint8_t* out) {
   const float amax = std::fmax(0.0f, N::ReduceMaxNum(mag));
   const F32x4 id = N::Set1(StoreScale(amax, N::Any(unordered), out));
   I32x4 t[8];
-  for (int j = 0; j < 8; ++j) {
-    const F32x4 s = N::Mul(v[j], id);
-    const F32x4 a = N::Abs(s);
-    const Mask4 small = N::Less(a, N::Set1(128.0f));
-    I32x4 r = N::KeepWhere(small, N::TruncToInt32(a));
-    const F32x4 dropped = N::Sub(a, N::ToFloat(r));
-    const Mask4 up = N::And(small, N::GreaterEqual(dropped, N::Set1(0.5f)));
-    r = N::SubInt32(r, N::MaskToInt32(up));  // + 1 where up (the mask is -1 there)
-    t[j] = N::NegateInt32Where(N::Less(s, N::Zero()), r);
-  }
+  for (int j = 0; j < 8; ++j) t[j] = RoundLanesToInt8<N>(v[j], id);
   N::StoreInt8x16(out + 2, t[0], t[1], t[2], t[3]);
   N::StoreInt8x16(out + 18, t[4], t[5], t[6], t[7]);
 }

@@ -338,40 +338,47 @@ inline Status Check(int type, int64_t n_rows, int64_t n_cols, bool q8, Format* f
   return kOk;
 }
 
+// fn(f, v0, v1) over the n_rows * n_cols values of rows of GGML type `type` (f its Format),
+// once Check has passed, in runs of chunks on up to `threads` threads (OnThreads): [v0, v1)
+// a run's values, whole chunks of kChunk but the last.
+template <class Fn>
+inline Status OnValues(int type, int64_t n_rows, int64_t n_cols, bool q8, int64_t threads,
+                       const Fn& fn) {
+  Format f;
+  const Status ok = Check(type, n_rows, n_cols, q8, &f);
+  if (ok != kOk) return ok;
+  const int64_t total = n_rows * n_cols;
+  OnThreads((total + kChunk - 1) / kChunk, threads, [&](int64_t c0, int64_t c1) {
+    fn(f, c0 * kChunk, std::min(total, c1 * kChunk));
+  });
+  return kOk;
+}
+
 // Rows (n_rows, n_cols) of GGML type `type` at src (n_rows * n_cols / block * block bytes)
 // into out (n_rows * n_cols float32), on up to `threads` threads.
 inline Status Dequantize(int type, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                          float* out, int64_t threads) {
-  Format f;
-  const Status ok = Check(type, n_rows, n_cols, false, &f);
-  if (ok != kOk) return ok;
-  const int64_t total = n_rows * n_cols;
-  OnThreads((total + kChunk - 1) / kChunk, threads, [&](int64_t c0, int64_t c1) {
-    const int64_t v0 = c0 * kChunk, v1 = std::min(total, c1 * kChunk);
+  const auto decode = [&](const Format& f, int64_t v0, int64_t v1) {
     f.decode(src + v0 / f.values * f.bytes, (v1 - v0) / f.values, out + v0);
-  });
-  return kOk;
+  };
+  return OnValues(type, n_rows, n_cols, false, threads, decode);
 }
 
 // The same rows as Q8_0 GGUF blocks into out (n_rows * n_cols / 32 blocks of 34 bytes): each
 // chunk decoded into a buffer of kChunk floats on its thread's stack, then quantized.
 inline Status Requantize(int type, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                          uint8_t* out, int64_t threads) {
-  Format f;
-  const Status ok = Check(type, n_rows, n_cols, true, &f);
-  if (ok != kOk) return ok;
   q8isa::Isa isa = q8isa::kScalar;
   if (!q8isa::Select(&isa)) isa = q8isa::kScalar;
-  const int64_t total = n_rows * n_cols;
-  OnThreads((total + kChunk - 1) / kChunk, threads, [&](int64_t c0, int64_t c1) {
+  const auto requantize = [&](const Format& f, int64_t v0, int64_t v1) {
     alignas(64) float buf[kChunk];
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t v0 = c * kChunk, n = std::min(kChunk, total - v0);
-      f.decode(src + v0 / f.values * f.bytes, n / f.values, buf);
-      QuantizeRun(buf, n, out + v0 / kQ8Block * kQ8Bytes, isa);
+    for (int64_t v = v0; v < v1; v += kChunk) {
+      const int64_t n = std::min(kChunk, v1 - v);
+      f.decode(src + v / f.values * f.bytes, n / f.values, buf);
+      QuantizeRun(buf, n, out + v / kQ8Block * kQ8Bytes, isa);
     }
-  });
-  return kOk;
+  };
+  return OnValues(type, n_rows, n_cols, true, threads, requantize);
 }
 
 }  // namespace q8requant

@@ -413,6 +413,14 @@ struct Sse2 {
 #include "simd_neon.h"  // Neon, NeonInt, NeonBytes, the prefetches and the spin-wait hint
 #endif
 
+// The target of code written once over Avx2Int or NeonInt (AVX2's on x86-64; none on aarch64,
+// where Advanced SIMD is baseline): a helper templated on either carries it, as their ops do.
+#if Q8_X86
+#define Q8_INT_LANES Q8_AVX2
+#else
+#define Q8_INT_LANES
+#endif
+
 // IEEE float32 while it lives: flush-to-zero and denormals-are-zero off (the caller's MXCSR,
 // or FPCR on aarch64, may have them on), the caller's setting back at the end. Nothing to do
 // elsewhere.

@@ -16,7 +16,7 @@ and 'xla' otherwise. The choice is made again when the program is lowered, per p
 
 A model does not call this: `q8rules.models` calls its own hook
 (`q8rules.models.hooks.attend_one_token`, plain Flax), and q8rules' providers route that hook
-to `attend` (the same arguments), as they route the model's products to the Q8_0 kernels.
+to `attend` (the same `AttentionCall`), as they route the model's products to the Q8_0 kernels.
 
     out = one_token(q, keys, values, slot, pos, scale=0.125, softcap=None, reference=ref)
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend.core import Primitive
 
-from q8rules.attention_params import AttentionParams, Reference
+from q8rules.attention_params import AttentionCall, AttentionParams, Reference
 from q8rules.kernels import lowering, registry
 from q8rules.kernels.decode_attention import cpu, xla
 from q8rules.kernels.decode_attention.problem import AttentionProblem
@@ -56,16 +56,24 @@ IMPLEMENTATIONS = OP.names
 """The implementations `one_token` takes by name."""
 
 
-def _sinks_or_none(sinks: Array) -> Array | None:
-  """The primitive's sinks operand ((H,), or (0,): none) as the implementations take it."""
-  return sinks if sinks.shape[0] else None
+def _operands(call: AttentionCall) -> tuple[Array, ...]:
+  """The primitive's operands of `call`: q, keys, values, slot () int32, pos () or (B,) int32
+  and sinks (H,) float32 ((0,): none)."""
+  slot, pos = jnp.asarray(call.slot, jnp.int32), jnp.asarray(call.pos, jnp.int32)
+  sinks = call.sinks
+  sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
+  return call.q, call.keys, call.values, slot, pos, sinks
 
 
-def _run_on(platform: str, q, keys, values, slot, pos, sinks, *, problem, implementation, how):
+def _call(how: AttentionParams, q, keys, values, slot, pos, sinks) -> AttentionCall:
+  """The `AttentionCall` of the primitive's operands (`_operands`' inverse)."""
+  return AttentionCall(q, keys, values, slot, pos, how, sinks if sinks.shape[0] else None)
+
+
+def _run_on(platform: str, *operands: Array, problem, implementation, how) -> Array:
   """The attention as `platform` runs it: (B, 1, H * D) float32."""
   name = registry.resolve(OP, problem.on(platform), implementation)
-  run = OP.implementations[name].run
-  return run(q, keys, values, slot, pos, how, _sinks_or_none(sinks))
+  return OP.implementations[name].run(_call(how, *operands))
 
 
 decode_attention_p = Primitive("q8_decode_attention")
@@ -81,22 +89,21 @@ def _abstract_eval(q, keys, values, slot, pos, sinks, **params):
 
 
 @decode_attention_p.def_impl
-def _impl(q, keys, values, slot, pos, sinks, **params):
-  return _run_on(platform_of(), q, keys, values, slot, pos, sinks, **params)
+def _impl(*operands, **params):
+  return _run_on(platform_of(), *operands, **params)
 
 
 lowering.lower_per_platform(decode_attention_p, _run_on)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks):
+def _kernel(problem, implementation, how, *operands):
   params = {"problem": problem, "implementation": implementation, "how": how}
-  return decode_attention_p.bind(q, keys, values, slot, pos, sinks, **params)
+  return decode_attention_p.bind(*operands, **params)
 
 
-def _kernel_fwd(problem, implementation, how, q, keys, values, slot, pos, sinks):
-  out = _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks)
-  return out, (q, keys, values, slot, pos, sinks)
+def _kernel_fwd(problem, implementation, how, *operands):
+  return _kernel(problem, implementation, how, *operands), operands
 
 
 def _kernel_bwd(problem, implementation, how, residuals, g):
@@ -104,7 +111,7 @@ def _kernel_bwd(problem, implementation, how, residuals, g):
   q, keys, values, slot, pos, sinks = residuals
 
   def ref(q, k, v, sinks):
-    return xla.run(q, k, v, slot, pos, how, _sinks_or_none(sinks))
+    return xla.run(_call(how, q, k, v, slot, pos, sinks))
 
   _, vjp = jax.vjp(ref, q, keys, values, sinks)
   dq, dk, dv, dsinks = vjp(g)
@@ -114,28 +121,14 @@ def _kernel_bwd(problem, implementation, how, residuals, g):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def attend(
-  q: Array,
-  keys: Array,
-  values: Array,
-  slot: Any,
-  pos: Any,
-  how: AttentionParams,
-  sinks: Array | None = None,
-  implementation: str | None = None,
-) -> Array:
-  """`one_token` with its params as one `AttentionParams` (`AttentionParams.of` makes them):
-  what a q8rules provider runs in place of the decoder's hook `attend_one_token`, which takes
-  the same arguments."""
-  if sinks is not None and jnp.shape(sinks) != (q.shape[2],):
-    raise ValueError(f"sinks must be one logit per head ({q.shape[2]},), got {jnp.shape(sinks)}")
-  problem = AttentionProblem.of(q, keys)
+def attend(call: AttentionCall, implementation: str | None = None) -> Array:
+  """`one_token` of one `AttentionCall`: what a q8rules provider runs in place of the
+  decoder's hook `attend_one_token`, which takes the same call."""
+  problem = AttentionProblem.of(call.q, call.keys)
   name = registry.resolve(OP, problem, implementation)
   if name == xla.NAME:
-    return xla.run(q, keys, values, slot, pos, how, sinks)
-  slot, pos = jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32)
-  sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
-  return _kernel(problem, implementation, how, q, keys, values, slot, pos, sinks)
+    return xla.run(call)
+  return _kernel(problem, implementation, call.how, *_operands(call))
 
 
 def one_token(
@@ -154,17 +147,11 @@ def one_token(
   """The attention of one new token over layer `slot` of the cache.
 
   Args:
-    q: (B, 1, H, D), RoPE applied (any float dtype; the kernel reads it as float32).
-    keys, values: (L, B, S, KV, D), the whole cache with the token already written at `pos`.
-    slot: int32 scalar, the layer; pos: int32 scalar, the token's position (positions
-      [0, pos] are attended), or int32 (B,), one per row (row b attends [0, pos[b]]).
-    scale: the scores' factor (1 / sqrt(D) unless the model says otherwise); softcap: None,
-      or the cap of `softcap * tanh(scores / softcap)`.
-    reference: the caller's XLA attention ('xla'; see `Reference`), or None for the
-      plain-JAX reference.
+    q, keys, values, slot, pos, sinks: the operands, as `AttentionCall`'s fields (q
+      (B, 1, H, D), the cache (L, B, S, KV, D), pos a scalar or (B,), sinks (H,) or None).
+    scale, softcap, reference: as `AttentionParams`' fields (reference None: the plain-JAX
+      reference).
     implementation: None (the best that runs), 'cpu' or 'xla'.
-    sinks: (H,) float32, each head's sink logit: one more term of its softmax's denominator,
-      with no value (ggml's soft_max with sinks; gpt-oss's attn_sinks); None: none.
 
   Returns:
     (B, 1, H * D) float32.
@@ -174,10 +161,11 @@ def one_token(
       sinks of another shape than (H,).
   """
   how = AttentionParams.of(scale, softcap, reference)
-  return attend(q, keys, values, slot, pos, how, sinks, implementation)
+  return attend(AttentionCall(q, keys, values, slot, pos, how, sinks), implementation)
 
 
 __all__ = [
+  "AttentionCall",
   "AttentionParams",
   "DEFAULT_ORDER",
   "IMPLEMENTATIONS",

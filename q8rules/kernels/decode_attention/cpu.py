@@ -5,14 +5,12 @@ softmax's reductions)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from q8rules.attention_params import AttentionParams
+from q8rules.attention_params import AttentionCall
 from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.kernels.native import library
 from q8rules.kernels.native.library import TARGET_DECODE_ATTENTION
@@ -82,20 +80,19 @@ def slower(p: AttentionProblem) -> None:
   del p
 
 
-def run(
-  q: Array,
-  keys: Array,
-  values: Array,
-  slot: Any,
-  pos: Any,
-  how: AttentionParams,
-  sinks: Array | None = None,
-) -> Array:
-  """(B, 1, H * D) float32 from q (B, 1, H, D), the cache (L, B, S, KV, D) and sinks (H,)
-  or None."""
-  b, _, h, d = q.shape
+def run(call: AttentionCall) -> Array:
+  """(B, 1, H * D) float32 from `call` (q (B, 1, H, D), the cache (L, B, S, KV, D), sinks (H,)
+  or None)."""
+  b, _, h, d = call.q.shape
   out = decode_attention_cpu(
-    q[:, 0], keys, values, slot, pos, scale=how.scale, softcap=how.softcap, sinks=sinks
+    call.q[:, 0],
+    call.keys,
+    call.values,
+    call.slot,
+    call.pos,
+    scale=call.scale,
+    softcap=call.softcap,
+    sinks=call.sinks,
   )
   return out.reshape(b, 1, h * d)
 

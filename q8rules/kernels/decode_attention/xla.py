@@ -3,12 +3,10 @@ backend, differentiable."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 from jax import Array
 
-from q8rules.attention_params import AttentionParams
+from q8rules.attention_params import AttentionCall
 from q8rules.kernels.decode_attention.problem import AttentionProblem
 from q8rules.kernels.decode_attention.reference import attend_one_token
 
@@ -26,22 +24,12 @@ def slower(p: AttentionProblem) -> None:
   del p
 
 
-def run(
-  q: Array,
-  keys: Array,
-  values: Array,
-  slot: Any,
-  pos: Any,
-  how: AttentionParams,
-  sinks: Array | None = None,
-) -> Array:
-  """(B, 1, H * D) float32: the caller's `how.reference(q, keys, values, slot, pos, sinks)`,
-  or the plain-JAX reference."""
-  if how.reference is None:
-    return attend_one_token(
-      q, keys, values, slot, pos, scale=how.scale, softcap=how.softcap, sinks=sinks
-    )
-  return how.reference(q, keys, values, slot, pos, sinks).astype(jnp.float32)
+def run(call: AttentionCall) -> Array:
+  """(B, 1, H * D) float32: the caller's `call.how.reference(call)`, or the plain-JAX
+  reference."""
+  if call.how.reference is None:
+    return attend_one_token(call)
+  return call.how.reference(call).astype(jnp.float32)
 
 
 __all__ = ["NAME", "SUMMARY", "cannot", "run", "slower"]

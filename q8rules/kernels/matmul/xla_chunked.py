@@ -20,9 +20,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 from q8rules.kernels.problem import Problem
 from q8rules.q8_0 import BLOCK, dequantize_blocks
+
+RowsProduct = Callable[[Array, Array, Array], Array]
+"""`rows_product(x (M, c), q (c, N), scale (c // 32, N)) -> (M, N) float32`: one chunk's
+product (`map_column_chunks` gives it a chunk of N's columns and all of K instead)."""
 
 NAME = "xla"
 SUMMARY = "K-chunked dequantise-and-dot in plain XLA, every shape and backend"
@@ -116,13 +121,7 @@ def q8_matmul_xla(
   return scan_row_chunks(x.astype(jnp.float32), q, scale, c, _rows_product)
 
 
-def map_column_chunks(
-  x: jax.Array,
-  q: jax.Array,
-  scale: jax.Array,
-  c: int,
-  rows_product: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-) -> jax.Array:
+def map_column_chunks(x: Array, q: Array, scale: Array, c: int, rows_product: RowsProduct) -> Array:
   """`concat_j rows_product(x, q[:, cols_j], scale[:, cols_j])` over chunks of `c` columns of
   N (a shorter last chunk), as a `lax.map` whose body is rematerialised (reverse mode
   dequantises each chunk again). (M, N) float32."""
@@ -147,13 +146,7 @@ def map_column_chunks(
   return out
 
 
-def scan_row_chunks(
-  x: jax.Array,
-  q: jax.Array,
-  scale: jax.Array,
-  c: int,
-  rows_product: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-) -> jax.Array:
+def scan_row_chunks(x: Array, q: Array, scale: Array, c: int, rows_product: RowsProduct) -> Array:
   """`sum_i rows_product(x[:, rows_i], q[rows_i], scale[blocks_i])` over chunks of `c` rows of
   K (a multiple of 32; a shorter last chunk), as a scan whose body is rematerialised, so
   reverse mode recomputes each chunk instead of keeping them all. (M, N) float32."""
