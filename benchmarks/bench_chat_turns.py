@@ -2,7 +2,7 @@
 first token of each turn, as the history grows.
 
     python benchmarks/bench_chat_turns.py MODEL.gguf --llama-server /path/to/llama-server \\
-        [--turns 10 --turn-words 110 --reply-tokens 32 --threads 2 --ctx 4096 --write]
+        [--turns 10 --turn-words 65 --reply-tokens 32 --threads 2 --ctx 4096 --write]
 
 Each server runs alone on a loopback port with one slot (ours: `q8rules serve --parallel 1
 --threads T --ctx C`; llama-server: `-np 1 -t T -tb T -c C`, whose `cache_prompt` is on by
@@ -93,7 +93,7 @@ def main() -> None:
   p.add_argument("model")
   p.add_argument("--llama-server", required=True)
   p.add_argument("--turns", type=int, default=10)
-  p.add_argument("--turn-words", type=int, default=110)
+  p.add_argument("--turn-words", type=int, default=65)
   p.add_argument("--reply-tokens", type=int, default=32)
   p.add_argument("--threads", type=int, default=2)
   p.add_argument("--ctx", type=int, default=4096)
