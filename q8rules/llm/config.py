@@ -1,61 +1,34 @@
 """A GGUF file's metadata as a `TransformerConfig`, for the archs q8rules runs.
 
-Each arch reads the keys llama.cpp's loader reads for it (src/llama-model.cpp and
-src/models/<arch>.cpp), with llama.cpp's defaults when a key is absent.
+The keys every arch has are read here as llama.cpp's loader reads them (src/llama-model.cpp),
+with llama.cpp's defaults when a key is absent; what differs per arch (src/models/<arch>.cpp) is
+its `Arch` (q8rules/llm/archs/): the fields its graph fixes, its sliding window, its experts,
+its own keys. Nothing here names an arch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gemma4, gpt_oss
-from q8rules.llm.experts import MOE_ARCHS, expert_fields
+from q8rules.llm.arch import Arch
+from q8rules.llm.archs import ARCHS
+from q8rules.llm.experts import expert_fields
 from q8rules.models.config import TransformerConfig
 
-_GEMMA = dict(rope_style="halves", embed_scale=True, activation="gelu_tanh")
-
-SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {
-  # llama.cpp's converter permutes llama's q/k rows for ggml's NORM rope (interleaved pairs)
-  "llama": dict(rope_style="interleaved"),
-  # the others keep HF's order and run NEOX rope (halves)
-  "qwen2": dict(rope_style="halves", qkv_bias=True),
-  "qwen3": dict(rope_style="halves", qk_norm=True),
-  "qwen3moe": dict(rope_style="halves", qk_norm=True),  # + experts (q8rules/llm/experts.py)
-  "gemma": dict(_GEMMA, tied_embeddings=True),
-  "gemma2": dict(_GEMMA, tied_embeddings=True, post_norms=True),
-  "gemma3": dict(_GEMMA, post_norms=True, qk_norm=True),
-  "phi3": dict(rope_style="halves", fused_qkv=True, fused_gate_up=True),
-  gpt_oss.ARCH: gpt_oss.FIELDS,  # + experts (q8rules/llm/experts.py)
-  "gemma4": dict(_GEMMA, post_norms=True, qk_norm=True),
-}
-"""Archs `load_gguf` runs, with the config fields that distinguish them (the rest come from
-the metadata: `config_from_metadata`)."""
-
-SLIDING_WINDOW = {
-  "gemma2": (4096, 2),
-  "gemma3": (None, 6),
-  gpt_oss.ARCH: (None, gpt_oss.SWA_PERIOD),
-}
-"""Archs with sliding-window layers: (llama.cpp's default window, None when the layers are
-all global without the key; its default pattern period: layer i is local unless
-i % period == period - 1)."""
-
-LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}
-"""The 27B models, whose attention scale llama.cpp takes as 1 / sqrt(dim / heads)
-(gemma_pytorch's query_pre_attn_scalar) instead of 1 / sqrt(head_dim)."""
+SUPPORTED_ARCHS: dict[str, Arch] = ARCHS
+"""Archs `load_gguf` runs: `general.architecture` -> its `Arch` (q8rules/llm/archs/)."""
 
 
 def _get(
   meta: Mapping[str, Any], path: str, key: str, default: Any = None, per_layer: bool = False
 ) -> Any:
   """The value of `key` (or `default`); with `per_layer`, the first of per-layer values (the
-  arch reads them all itself: gemma4's `LAYER_ARRAYS`)."""
+  arch reads them all itself: `Arch.layer_arrays`)."""
   value = meta.get(key, default)
   if value is None:
     raise CheckpointError(f"{path}: metadata has no {key!r}, which the model needs")
@@ -66,27 +39,30 @@ def _get(
   return value
 
 
-def _ffn_default(arch: str) -> int | None:
-  """`feed_forward_length` where a file lacks it: llama.cpp's 0 in an arch whose experts have
-  their own width (qwen3moe: the key only gives that width when `expert_feed_forward_length`
-  is absent: `expert_fields`); None (required) where dense FFN tensors or llama's experts are
-  as wide as it (llama.cpp reads 0 there too, then fails on those tensors' shapes)."""
-  moe = MOE_ARCHS.get(arch)
-  return 0 if moe is not None and moe.own_ffn else None
+def _ffn_default(meta: Mapping[str, Any], arch: Arch) -> Any:
+  """`feed_forward_length` where a file lacks it: the value of `Arch.ffn_key`; else llama.cpp's
+  0 in an arch whose experts have their own width (the key only gives that width when
+  `expert_feed_forward_length` is absent: `expert_fields`); else None (required: dense FFN
+  tensors, or llama's experts, are as wide as it; llama.cpp reads 0 there, then fails on their
+  shapes)."""
+  if arch.ffn_key is not None:
+    return meta.get(f"{arch.name}.{arch.ffn_key}")
+  return 0 if arch.experts is not None and arch.experts.own_ffn else None
 
 
-def _local_layers(meta: Mapping[str, Any], path: str, arch: str, layers: int) -> tuple:
+def _local_layers(meta: Mapping[str, Any], path: str, arch: Arch, layers: int) -> tuple:
   """(window, per-layer local flags) as llama.cpp's `load_swa_pattern` reads them."""
-  default_window, period = SLIDING_WINDOW[arch]
-  key = f"{arch}.attention.sliding_window"
+  assert arch.sliding_window is not None
+  default_window, period, _ = arch.sliding_window
+  key = f"{arch.name}.attention.sliding_window"
   window = int(meta.get(key, default_window) or 0)
   if window <= 0:
     return 0, ()
-  pattern = meta.get(f"{arch}.attention.sliding_window_pattern", period)
+  pattern = meta.get(f"{arch.name}.attention.sliding_window_pattern", period)
   if isinstance(pattern, list | tuple):
     if len(pattern) != layers:
       raise CheckpointError(
-        f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for"
+        f"{path}: {arch.name}.attention.sliding_window_pattern has {len(pattern)} entries for"
         f" {layers} layers"
       )
     return window, tuple(bool(p) for p in pattern)
@@ -94,26 +70,20 @@ def _local_layers(meta: Mapping[str, Any], path: str, arch: str, layers: int) ->
   return window, tuple(n == 0 or i % n < n - 1 for i in range(layers))
 
 
-def _arch_fields(
-  meta: Mapping[str, Any], path: str, arch: str, c: dict[str, Any]
+def _sliding_fields(
+  meta: Mapping[str, Any], path: str, arch: Arch, c: dict[str, Any]
 ) -> dict[str, Any]:
-  """The fields that depend on an arch's own keys and llama.cpp's per-arch defaults."""
-  a = f"{arch}."
+  """The sliding-window fields of an arch with `Arch.sliding_window`: the window, the local
+  layers, their rope base and scale."""
+  assert arch.sliding_window is not None
   out: dict[str, Any] = {}
-  if arch in SLIDING_WINDOW:
-    out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, c["layers"])
-    if arch in ("gemma2", gpt_oss.ARCH):  # llama.cpp: local layers share the base and scale
-      out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", c["rope_base"]))
-      out["rope_factor_local"] = c["rope_factor"]
-    else:
-      out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", 10000.0))
-    if c["layers"] == LARGE_GEMMA_LAYERS.get(arch):
-      out["attn_scale"] = 1.0 / math.sqrt(c["dim"] / c["heads"])
-  if arch == "gemma2":
-    out["attn_softcap"] = float(meta.get(a + "attn_logit_softcapping", 50.0))
-    out["final_softcap"] = float(meta.get(a + "final_logit_softcapping", 30.0))
-  if arch == "gemma3":
-    out["final_softcap"] = float(meta.get(a + "final_logit_softcapping", 0.0))
+  out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, c["layers"])
+  key = f"{arch.name}.rope.freq_base_swa"
+  if arch.sliding_window.shared_rope:  # llama.cpp: local layers share the base and scale
+    out["rope_base_local"] = float(meta.get(key, c["rope_base"]))
+    out["rope_factor_local"] = c["rope_factor"]
+  else:
+    out["rope_base_local"] = float(meta.get(key, 10000.0))
   return out
 
 
@@ -146,10 +116,11 @@ def config_from_metadata(
     raise CheckpointError(
       f"{path}: unsupported architecture {arch!r}; load_gguf runs {sorted(SUPPORTED_ARCHS)}"
     )
+  spec = SUPPORTED_ARCHS[arch]
   a = f"{arch}."
   dim = int(_get(meta, path, a + "embedding_length"))
   heads = int(_get(meta, path, a + "attention.head_count"))
-  arrays = gemma4.LAYER_ARRAYS if arch == gemma4.ARCH else ()
+  arrays = spec.layer_arrays
   kv_heads = int(
     _get(meta, path, a + "attention.head_count_kv", heads, "attention.head_count_kv" in arrays)
   )
@@ -174,8 +145,8 @@ def config_from_metadata(
       f"{path}: {a}rope.scaling.type {scaling!r} is not supported (none, linear, longrope, yarn)"
     )
   context = int(_get(meta, path, a + "context_length", 2048))
-  ffn_default = gpt_oss.default_ffn(meta) if arch == gpt_oss.ARCH else _ffn_default(arch)
-  fields = dict(SUPPORTED_ARCHS[arch])
+  ffn_default = _ffn_default(meta, spec)
+  fields = dict(spec.fields)
   fields.setdefault("tied_embeddings", "output.weight" not in tensors)
   fields.update(
     arch=arch,
@@ -200,16 +171,13 @@ def config_from_metadata(
     fused_qkv="blk.0.attn_qkv.weight" in tensors,
     dtype=dtype,
   )
-  # llama.cpp reads rope_freqs for llama; LongRoPE factors for phi3, and for llama in longrope
-  if arch == "llama" and scaling != "longrope":
-    fields["rope_freq_factors"] = "rope_freqs.weight" in tensors
-  if arch == "phi3" or (arch == "llama" and scaling == "longrope"):
-    fields["rope_long_short"] = "rope_factors_long.weight" in tensors
-  if arch == gpt_oss.ARCH:
-    gpt_oss.check_keys(meta, path)
-  fields.update(_arch_fields(meta, path, arch, fields))
-  fields.update(expert_fields(meta, path, arch, fields["ffn"], tensors))
-  if arch == gemma4.ARCH:
-    fields.update(gemma4.gemma4_fields(meta, path, fields, tensors))
+  if spec.check is not None:
+    spec.check(meta, path)
+  if spec.sliding_window is not None:
+    fields.update(_sliding_fields(meta, path, spec, fields))
+  if spec.experts is not None:
+    fields.update(expert_fields(meta, path, arch, spec.experts, fields["ffn"], tensors))
+  if spec.read is not None:
+    fields.update(spec.read(meta, path, fields, tensors))
   config = TransformerConfig(**fields)
   return dataclasses.replace(config, scan_layers=True) if config.uniform_layers else config

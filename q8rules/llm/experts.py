@@ -3,44 +3,19 @@
 llama.cpp's loader (src/llama-model.cpp) reads `{arch}.expert_count` and
 `{arch}.expert_used_count` for every arch (absent: 0), and each arch's graph fixes the rest
 (src/models/<arch>.cpp): how the router's logits become weights and whether the chosen
-weights are normalised. `MOE_ARCHS` holds that per arch; `expert_fields` reads a file's keys
-into the config's expert fields, refusing what llama.cpp would abort on with a
-`CheckpointError` naming the key.
+weights are normalised. An arch declares that (`q8rules.llm.arch.MoeArch`, its `Arch.experts`);
+`expert_fields` reads a file's keys into the config's expert fields, refusing what llama.cpp
+would abort on with a `CheckpointError` naming the key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from q8rules.checkpoint import CheckpointError
+from q8rules.llm.arch import MoeArch
 from q8rules.models.config import EXPERT_GATINGS
-
-
-class MoeArch(NamedTuple):
-  """What an arch's graph fixes of its experts (llama.cpp's `build_moe_ffn` arguments).
-
-  Attributes:
-    gating: the gating function the graph passes ('softmax', ...).
-    weights_norm: the graph's `norm_w`.
-    own_ffn: the experts' width is `expert_feed_forward_length` (absent: feed_forward_length
-      / expert_used_count, as qwen3moe's loader); False: `feed_forward_length` (llama's).
-    required: a file of the arch must have experts (qwen3moe); False: experts when
-      `expert_count` > 0 (llama: Mixtral-style `ffn_*_exps`).
-  """
-
-  gating: str = "softmax"
-  weights_norm: bool = True
-  own_ffn: bool = True
-  required: bool = True
-
-
-MOE_ARCHS: dict[str, MoeArch] = {
-  "qwen3moe": MoeArch(),
-  "llama": MoeArch(own_ffn=False, required=False),
-  "gpt-oss": MoeArch(gating="softmax_weight", weights_norm=False),
-}
-"""Archs whose files may have experts, with what their llama.cpp graph fixes."""
 
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """The GGUF names (in blk.N) of a layer's router and expert stacks."""
@@ -62,7 +37,7 @@ def _int(meta: Mapping[str, Any], path: str, key: str, default: int) -> int:
 
 def _gating(meta: Mapping[str, Any], path: str, key: str) -> None:
   """Refuse an `expert_gating_func` value llama.cpp does not know (1-4: its
-  `llama_expert_gating_func_type`); the archs of `MOE_ARCHS` fix their gating whatever it
+  `llama_expert_gating_func_type`); an arch with `Arch.experts` fixes its gating whatever it
   says, as llama.cpp's graphs do."""
   value = meta.get(key)
   if value is None:
@@ -74,14 +49,20 @@ def _gating(meta: Mapping[str, Any], path: str, key: str) -> None:
 
 
 def expert_fields(
-  meta: Mapping[str, Any], path: str, arch: str, ffn: int, tensors: Mapping[str, Any]
+  meta: Mapping[str, Any],
+  path: str,
+  arch: str,
+  moe: MoeArch,
+  ffn: int,
+  tensors: Mapping[str, Any],
 ) -> dict[str, Any]:
   """The config's expert fields of a file of `arch` (empty for a file without experts).
 
   Args:
     meta: the file's metadata.
     path: the file, for messages.
-    arch: its `general.architecture`.
+    arch: its `general.architecture` (the keys' prefix).
+    moe: what the arch's graph fixes of its experts.
     ffn: its `feed_forward_length` (qwen3moe: 0 when absent, as llama.cpp reads it).
     tensors: its tensor names (a llama file with `ffn_*_exps` and no `expert_count` is
       refused, naming the key).
@@ -91,9 +72,6 @@ def expert_fields(
       outside [1, expert_count], an unknown gating function, expert tensors without a count,
       no experts' width (neither `expert_feed_forward_length` nor `feed_forward_length`).
   """
-  moe = MOE_ARCHS.get(arch)
-  if moe is None:
-    return {}
   a = f"{arch}."
   experts = _int(meta, path, a + "expert_count", 0)
   used = _int(meta, path, a + "expert_used_count", 0)
@@ -125,4 +103,4 @@ def expert_fields(
   )
 
 
-__all__ = ["EXPERT_TENSORS", "MOE_ARCHS", "MoeArch", "expert_fields"]
+__all__ = ["EXPERT_TENSORS", "expert_fields"]

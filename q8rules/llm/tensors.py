@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gpt_oss
+from q8rules.llm.archs import ARCHS
 from q8rules.models.config import TransformerConfig
 from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
@@ -81,9 +81,7 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("attn_output.bias", "attn/o/bias", ("D",), lambda c: c.attn_output_bias),
   ("attn_sinks.weight", "attn/sinks", ("NH",), lambda c: c.attn_sinks),
   ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
-  ("ffn_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch != gpt_oss.ARCH),
-  # gpt-oss stores its FFN's norm under the name of a post-attention norm
-  ("post_attention_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch == gpt_oss.ARCH),
+  ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
   ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: _mlp(c) and c.fused_gate_up),
@@ -108,7 +106,8 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("proj.weight", "ple/proj/kernel", ("D", "P"), lambda c: c.per_layer_dim > 0),
   ("post_norm.weight", "ple/norm", ("D",), lambda c: c.per_layer_dim > 0),
 )
-"""Each block's tensors (a matrix is Q8-servable, a vector is not)."""
+"""Each block's tensors (a matrix is Q8-servable, a vector is not), under the names an arch's
+files give them unless its `Arch.tensor_names` says otherwise."""
 
 MODEL_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("token_embd.weight", "embed/table", ("V", "D"), _ALWAYS),
@@ -177,9 +176,17 @@ FLOAT_BLOCK_TENSORS = ("ffn_gate_inp.weight",)
 """Block matrices that stay float (llama.cpp's quantizer keeps routers float)."""
 
 
+def _file_names(c: TransformerConfig) -> dict[str, str]:
+  """A block tensor's name in the table -> its name in the files of `c.arch` (where its arch
+  renames it: `Arch.tensor_names`)."""
+  arch = ARCHS.get(c.arch)
+  return dict(arch.tensor_names) if arch is not None else {}
+
+
 def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
   """GGUF name -> TensorSlot for every tensor the model of `c` reads (llama.cpp's names)."""
   size = _sizes(c)
+  renamed = _file_names(c)
   slots = {}
   for name, path, shape, has in MODEL_TENSORS:
     if has(c):
@@ -192,7 +199,8 @@ def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
       if has(c) and _in_layer(c, i, name):
         dims = tuple(size[s] for s in shape)
         served = len(dims) >= 2 and name.endswith(".weight") and name not in FLOAT_BLOCK_TENSORS
-        slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, served, i)
+        file_name = renamed.get(name, name)
+        slots[f"blk.{i}.{file_name}"] = TensorSlot((layer, *path.split("/")), dims, served, i)
   return slots
 
 
