@@ -2,8 +2,8 @@
 gemma, gemma2, gemma3, gemma4, phi3, gpt-oss) in JAX with their Q8_0 weights as stored.
 
 `load_gguf`, `GGUFModel`, `SUPPORTED_ARCHS` and `enable_compile_cache` load on first use, so
-importing one module of the package (`q8rules.llm.unstack` from `q8rules.lora`) does not load
-the loader and the model with it.
+importing one module of the package (`q8rules.llm.compile_cache` from the command line) does not
+load the loader and the model with it.
 """
 
 from __future__ import annotations

@@ -8,16 +8,12 @@ and the config that has it. docs/archs.md shows it per arch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
-
-import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
 from q8rules.llm.archs import ARCHS
 from q8rules.models.config import TransformerConfig
-from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
 
 
@@ -247,21 +243,12 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
     )
 
 
-def q8_rule(q8_paths: list[tuple[str, ...]], act_qtype: str | None = None) -> Q8Rule:
-  """One rule matching exactly the modules that own the params at `q8_paths` (the module
-  path is the param path minus its leaf), with GGUF's float16 scales; `act_qtype` the
-  rule's (None: weight-only; 'q8_0': Q8_0 activations too)."""
-  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
-  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16, act_qtype=act_qtype)
-
-
 __all__ = [
   "BLOCK_TENSORS",
   "FLOAT_BLOCK_TENSORS",
   "MODEL_TENSORS",
   "TensorSlot",
   "check_tensors",
-  "q8_rule",
   "skipped_tensors",
   "tensor_slots",
 ]
