@@ -12,31 +12,17 @@ The 27B model (62 layers) scales its scores by 1 / sqrt(dim / heads).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from q8rules.llm.arch import Arch, SlidingWindow
-from q8rules.llm.archs.gemma import GEMMA_FIELDS, large_model_scale
+from q8rules.llm.archs.gemma import GEMMA_FIELDS, softcaps
 
 NAME = "gemma3"
-
-
-def softcap(
-  meta: Mapping[str, Any], path: str, c: dict[str, Any], tensors: Mapping[str, Any]
-) -> dict[str, Any]:
-  """The final soft-capping, and the 27B model's attention scale."""
-  return dict(
-    final_softcap=float(meta.get(f"{NAME}.final_logit_softcapping", 0.0)),
-    **large_model_scale(c, 62),
-  )
-
 
 ARCH = Arch(
   NAME,
   dict(GEMMA_FIELDS, post_norms=True, qk_norm=True),
   sliding_window=SlidingWindow(None, 6),
-  read=softcap,
+  read=softcaps(NAME, final=0.0, layers_27b=62),
 )
 """gemma3 as `q8rules.llm.archs.ARCHS` holds it."""
 
-__all__ = ["ARCH", "NAME", "softcap"]
+__all__ = ["ARCH", "NAME"]
