@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import sys
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from q8rules.checkpoint.gguf import open_gguf
 from q8rules.llm.arch import Arch
 from q8rules.llm.archs import ARCHS
 
@@ -111,12 +113,26 @@ def test_each_arch_is_one_module_in_the_table():
   assert q8rules.llm.SUPPORTED_ARCHS is ARCHS
 
 
+@functools.cache
+def f32_files_by_arch() -> dict[str, list[Path]]:
+  """`general.architecture` -> the tiny F32 test files of that arch."""
+  out: dict[str, list[Path]] = {}
+  for f in sorted(DATA.glob("tiny-*-f32.gguf")):
+    ckpt = open_gguf(f)
+    try:
+      out.setdefault(ckpt.arch, []).append(f)
+    finally:
+      ckpt.close()
+  return out
+
+
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_each_arch_has_a_file_checked_against_llama_cpp(name):
-  """Each registered arch has its tiny F32 file and llama.cpp's outputs on it (made by
-  scripts/make_gguf_references.py and the scripts it calls), which its tests load."""
-  files = sorted(DATA.glob(f"tiny-{name}*-f32.gguf"))
-  assert files, f"no tests/data/gguf_models/tiny-{name}*-f32.gguf"
+  """Each registered arch has a tiny F32 file of its own (`general.architecture`) and
+  llama.cpp's outputs on it (made by scripts/make_gguf_references.py and the scripts it
+  calls), which its tests load."""
+  files = f32_files_by_arch().get(name, [])
+  assert files, f"no tests/data/gguf_models/tiny-*-f32.gguf of arch {name!r}"
   for f in files:
     assert f.with_name(f.name.removesuffix("-f32.gguf") + ".npz").exists(), f
 
