@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm.arch import Arch
+from q8rules.llm.arch import Arch, SlidingWindow
 from q8rules.llm.archs import ARCHS
 from q8rules.llm.experts import expert_fields
 from q8rules.models.config import TransformerConfig
@@ -50,19 +50,20 @@ def _ffn_default(meta: Mapping[str, Any], arch: Arch) -> Any:
   return 0 if arch.experts is not None and arch.experts.own_ffn else None
 
 
-def _local_layers(meta: Mapping[str, Any], path: str, arch: Arch, layers: int) -> tuple:
+def _local_layers(
+  meta: Mapping[str, Any], path: str, arch: str, swa: SlidingWindow, layers: int
+) -> tuple:
   """(window, per-layer local flags) as llama.cpp's `load_swa_pattern` reads them."""
-  assert arch.sliding_window is not None
-  default_window, period, _ = arch.sliding_window
-  key = f"{arch.name}.attention.sliding_window"
+  default_window, period, _ = swa
+  key = f"{arch}.attention.sliding_window"
   window = int(meta.get(key, default_window) or 0)
   if window <= 0:
     return 0, ()
-  pattern = meta.get(f"{arch.name}.attention.sliding_window_pattern", period)
+  pattern = meta.get(f"{arch}.attention.sliding_window_pattern", period)
   if isinstance(pattern, list | tuple):
     if len(pattern) != layers:
       raise CheckpointError(
-        f"{path}: {arch.name}.attention.sliding_window_pattern has {len(pattern)} entries for"
+        f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for"
         f" {layers} layers"
       )
     return window, tuple(bool(p) for p in pattern)
@@ -71,15 +72,14 @@ def _local_layers(meta: Mapping[str, Any], path: str, arch: Arch, layers: int) -
 
 
 def _sliding_fields(
-  meta: Mapping[str, Any], path: str, arch: Arch, c: dict[str, Any]
+  meta: Mapping[str, Any], path: str, arch: str, swa: SlidingWindow, c: dict[str, Any]
 ) -> dict[str, Any]:
-  """The sliding-window fields of an arch with `Arch.sliding_window`: the window, the local
-  layers, their rope base and scale."""
-  assert arch.sliding_window is not None
+  """The sliding-window fields of an arch with `swa` (its `Arch.sliding_window`): the window,
+  the local layers, their rope base and scale."""
   out: dict[str, Any] = {}
-  out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, c["layers"])
-  key = f"{arch.name}.rope.freq_base_swa"
-  if arch.sliding_window.shared_rope:  # llama.cpp: local layers share the base and scale
+  out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, swa, c["layers"])
+  key = f"{arch}.rope.freq_base_swa"
+  if swa.shared_rope:  # llama.cpp: local layers share the base and scale
     out["rope_base_local"] = float(meta.get(key, c["rope_base"]))
     out["rope_factor_local"] = c["rope_factor"]
   else:
@@ -174,7 +174,7 @@ def config_from_metadata(
   if spec.check is not None:
     spec.check(meta, path)
   if spec.sliding_window is not None:
-    fields.update(_sliding_fields(meta, path, spec, fields))
+    fields.update(_sliding_fields(meta, path, arch, spec.sliding_window, fields))
   if spec.experts is not None:
     fields.update(expert_fields(meta, path, arch, spec.experts, fields["ffn"], tensors))
   if spec.read is not None:
