@@ -22,9 +22,9 @@ DATA = Path(__file__).parent / "data" / "gguf_models"
 ARCH_MODULES = sorted(
   p.stem for p in (PACKAGE / "llm" / "archs").glob("*.py") if p.stem != "__init__"
 )
-GENERIC = ("llm/config.py", "llm/tensors.py", "llm/experts.py", "llm/arch.py")
-"""The modules that read every arch the same way: the reader of the common keys, the tensor
-table, the experts' keys and the `Arch` type."""
+GENERIC = ("llm/config.py", "llm/tensors.py", "llm/arch.py")
+"""The modules that read every arch the same way: the reader of the common keys and the
+experts' keys, the tensor table and the `Arch` type."""
 
 
 def docstrings(tree: ast.Module) -> set[int]:
@@ -73,8 +73,8 @@ def arch_names_in(tree: ast.Module, names: Iterable[str]) -> list[str]:
 
 
 def test_generic_modules_name_no_arch():
-  """The common keys' reader, the tensor table, the experts' reader and `Arch` hold no arch's
-  name: what differs per arch is its module's."""
+  """The metadata's reader, the tensor table and `Arch` hold no arch's name: what differs per
+  arch is its module's."""
   found = {
     path: hits
     for path in GENERIC

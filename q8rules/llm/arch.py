@@ -77,7 +77,7 @@ class Arch:
       llama.cpp's 0 in an arch whose experts have their own width, else required).
     sliding_window: its sliding-window layers, read by the generic reader (None: none, or
       read by `read` itself).
-    experts: its experts, read by `q8rules.llm.experts.expert_fields` (None: no experts, or
+    experts: its experts, read by `q8rules.llm.config.expert_fields` (None: no experts, or
       read by `read` itself).
     check: run on the metadata after the common keys (keys llama.cpp's loader requires).
     read: the fields from its own keys and tensors, run last.

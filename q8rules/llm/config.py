@@ -4,6 +4,13 @@ The keys every arch has are read here as llama.cpp's loader reads them (src/llam
 with llama.cpp's defaults when a key is absent; what differs per arch (src/models/<arch>.cpp) is
 its `Arch` (q8rules/llm/archs/): the fields its graph fixes, its sliding window, its experts,
 its own keys. Nothing here names an arch.
+
+Experts: llama.cpp's loader reads `{arch}.expert_count` and `{arch}.expert_used_count` for every
+arch (absent: 0), and each arch's graph fixes the rest (src/models/<arch>.cpp): how the router's
+logits become weights and whether the chosen weights are normalised, which an arch declares in
+its `Arch.experts` (`q8rules.llm.arch.MoeArch`); `expert_fields` reads a file's keys into the
+config's expert fields, refusing what llama.cpp would abort on with a `CheckpointError` naming
+the key.
 """
 
 from __future__ import annotations
@@ -15,10 +22,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm.arch import Arch, SlidingWindow
+from q8rules.llm.arch import Arch, MoeArch, SlidingWindow
 from q8rules.llm.archs import ARCHS
-from q8rules.llm.experts import expert_fields
-from q8rules.models.config import TransformerConfig
+from q8rules.models.config import EXPERT_GATINGS, TransformerConfig
 
 SUPPORTED_ARCHS: dict[str, Arch] = ARCHS
 """Archs `load_gguf` runs: `general.architecture` -> its `Arch` (q8rules/llm/archs/)."""
@@ -85,6 +91,88 @@ def _sliding_fields(
   else:
     out["rope_base_local"] = float(meta.get(key, 10000.0))
   return out
+
+
+def _int(meta: Mapping[str, Any], path: str, key: str, default: int) -> int:
+  """An integer key, or one value for every layer (llama.cpp's get_key_or_arr; per-layer
+  values that differ are refused)."""
+  value = meta.get(key, default)
+  if isinstance(value, list | tuple):
+    if len(set(value)) != 1:
+      raise CheckpointError(f"{path}: per-layer values of {key!r} that differ: {list(value)}")
+    value = value[0]
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise CheckpointError(f"{path}: {key!r} must be an integer, got {value!r}") from None
+
+
+def _gating(meta: Mapping[str, Any], path: str, key: str) -> None:
+  """Refuse an `expert_gating_func` value llama.cpp does not know (1-4: its
+  `llama_expert_gating_func_type`); an arch with `Arch.experts` fixes its gating whatever it
+  says, as llama.cpp's graphs do."""
+  value = meta.get(key)
+  if value is None:
+    return
+  names = {str(i + 1): name for i, name in enumerate(EXPERT_GATINGS)}
+  if str(value) not in names:
+    known = ", ".join(f"{k} ({v})" for k, v in names.items())
+    raise CheckpointError(f"{path}: unknown expert gating function {key}={value!r}; known: {known}")
+
+
+def expert_fields(
+  meta: Mapping[str, Any],
+  path: str,
+  arch: str,
+  moe: MoeArch,
+  ffn: int,
+  tensors: Mapping[str, Any],
+) -> dict[str, Any]:
+  """The config's expert fields of a file of `arch` (empty for a file without experts).
+
+  Args:
+    meta: the file's metadata.
+    path: the file, for messages.
+    arch: its `general.architecture` (the keys' prefix).
+    moe: what the arch's graph fixes of its experts.
+    ffn: its `feed_forward_length` (qwen3moe: 0 when absent, as llama.cpp reads it).
+    tensors: its tensor names (a llama file with `ffn_*_exps` and no `expert_count` is
+      refused, naming the key).
+
+  Raises:
+    CheckpointError naming the key: no experts in an arch that needs them, experts used
+      outside [1, expert_count], an unknown gating function, expert tensors without a count,
+      no experts' width (neither `expert_feed_forward_length` nor `feed_forward_length`).
+  """
+  a = f"{arch}."
+  experts = _int(meta, path, a + "expert_count", 0)
+  used = _int(meta, path, a + "expert_used_count", 0)
+  if experts <= 0:
+    with_experts = sorted(n for n in tensors if n.split(".")[-2:-1] == ["ffn_up_exps"])
+    if moe.required or with_experts:
+      why = f"it has {with_experts[0]!r}" if with_experts else f"{arch} needs experts"
+      raise CheckpointError(f"{path}: {a}expert_count is {experts} (absent: 0), but {why}")
+    return {}
+  if not 1 <= used <= experts:
+    raise CheckpointError(
+      f"{path}: {a}expert_used_count {used} must be in [1, {a}expert_count {experts}]"
+    )
+  _gating(meta, path, a + "expert_gating_func")
+  expert_ffn = ffn
+  if moe.own_ffn:
+    expert_ffn = _int(meta, path, a + "expert_feed_forward_length", 0) or ffn // used
+  if expert_ffn <= 0:
+    raise CheckpointError(
+      f"{path}: the experts' width is unknown: {a}expert_feed_forward_length is absent and"
+      f" {a}feed_forward_length is {ffn} (absent: 0; llama.cpp takes it / expert_used_count)"
+    )
+  return dict(
+    experts=experts,
+    experts_used=used,
+    expert_ffn=expert_ffn,
+    expert_gating=moe.gating,
+    expert_weights_norm=moe.weights_norm,
+  )
 
 
 def config_from_metadata(
@@ -181,3 +269,6 @@ def config_from_metadata(
     fields.update(spec.read(meta, path, fields, tensors))
   config = TransformerConfig(**fields)
   return dataclasses.replace(config, scan_layers=True) if config.uniform_layers else config
+
+
+__all__ = ["SUPPORTED_ARCHS", "config_from_metadata", "expert_fields"]

@@ -4,7 +4,7 @@ src/models/openai-moe.cpp) as `TransformerConfig` fields, read as llama.cpp read
 What its graph fixes (`FIELDS`): NEOX rope; q, k, v and the output projection with biases; a
 sink logit per head (`attn_sinks`); a mixture of experts whose router has a bias, whose
 experts have biases and run gpt-oss's clamped SwiGLU, chosen as the top k of the router's
-logits and weighted by the softmax of those k (q8rules/llm/experts.py: gating
+logits and weighted by the softmax of those k (q8rules/llm/config.py `expert_fields`: gating
 'softmax_weight', not normalised); an untied output. Its FFN's norm is stored as
 `post_attention_norm` (`tensor_names`).
 
