@@ -203,7 +203,10 @@ class TransformerConfig:
       raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
     for field, allowed in CHOICES.items():
       if getattr(self, field) not in allowed:
-        raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        *first, last = map(repr, allowed)
+        raise ValueError(
+          f"{field} must be {', '.join(first)} or {last}, got {getattr(self, field)!r}"
+        )
     if self.rope_scaling == "yarn" and self.rope_original_context <= 0:
       raise ValueError("rope_scaling 'yarn' needs rope_original_context > 0")
     if self.rope_freq_factors and self.rope_long_short:
