@@ -169,3 +169,12 @@ def validate_rule(rule: QuantizationRule, *, provider: str) -> Q8Rule:
   if problems:
     raise ValueError(f"{provider} cannot honour {'; '.join(problems)}; in rule {rule}")
   return rule
+
+
+def q8_rule(q8_paths: list[tuple[str, ...]], act_qtype: str | None = None) -> Q8Rule:
+  """One rule matching exactly the modules that own the params at `q8_paths` (the module
+  path is the param path minus its leaf), with GGUF's float16 scales; `act_qtype` the
+  rule's (None: weight-only; 'q8_0': Q8_0 activations too). The rule of a model loaded from
+  a GGUF file (its Q8_0 tensors' params) and of one rebuilt from it."""
+  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
+  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16, act_qtype=act_qtype)

@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
   ),
   ("kernels", ("q8rules.kernels",)),
   ("layout", ("q8rules.layout",)),
-  ("sharding", ("q8rules.sharding", "q8rules.lora.names")),
+  ("sharding", ("q8rules.sharding",)),
   ("rules", ("q8rules.rules", "q8rules.report")),
   (
     "providers",
@@ -67,6 +67,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
       "q8rules.lora.fit",
       "q8rules.lora.heldout",
       "q8rules.lora.datasets",
+      "q8rules.lora.loaded",
     ),
   ),
 ]
@@ -261,6 +262,79 @@ def test_no_import_circle():
   `__init__`s, which run before their submodules, included)."""
   cycle = find_cycle(graph())
   assert cycle is None, " -> ".join(cycle)
+
+
+ONE_WAY: list[tuple[str, str]] = [
+  ("q8rules.lora", "q8rules.llm"),
+  ("q8rules.sharding", "q8rules.llm"),
+  ("q8rules.sharding", "q8rules.lora"),
+]
+"""(a, b): no module under `a` imports one under `b`, lazily or not. The loader's models use
+LoRA (`GGUFModel.with_lora`, `merged`, `loss`, `load_gguf(lora=)`), so `llm` imports `lora`
+and `lora` takes a loaded model as `q8rules.lora.loaded.LoadedModel`; both place params on a
+mesh with `sharding`, which imports neither (a LoRA adapter's spec beside its base's is
+`q8rules.sharding.adapters`)."""
+
+AT_MODULE_LEVEL: list[tuple[str, str]] = [("q8rules.llm", "q8rules.lora")]
+"""(a, b): a module under `a` imports modules under `b` at its top level only, not inside a
+function, where an import hides from a reader (and from an import at load) what the module
+needs."""
+
+
+def under(module: str, package: str) -> bool:
+  return module == package or module.startswith(package + ".")
+
+
+def imports_against(edges: dict[str, set[str]], rules: list[tuple[str, str]]) -> list[str]:
+  """'a -> b' for each import of `edges` that a rule (a, b) of `rules` forbids."""
+  return [
+    f"{a} -> {b}"
+    for src, dst in rules
+    for a, targets in sorted(edges.items())
+    if under(a, src)
+    for b in sorted(targets)
+    if under(b, dst)
+  ]
+
+
+def in_functions(tree: ast.Module, name: str, is_package: bool, known: set[str]) -> set[str]:
+  """The q8rules modules `name` imports inside a function (or method) of `tree`."""
+  found: set[str] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+      found |= imported(ast.Module(body=node.body, type_ignores=[]), name, is_package, known)
+  return found
+
+
+def function_imports() -> dict[str, set[str]]:
+  """Module -> the q8rules modules it imports inside a function (or method)."""
+  mods = modules()
+  packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+  return {
+    name: in_functions(tree, name, name in packages, set(mods)) for name, tree in mods.items()
+  }
+
+
+def test_imports_go_one_way():
+  """`lora` never imports `llm`, `sharding` neither of them; `llm` imports `lora` at its modules'
+  top level only."""
+  assert imports_against(direct_imports(), ONE_WAY) == []
+  assert imports_against(function_imports(), AT_MODULE_LEVEL) == []
+
+
+def test_one_way_check_catches_a_violation():
+  """An import of the loader by LoRA's trainer, of LoRA by the sharding, and a function-level
+  import of LoRA by the loader are each reported."""
+  edges = direct_imports()
+  edges["q8rules.lora.trainer"] = edges["q8rules.lora.trainer"] | {"q8rules.llm.model"}
+  edges["q8rules.sharding.params"] = edges["q8rules.sharding.params"] | {"q8rules.lora.tree"}
+  assert imports_against(edges, ONE_WAY) == [
+    "q8rules.lora.trainer -> q8rules.llm.model",
+    "q8rules.sharding.params -> q8rules.lora.tree",
+  ]
+  tree = ast.parse("import os\n\ndef f():\n  from q8rules.lora.convert import merged_params\n")
+  lazy = {"q8rules.llm.model": in_functions(tree, "q8rules.llm.model", False, set(modules()))}
+  assert imports_against(lazy, AT_MODULE_LEVEL) == ["q8rules.llm.model -> q8rules.lora.convert"]
 
 
 def test_qwix_internals_only_in_the_shim():

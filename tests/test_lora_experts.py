@@ -17,8 +17,8 @@ from flax import nnx
 
 import q8rules
 from q8rules.lora.merge import merged_weight
-from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.providers.q8_weight import Q8Weight
+from q8rules.sharding.adapters import LORA_A, LORA_B
 from tests._utils import rel_err
 from tests.test_experts import GROUPS, D, DenseExperts, E, LoopExperts, RaggedExperts, experts_f64
 

@@ -197,7 +197,10 @@ def test_float_decoder_scanned_equals_unrolled():
     (dict(experts=8, experts_used=9), "experts_used 9 must be in"),
     (dict(experts=8, experts_used=0), "experts_used 0 must be in"),
     (dict(experts_used=2), "experts_used 2 without experts"),
-    (dict(experts=4, experts_used=2, expert_gating="tanh"), "expert_gating must be one of"),
+    (
+      dict(experts=4, experts_used=2, expert_gating="tanh"),
+      "expert_gating must be 'softmax', 'sigmoid', 'softmax_weight' or",
+    ),
   ],
 )
 def test_config_refuses_bad_expert_fields(fields, message):

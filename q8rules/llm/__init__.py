@@ -1,9 +1,9 @@
-"""Run llama.cpp GGUF models (archs llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3) in JAX with
-their Q8_0 weights as stored.
+"""Run llama.cpp GGUF models (the archs of q8rules/llm/archs/: llama, qwen2, qwen3, qwen3moe,
+gemma, gemma2, gemma3, gemma4, phi3, gpt-oss) in JAX with their Q8_0 weights as stored.
 
 `load_gguf`, `GGUFModel`, `SUPPORTED_ARCHS` and `enable_compile_cache` load on first use, so
-importing one module of the package (`q8rules.llm.unstack` from `q8rules.lora`) does not load
-the loader and the model with it.
+importing one module of the package (`q8rules.llm.compile_cache` from the command line) does not
+load the loader and the model with it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-  "SUPPORTED_ARCHS": ("q8rules.llm.config", "SUPPORTED_ARCHS"),
+  "SUPPORTED_ARCHS": ("q8rules.llm.archs", "ARCHS"),
   "GGUFModel": ("q8rules.llm.model", "GGUFModel"),
   "enable_compile_cache": ("q8rules.llm.compile_cache", "enable"),
   "load_gguf": ("q8rules.llm.load", "load_gguf"),

@@ -1,61 +1,40 @@
 """A GGUF file's metadata as a `TransformerConfig`, for the archs q8rules runs.
 
-Each arch reads the keys llama.cpp's loader reads for it (src/llama-model.cpp and
-src/models/<arch>.cpp), with llama.cpp's defaults when a key is absent.
+The keys every arch has are read here as llama.cpp's loader reads them (src/llama-model.cpp),
+with llama.cpp's defaults when a key is absent; what differs per arch (src/models/<arch>.cpp) is
+its `Arch` (q8rules/llm/archs/): the fields its graph fixes, its sliding window, its experts,
+its own keys. Nothing here names an arch.
+
+Experts: llama.cpp's loader reads `{arch}.expert_count` and `{arch}.expert_used_count` for every
+arch (absent: 0), and each arch's graph fixes the rest (src/models/<arch>.cpp): how the router's
+logits become weights and whether the chosen weights are normalised, which an arch declares in
+its `Arch.experts` (`q8rules.llm.arch.MoeArch`); `expert_fields` reads a file's keys into the
+config's expert fields, refusing what llama.cpp would abort on with a `CheckpointError` naming
+the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gemma4, gpt_oss
-from q8rules.llm.experts import MOE_ARCHS, expert_fields
-from q8rules.models.config import TransformerConfig
+from q8rules.llm.arch import Arch, MoeArch, SlidingWindow
+from q8rules.llm.archs import ARCHS
+from q8rules.models.config import EXPERT_GATINGS, TransformerConfig
 
-_GEMMA = dict(rope_style="halves", embed_scale=True, activation="gelu_tanh")
-
-SUPPORTED_ARCHS: dict[str, dict[str, Any]] = {
-  # llama.cpp's converter permutes llama's q/k rows for ggml's NORM rope (interleaved pairs)
-  "llama": dict(rope_style="interleaved"),
-  # the others keep HF's order and run NEOX rope (halves)
-  "qwen2": dict(rope_style="halves", qkv_bias=True),
-  "qwen3": dict(rope_style="halves", qk_norm=True),
-  "qwen3moe": dict(rope_style="halves", qk_norm=True),  # + experts (q8rules/llm/experts.py)
-  "gemma": dict(_GEMMA, tied_embeddings=True),
-  "gemma2": dict(_GEMMA, tied_embeddings=True, post_norms=True),
-  "gemma3": dict(_GEMMA, post_norms=True, qk_norm=True),
-  "phi3": dict(rope_style="halves", fused_qkv=True, fused_gate_up=True),
-  gpt_oss.ARCH: gpt_oss.FIELDS,  # + experts (q8rules/llm/experts.py)
-  "gemma4": dict(_GEMMA, post_norms=True, qk_norm=True),
-}
-"""Archs `load_gguf` runs, with the config fields that distinguish them (the rest come from
-the metadata: `config_from_metadata`)."""
-
-SLIDING_WINDOW = {
-  "gemma2": (4096, 2),
-  "gemma3": (None, 6),
-  gpt_oss.ARCH: (None, gpt_oss.SWA_PERIOD),
-}
-"""Archs with sliding-window layers: (llama.cpp's default window, None when the layers are
-all global without the key; its default pattern period: layer i is local unless
-i % period == period - 1)."""
-
-LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}
-"""The 27B models, whose attention scale llama.cpp takes as 1 / sqrt(dim / heads)
-(gemma_pytorch's query_pre_attn_scalar) instead of 1 / sqrt(head_dim)."""
+SUPPORTED_ARCHS: dict[str, Arch] = ARCHS
+"""Archs `load_gguf` runs: `general.architecture` -> its `Arch` (q8rules/llm/archs/)."""
 
 
 def _get(
   meta: Mapping[str, Any], path: str, key: str, default: Any = None, per_layer: bool = False
 ) -> Any:
   """The value of `key` (or `default`); with `per_layer`, the first of per-layer values (the
-  arch reads them all itself: gemma4's `LAYER_ARRAYS`)."""
+  arch reads them all itself: `Arch.layer_arrays`)."""
   value = meta.get(key, default)
   if value is None:
     raise CheckpointError(f"{path}: metadata has no {key!r}, which the model needs")
@@ -66,18 +45,22 @@ def _get(
   return value
 
 
-def _ffn_default(arch: str) -> int | None:
-  """`feed_forward_length` where a file lacks it: llama.cpp's 0 in an arch whose experts have
-  their own width (qwen3moe: the key only gives that width when `expert_feed_forward_length`
-  is absent: `expert_fields`); None (required) where dense FFN tensors or llama's experts are
-  as wide as it (llama.cpp reads 0 there too, then fails on those tensors' shapes)."""
-  moe = MOE_ARCHS.get(arch)
-  return 0 if moe is not None and moe.own_ffn else None
+def _ffn_default(meta: Mapping[str, Any], arch: Arch) -> Any:
+  """`feed_forward_length` where a file lacks it: the value of `Arch.ffn_key`; else llama.cpp's
+  0 in an arch whose experts have their own width (the key only gives that width when
+  `expert_feed_forward_length` is absent: `expert_fields`); else None (required: dense FFN
+  tensors, or llama's experts, are as wide as it; llama.cpp reads 0 there, then fails on their
+  shapes)."""
+  if arch.ffn_key is not None:
+    return meta.get(f"{arch.name}.{arch.ffn_key}")
+  return 0 if arch.experts is not None and arch.experts.own_ffn else None
 
 
-def _local_layers(meta: Mapping[str, Any], path: str, arch: str, layers: int) -> tuple:
+def _local_layers(
+  meta: Mapping[str, Any], path: str, arch: str, swa: SlidingWindow, layers: int
+) -> tuple:
   """(window, per-layer local flags) as llama.cpp's `load_swa_pattern` reads them."""
-  default_window, period = SLIDING_WINDOW[arch]
+  default_window, period, _ = swa
   key = f"{arch}.attention.sliding_window"
   window = int(meta.get(key, default_window) or 0)
   if window <= 0:
@@ -94,27 +77,102 @@ def _local_layers(meta: Mapping[str, Any], path: str, arch: str, layers: int) ->
   return window, tuple(n == 0 or i % n < n - 1 for i in range(layers))
 
 
-def _arch_fields(
-  meta: Mapping[str, Any], path: str, arch: str, c: dict[str, Any]
+def _sliding_fields(
+  meta: Mapping[str, Any], path: str, arch: str, swa: SlidingWindow, c: dict[str, Any]
 ) -> dict[str, Any]:
-  """The fields that depend on an arch's own keys and llama.cpp's per-arch defaults."""
-  a = f"{arch}."
+  """The sliding-window fields of an arch with `swa` (its `Arch.sliding_window`): the window,
+  the local layers, their rope base and scale."""
   out: dict[str, Any] = {}
-  if arch in SLIDING_WINDOW:
-    out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, c["layers"])
-    if arch in ("gemma2", gpt_oss.ARCH):  # llama.cpp: local layers share the base and scale
-      out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", c["rope_base"]))
-      out["rope_factor_local"] = c["rope_factor"]
-    else:
-      out["rope_base_local"] = float(meta.get(a + "rope.freq_base_swa", 10000.0))
-    if c["layers"] == LARGE_GEMMA_LAYERS.get(arch):
-      out["attn_scale"] = 1.0 / math.sqrt(c["dim"] / c["heads"])
-  if arch == "gemma2":
-    out["attn_softcap"] = float(meta.get(a + "attn_logit_softcapping", 50.0))
-    out["final_softcap"] = float(meta.get(a + "final_logit_softcapping", 30.0))
-  if arch == "gemma3":
-    out["final_softcap"] = float(meta.get(a + "final_logit_softcapping", 0.0))
+  out["sliding_window"], out["local_layers"] = _local_layers(meta, path, arch, swa, c["layers"])
+  key = f"{arch}.rope.freq_base_swa"
+  if swa.shared_rope:  # llama.cpp: local layers share the base and scale
+    out["rope_base_local"] = float(meta.get(key, c["rope_base"]))
+    out["rope_factor_local"] = c["rope_factor"]
+  else:
+    out["rope_base_local"] = float(meta.get(key, 10000.0))
   return out
+
+
+def _int(meta: Mapping[str, Any], path: str, key: str, default: int) -> int:
+  """An integer key, or one value for every layer (llama.cpp's get_key_or_arr; per-layer
+  values that differ are refused)."""
+  value = meta.get(key, default)
+  if isinstance(value, list | tuple):
+    if len(set(value)) != 1:
+      raise CheckpointError(f"{path}: per-layer values of {key!r} that differ: {list(value)}")
+    value = value[0]
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise CheckpointError(f"{path}: {key!r} must be an integer, got {value!r}") from None
+
+
+def _gating(meta: Mapping[str, Any], path: str, key: str) -> None:
+  """Refuse an `expert_gating_func` value llama.cpp does not know (1-4: its
+  `llama_expert_gating_func_type`); an arch with `Arch.experts` fixes its gating whatever it
+  says, as llama.cpp's graphs do."""
+  value = meta.get(key)
+  if value is None:
+    return
+  names = {str(i + 1): name for i, name in enumerate(EXPERT_GATINGS)}
+  if str(value) not in names:
+    known = ", ".join(f"{k} ({v})" for k, v in names.items())
+    raise CheckpointError(f"{path}: unknown expert gating function {key}={value!r}; known: {known}")
+
+
+def expert_fields(
+  meta: Mapping[str, Any],
+  path: str,
+  arch: str,
+  moe: MoeArch,
+  ffn: int,
+  tensors: Mapping[str, Any],
+) -> dict[str, Any]:
+  """The config's expert fields of a file of `arch` (empty for a file without experts).
+
+  Args:
+    meta: the file's metadata.
+    path: the file, for messages.
+    arch: its `general.architecture` (the keys' prefix).
+    moe: what the arch's graph fixes of its experts.
+    ffn: its `feed_forward_length` (qwen3moe: 0 when absent, as llama.cpp reads it).
+    tensors: its tensor names (a llama file with `ffn_*_exps` and no `expert_count` is
+      refused, naming the key).
+
+  Raises:
+    CheckpointError naming the key: no experts in an arch that needs them, experts used
+      outside [1, expert_count], an unknown gating function, expert tensors without a count,
+      no experts' width (neither `expert_feed_forward_length` nor `feed_forward_length`).
+  """
+  a = f"{arch}."
+  experts = _int(meta, path, a + "expert_count", 0)
+  used = _int(meta, path, a + "expert_used_count", 0)
+  if experts <= 0:
+    with_experts = sorted(n for n in tensors if n.split(".")[-2:-1] == ["ffn_up_exps"])
+    if moe.required or with_experts:
+      why = f"it has {with_experts[0]!r}" if with_experts else f"{arch} needs experts"
+      raise CheckpointError(f"{path}: {a}expert_count is {experts} (absent: 0), but {why}")
+    return {}
+  if not 1 <= used <= experts:
+    raise CheckpointError(
+      f"{path}: {a}expert_used_count {used} must be in [1, {a}expert_count {experts}]"
+    )
+  _gating(meta, path, a + "expert_gating_func")
+  expert_ffn = ffn
+  if moe.own_ffn:
+    expert_ffn = _int(meta, path, a + "expert_feed_forward_length", 0) or ffn // used
+  if expert_ffn <= 0:
+    raise CheckpointError(
+      f"{path}: the experts' width is unknown: {a}expert_feed_forward_length is absent and"
+      f" {a}feed_forward_length is {ffn} (absent: 0; llama.cpp takes it / expert_used_count)"
+    )
+  return dict(
+    experts=experts,
+    experts_used=used,
+    expert_ffn=expert_ffn,
+    expert_gating=moe.gating,
+    expert_weights_norm=moe.weights_norm,
+  )
 
 
 def config_from_metadata(
@@ -146,10 +204,11 @@ def config_from_metadata(
     raise CheckpointError(
       f"{path}: unsupported architecture {arch!r}; load_gguf runs {sorted(SUPPORTED_ARCHS)}"
     )
+  spec = SUPPORTED_ARCHS[arch]
   a = f"{arch}."
   dim = int(_get(meta, path, a + "embedding_length"))
   heads = int(_get(meta, path, a + "attention.head_count"))
-  arrays = gemma4.LAYER_ARRAYS if arch == gemma4.ARCH else ()
+  arrays = spec.layer_arrays
   kv_heads = int(
     _get(meta, path, a + "attention.head_count_kv", heads, "attention.head_count_kv" in arrays)
   )
@@ -174,8 +233,8 @@ def config_from_metadata(
       f"{path}: {a}rope.scaling.type {scaling!r} is not supported (none, linear, longrope, yarn)"
     )
   context = int(_get(meta, path, a + "context_length", 2048))
-  ffn_default = gpt_oss.default_ffn(meta) if arch == gpt_oss.ARCH else _ffn_default(arch)
-  fields = dict(SUPPORTED_ARCHS[arch])
+  ffn_default = _ffn_default(meta, spec)
+  fields = dict(spec.fields)
   fields.setdefault("tied_embeddings", "output.weight" not in tensors)
   fields.update(
     arch=arch,
@@ -200,16 +259,16 @@ def config_from_metadata(
     fused_qkv="blk.0.attn_qkv.weight" in tensors,
     dtype=dtype,
   )
-  # llama.cpp reads rope_freqs for llama; LongRoPE factors for phi3, and for llama in longrope
-  if arch == "llama" and scaling != "longrope":
-    fields["rope_freq_factors"] = "rope_freqs.weight" in tensors
-  if arch == "phi3" or (arch == "llama" and scaling == "longrope"):
-    fields["rope_long_short"] = "rope_factors_long.weight" in tensors
-  if arch == gpt_oss.ARCH:
-    gpt_oss.check_keys(meta, path)
-  fields.update(_arch_fields(meta, path, arch, fields))
-  fields.update(expert_fields(meta, path, arch, fields["ffn"], tensors))
-  if arch == gemma4.ARCH:
-    fields.update(gemma4.gemma4_fields(meta, path, fields, tensors))
+  if spec.check is not None:
+    spec.check(meta, path)
+  if spec.sliding_window is not None:
+    fields.update(_sliding_fields(meta, path, arch, spec.sliding_window, fields))
+  if spec.experts is not None:
+    fields.update(expert_fields(meta, path, arch, spec.experts, fields["ffn"], tensors))
+  if spec.read is not None:
+    fields.update(spec.read(meta, path, fields, tensors))
   config = TransformerConfig(**fields)
   return dataclasses.replace(config, scan_layers=True) if config.uniform_layers else config
+
+
+__all__ = ["SUPPORTED_ARCHS", "config_from_metadata", "expert_fields"]

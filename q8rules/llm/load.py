@@ -37,10 +37,13 @@ from q8rules.llm.model import GGUFModel, tp_specs
 from q8rules.llm.qat import TRAINABLE, qat_params
 from q8rules.llm.sources import GGUFSource, source_of
 from q8rules.llm.stacked import StackedTensors
-from q8rules.llm.tensors import TensorSlot, check_tensors, q8_rule, tensor_slots
+from q8rules.llm.tensors import TensorSlot, check_tensors, tensor_slots
+from q8rules.lora.convert import attach_lora_files
+from q8rules.lora.gguf_file import read_lora_gguf
 from q8rules.models.transformer import Transformer, TransformerConfig
 from q8rules.providers import Q8Provider, Q8QatProvider
 from q8rules.q8_0 import Q8Array
+from q8rules.rules import q8_rule
 from q8rules.sharding import param_shardings
 
 
@@ -178,8 +181,6 @@ def load_gguf(
   finally:
     ckpt.close()
   if files:
-    from q8rules.lora.convert import attach_lora_files
-
     m = attach_lora_files(m, files, scales)
   return m
 
@@ -201,8 +202,6 @@ def _lora_files(lora: Any, lora_scale: Any) -> tuple[list[Any], list[float]]:
   for s in scales:
     if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s):
       raise ValueError(f"lora_scale must be a finite number, got {s!r}")
-  from q8rules.lora.gguf_file import read_lora_gguf
-
   return [read_lora_gguf(p) for p in paths], [float(s) for s in scales]
 
 

@@ -27,7 +27,11 @@ from q8rules.llm import distributed
 from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token
 from q8rules.llm.sampling import Sampler
 from q8rules.llm.sources import GGUFSource
-from q8rules.lora.gguf_model import LoraSpec
+from q8rules.llm.unstack import rebuilt, unrolled
+from q8rules.lora.convert import merged_params
+from q8rules.lora.gguf_file import save_lora_gguf
+from q8rules.lora.gguf_model import LoraSpec, adapters_of, with_lora
+from q8rules.lora.trainer import check_batch, model_loss
 from q8rules.models.transformer import TransformerConfig
 from q8rules.providers import shard_products
 
@@ -116,8 +120,6 @@ class GGUFModel:
   def unrolled(self) -> GGUFModel:
     """This model with its layers unrolled (no nn.scan): slower to trace and compile, and no
     faster since the scan reads its weights in place (`q8rules.llm.unstack`)."""
-    from q8rules.llm.unstack import unrolled
-
     return unrolled(self)
 
   def with_lora(
@@ -148,30 +150,23 @@ class GGUFModel:
       ValueError naming the file or tensor: an unknown target, one the file lacks, a target
       that is not Q8_0, a rank above min(K, N), alpha <= 0, adapters already there.
     """
-    from q8rules.lora.gguf_model import with_lora
-
     return with_lora(self, rank=rank, alpha=alpha, targets=targets, dropout=dropout, seed=seed)
 
   def adapters(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The adapters per GGUF tensor: 'blk.3.attn_q.weight' -> (A (K, r), B (r, N)) float32."""
-    from q8rules.lora.gguf_model import adapters_of
-
     return adapters_of(self)
 
   def merged(self) -> GGUFModel:
     """This model with its adapters merged into their Q8_0 weights (requantized; see
-    `q8rules.lora.convert.merged`), served as a plain Q8_0 model."""
-    from q8rules.lora.convert import merged
-
-    return merged(self)
+    `q8rules.lora.convert.merged_params`), served as a plain Q8_0 model."""
+    config, params = merged_params(self)
+    return dataclasses.replace(rebuilt(self, config, params), lora=None)
 
   def save_lora_gguf(self, path: Any, *, dtype: str = "f32") -> Any:
     """Write the adapters as a llama.cpp LoRA adapter file (`general.type = adapter`, one
     `<tensor>.lora_a` / `.lora_b` pair per adapted tensor in ggml's orientation, F32 or F16;
     `q8rules.lora.gguf_file`), for llama.cpp's `--lora` and `load_gguf(lora=...)`.
     Written to a temporary file, then renamed. Returns the path."""
-    from q8rules.lora.gguf_file import save_lora_gguf
-
     arch = self.metadata.get("general.architecture", self.config.arch)
     return save_lora_gguf(path, self.adapters(), arch=arch, alpha=self.lora.alpha, dtype=dtype)
 
@@ -181,8 +176,6 @@ class GGUFModel:
     """Mean next-token cross-entropy of token_ids ((T,) or (B, T)), counted where `mask`
     ((T,) or (B, T), True for a target) is set at the predicted position; all when None
     (`q8rules.lora.trainer.next_token_loss`)."""
-    from q8rules.lora.trainer import check_batch, model_loss
-
     tokens, m = check_batch(token_ids, mask, self.config.vocab)
     if not hasattr(self, "_loss_fn"):
       self._loss_fn = jax.jit(lambda p, t, mk: model_loss(self.model, self.config, p, t, mk))

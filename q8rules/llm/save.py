@@ -48,8 +48,8 @@ from q8rules.checkpoint.gguf.requant import q8_0_blocks
 from q8rules.checkpoint.gguf.split import GGUFSplitCheckpoint
 from q8rules.checkpoint.gguf.write import header_written
 from q8rules.llm.sources import GGUFSource, TensorSource
-from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.q8_0 import BLOCK, Q8Array, quantize
+from q8rules.sharding.adapters import LORA_A, LORA_B
 
 F32 = GGMLQuantizationType.F32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)

@@ -8,16 +8,12 @@ and the config that has it. docs/archs.md shows it per arch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
-
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm import gpt_oss
+from q8rules.llm.archs import ARCHS
 from q8rules.models.config import TransformerConfig
-from q8rules.rules import Q8Rule
 from q8rules.tree_paths import listing
 
 
@@ -81,9 +77,7 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("attn_output.bias", "attn/o/bias", ("D",), lambda c: c.attn_output_bias),
   ("attn_sinks.weight", "attn/sinks", ("NH",), lambda c: c.attn_sinks),
   ("post_attention_norm.weight", "post_attn_norm/scale", ("D",), lambda c: c.post_norms),
-  ("ffn_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch != gpt_oss.ARCH),
-  # gpt-oss stores its FFN's norm under the name of a post-attention norm
-  ("post_attention_norm.weight", "mlp_norm/scale", ("D",), lambda c: c.arch == gpt_oss.ARCH),
+  ("ffn_norm.weight", "mlp_norm/scale", ("D",), _ALWAYS),
   ("ffn_gate.weight", "mlp/gate/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("F", "D"), lambda c: _mlp(c) and not c.fused_gate_up),
   ("ffn_up.weight", "mlp/up/kernel", ("2F", "D"), lambda c: _mlp(c) and c.fused_gate_up),
@@ -108,7 +102,8 @@ BLOCK_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("proj.weight", "ple/proj/kernel", ("D", "P"), lambda c: c.per_layer_dim > 0),
   ("post_norm.weight", "ple/norm", ("D",), lambda c: c.per_layer_dim > 0),
 )
-"""Each block's tensors (a matrix is Q8-servable, a vector is not)."""
+"""Each block's tensors (a matrix is Q8-servable, a vector is not), under the names an arch's
+files give them unless its `Arch.tensor_names` says otherwise."""
 
 MODEL_TENSORS: tuple[tuple[str, str, tuple[str, ...], Has], ...] = (
   ("token_embd.weight", "embed/table", ("V", "D"), _ALWAYS),
@@ -177,9 +172,17 @@ FLOAT_BLOCK_TENSORS = ("ffn_gate_inp.weight",)
 """Block matrices that stay float (llama.cpp's quantizer keeps routers float)."""
 
 
+def _file_names(c: TransformerConfig) -> dict[str, str]:
+  """A block tensor's name in the table -> its name in the files of `c.arch` (where its arch
+  renames it: `Arch.tensor_names`)."""
+  arch = ARCHS.get(c.arch)
+  return dict(arch.tensor_names) if arch is not None else {}
+
+
 def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
   """GGUF name -> TensorSlot for every tensor the model of `c` reads (llama.cpp's names)."""
   size = _sizes(c)
+  renamed = _file_names(c)
   slots = {}
   for name, path, shape, has in MODEL_TENSORS:
     if has(c):
@@ -192,7 +195,8 @@ def tensor_slots(c: TransformerConfig) -> dict[str, TensorSlot]:
       if has(c) and _in_layer(c, i, name):
         dims = tuple(size[s] for s in shape)
         served = len(dims) >= 2 and name.endswith(".weight") and name not in FLOAT_BLOCK_TENSORS
-        slots[f"blk.{i}.{name}"] = TensorSlot((layer, *path.split("/")), dims, served, i)
+        file_name = renamed.get(name, name)
+        slots[f"blk.{i}.{file_name}"] = TensorSlot((layer, *path.split("/")), dims, served, i)
   return slots
 
 
@@ -239,21 +243,12 @@ def check_tensors(path: Any, shapes: dict[str, tuple[int, ...]], c: TransformerC
     )
 
 
-def q8_rule(q8_paths: list[tuple[str, ...]], act_qtype: str | None = None) -> Q8Rule:
-  """One rule matching exactly the modules that own the params at `q8_paths` (the module
-  path is the param path minus its leaf), with GGUF's float16 scales; `act_qtype` the
-  rule's (None: weight-only; 'q8_0': Q8_0 activations too)."""
-  alternatives = "|".join(sorted({re.escape("/".join(p[:-1])) for p in q8_paths}))
-  return Q8Rule(module_path=f"(?:{alternatives})", scale_dtype=jnp.float16, act_qtype=act_qtype)
-
-
 __all__ = [
   "BLOCK_TENSORS",
   "FLOAT_BLOCK_TENSORS",
   "MODEL_TENSORS",
   "TensorSlot",
   "check_tensors",
-  "q8_rule",
   "skipped_tensors",
   "tensor_slots",
 ]

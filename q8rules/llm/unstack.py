@@ -27,11 +27,11 @@ import jax
 import qwix
 
 from q8rules._qwix import is_with_aux
-from q8rules.llm.loaded import LoadedModel
-from q8rules.llm.tensors import q8_rule
+from q8rules.lora.loaded import LoadedModel
 from q8rules.models.transformer import Transformer
 from q8rules.providers import Q8Provider, Q8QatProvider
 from q8rules.q8_0 import Q8Array
+from q8rules.rules import q8_rule
 
 
 def _is_q8(x: Any) -> bool:

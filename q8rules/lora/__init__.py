@@ -6,7 +6,6 @@ Each module sits on the floor of what it imports (docs/kernels.md, "Architecture
 package's `__init__` imports nothing: `import q8rules` loads the core's part of it, and the
 applications' part loads on first use.
 
-  names.py            the adapter params' names and their specs beside their base's split
   placement.py        a new adapter placed and annotated as its base's Q8 values are
   provider.py         `Q8LoraRule`, `LoraPolicy`, `Q8LoraProvider`: served product + delta
   params.py           `LoraAdapter`, `split_lora` / `join_lora`: adapters as data

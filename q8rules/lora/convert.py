@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.checkpoint import CheckpointError
-from q8rules.llm.loaded import LoadedModel
-from q8rules.llm.unstack import rebuilt
 from q8rules.lora.fuse import refuse, unfuse
 from q8rules.lora.gguf_model import (
   KINDS,
@@ -27,12 +25,13 @@ from q8rules.lora.gguf_model import (
   tensor_name,
   with_adapters,
 )
+from q8rules.lora.loaded import LoadedModel
 from q8rules.lora.merge import merged_q8
-from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.params import LoraAdapter, placed_like
 from q8rules.lora.tree import get_in, set_in
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
+from q8rules.sharding.adapters import LORA_A, LORA_B
 
 
 def _site(name: str, config: Any, present: set[str], where: str) -> tuple[str, int]:
@@ -161,11 +160,11 @@ def attach_lora_files(m: LoadedModel, files: Sequence[Any], scales: Sequence[flo
   return dataclasses.replace(m, config=config, model=model, params=params, lora=spec)
 
 
-def merged(m: LoadedModel) -> Any:
-  """`GGUFModel.merged`: each adapter folded into its Q8_0 base, layer by layer, as
-  `q8rules.merge_lora` folds one (`W + alpha / rank * A @ B` summed in float64, rounded once to
-  float32, requantized to Q8_0 with float16 scales), the load-fused groups fused again, served
-  by a plain `Q8Provider`.
+def merged_params(m: LoadedModel) -> tuple[Any, Any]:
+  """The (config, params) of `GGUFModel.merged`: each adapter folded into its Q8_0 base, layer
+  by layer, as `q8rules.merge_lora` folds one (`W + alpha / rank * A @ B` summed in float64,
+  rounded once to float32, requantized to Q8_0 with float16 scales), the load-fused groups
+  fused again (`GGUFModel.merged` serves them by a plain `Q8Provider`).
 
   Raises:
     ValueError naming the file: the model has no adapters; naming the tensor: a merged weight
@@ -198,9 +197,7 @@ def merged(m: LoadedModel) -> Any:
     )
     node[path[-1]] = dataclasses.replace(base, array=array)
     params = set_in(params, path[:-1], node)
-  config, params = refuse(m.config, params, m.lora.unfused)
-  plain = rebuilt(m, config, params)
-  return dataclasses.replace(plain, lora=None)
+  return refuse(m.config, params, m.lora.unfused)
 
 
-__all__ = ["attach_lora_files", "merged"]
+__all__ = ["attach_lora_files", "merged_params"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from q8rules.llm.loaded import LoadedModel
+from q8rules.lora.loaded import LoadedModel
 
 Batch = tuple[np.ndarray, np.ndarray]
 Sampler = Callable[[], Batch]

@@ -21,7 +21,7 @@ columns (the same int8 values and scales: no value changes, no new product numbe
 member has its own adapter. A file that stores q | k | v fused (phi3's `attn_qkv`) has its
 adapter on that tensor.
 
-On a mesh each adapter follows its base's split (`q8rules.lora.names`): A along K under
+On a mesh each adapter follows its base's split (`q8rules.sharding.adapters`): A along K under
 a row-parallel base, B along N under a column-parallel one.
 """
 
@@ -41,16 +41,16 @@ from jax.sharding import NamedSharding
 
 from q8rules._qwix import unbox
 from q8rules.checkpoint.gguf import open_gguf
-from q8rules.llm.loaded import LoadedModel
-from q8rules.llm.tensors import q8_rule
 from q8rules.lora.fuse import unfuse
-from q8rules.lora.names import LORA_A, LORA_B, adapter_spec
+from q8rules.lora.loaded import LoadedModel
 from q8rules.lora.provider import Q8LoraProvider, Q8LoraRule
 from q8rules.lora.tree import EXPERT_KINDS, KINDS, get_in, kernel_path, layer_roots, set_in
 from q8rules.models.transformer import Transformer
 from q8rules.providers.placement import placed_sharding
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.q8_0 import Q8Array
+from q8rules.rules import q8_rule
+from q8rules.sharding.adapters import LORA_A, LORA_B, adapter_spec
 
 DEFAULT_TARGETS = (
   "attn_q",

@@ -1,7 +1,7 @@
 """A new LoRA adapter gets its Q8_0 base's sharding: the base's annotation and placement.
 
 When `Q8LoraProvider` creates `<name>_lora_a` (K, rank) or `<name>_lora_b` (rank, N) beside the
-Q8 param `<name>`, the adapter follows the base's (K, N) split (`q8rules.lora.names`:
+Q8 param `<name>`, the adapter follows the base's (K, N) split (`q8rules.sharding.adapters`:
 A takes K's entry, B takes N's, the rank axis stays whole), as Qwix's `LoraProvider` copies
 its weight's sharding onto lora_a / lora_b:
 
@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import get_current_module, unbox
-from q8rules.lora.names import Which, adapter_entries, adapter_spec
 from q8rules.providers.placement import (
   NNX_SHARDING_KEYS,
   annotation,
@@ -32,6 +31,7 @@ from q8rules.providers.placement import (
   current_mesh,
   placed_sharding,
 )
+from q8rules.sharding.adapters import Which, adapter_entries, adapter_spec
 from q8rules.sharding.product import type_spec
 from q8rules.sharding.specs import AnyMesh, devices_along, spec_entries
 

@@ -46,7 +46,6 @@ from q8rules._qwix import (
 )
 from q8rules.kernels.layer import LayerSlice
 from q8rules.layout import ProductLayout
-from q8rules.lora.names import LORA_A, LORA_B
 from q8rules.lora.placement import init_like_base
 from q8rules.providers import views
 from q8rules.providers.policy import CurrentRule, op_where
@@ -54,6 +53,7 @@ from q8rules.providers.products import Product
 from q8rules.providers.q8_weight import Q8Weight
 from q8rules.providers.serving import Q8Provider, ServePolicy
 from q8rules.rules import Q8Rule, describe
+from q8rules.sharding.adapters import LORA_A, LORA_B
 from q8rules.sharding.product import type_spec
 from q8rules.sharding.specs import spec_entries
 

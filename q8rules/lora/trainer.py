@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from q8rules.llm.loaded import LoadedModel
 from q8rules.lora.gguf_model import lora_model
-from q8rules.lora.names import LORA_A, LORA_B
+from q8rules.lora.loaded import LoadedModel
 from q8rules.models.attention import init_cache
 from q8rules.providers import shard_products
+from q8rules.sharding.adapters import LORA_A, LORA_B
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -2,34 +2,32 @@
 
 Every field is in llama.cpp's terms where it has them; `q8rules.llm.config` reads them
 from a GGUF file's metadata. What each arch sets (llama.cpp's graphs,
-src/models/<arch>.cpp):
-
-  llama    interleaved (NORM) rope; optional `rope_freqs` (Llama 3.1+)
-  qwen2    NEOX rope, q/k/v biases
-  qwen3    NEOX rope, QK-norm
-  gemma    NEOX rope, embeddings * sqrt(dim), GELU-tanh GeGLU, tied embeddings
-  gemma2   gemma + post-attention / post-FFN norms, attention and final soft-capping,
-           sliding-window layers (every other one) with their own rope base
-  gemma3   gemma2 without attention soft-capping, + QK-norm; 5 of every 6 layers local
-  phi3     NEOX rope, fused attn_qkv and gate|up, LongRoPE factors chosen by context
-  qwen3moe qwen3 with a mixture of experts (softmax, top-k, normalised weights)
-  llama    with `ffn_*_exps` (Mixtral): the same mixture of experts
+src/models/<arch>.cpp) is its module's of q8rules/llm/archs/.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax.numpy as jnp
 
 from q8rules.models import yarn
 
 RopeStyle = Literal["interleaved", "halves"]
+RopeScaling = Literal["linear", "longrope", "yarn"]
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 ExpertGating = Literal["softmax", "sigmoid", "softmax_weight", "sqrt_softplus"]
-EXPERT_GATINGS: tuple[str, ...] = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
+EXPERT_GATINGS: tuple[str, ...] = get_args(ExpertGating)
 """llama.cpp's expert gating functions (`llama_expert_gating_func_type` 1-4, in order)."""
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+  "rope_style": get_args(RopeStyle),
+  "rope_scaling": (None, *get_args(RopeScaling)),
+  "activation": get_args(Activation),
+  "expert_gating": EXPERT_GATINGS,
+}
+"""The fields that take one of a few values, with those values."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +141,7 @@ class TransformerConfig:
   ffn: int = 128
   rope_base: float = 10000.0
   rope_style: RopeStyle = "interleaved"
-  rope_scaling: str | None = None
+  rope_scaling: RopeScaling | None = None
   rope_factor: float = 1.0
   rope_freq_factors: bool = False
   rope_long_short: bool = False
@@ -203,20 +201,16 @@ class TransformerConfig:
       raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
-    if self.rope_style not in ("interleaved", "halves"):
-      raise ValueError(f"rope_style must be 'interleaved' or 'halves', got {self.rope_style!r}")
-    if self.rope_scaling not in (None, "linear", "longrope", "yarn"):
-      raise ValueError(
-        f"rope_scaling must be None, 'linear', 'longrope' or 'yarn', got {self.rope_scaling!r}"
-      )
+    for field, allowed in CHOICES.items():
+      if getattr(self, field) not in allowed:
+        *first, last = map(repr, allowed)
+        raise ValueError(
+          f"{field} must be {', '.join(first)} or {last}, got {getattr(self, field)!r}"
+        )
     if self.rope_scaling == "yarn" and self.rope_original_context <= 0:
       raise ValueError("rope_scaling 'yarn' needs rope_original_context > 0")
     if self.rope_freq_factors and self.rope_long_short:
       raise ValueError("rope_freq_factors and rope_long_short exclude each other")
-    if self.activation not in ("silu", "gelu_tanh", "swiglu_oai"):
-      raise ValueError(
-        f"activation must be 'silu', 'gelu_tanh' or 'swiglu_oai', got {self.activation!r}"
-      )
     object.__setattr__(self, "local_layers", tuple(bool(b) for b in self.local_layers))
     self._check_layers()
     if self.local_layers and len(self.local_layers) != self.layers:
@@ -228,8 +222,6 @@ class TransformerConfig:
     self._check_experts()
 
   def _check_experts(self) -> None:
-    if self.expert_gating not in EXPERT_GATINGS:
-      raise ValueError(f"expert_gating must be one of {EXPERT_GATINGS}, got {self.expert_gating!r}")
     if self.experts < 0 or self.expert_ffn < 0 or self.shared_expert_ffn < 0:
       raise ValueError(
         f"experts {self.experts}, expert_ffn {self.expert_ffn} and shared_expert_ffn"
@@ -357,4 +349,12 @@ class TransformerConfig:
     return len(held), self.layer_kv_heads_of(held[0]), self.layer_head_dim(held[0])
 
 
-__all__ = ["EXPERT_GATINGS", "Activation", "ExpertGating", "RopeStyle", "TransformerConfig"]
+__all__ = [
+  "CHOICES",
+  "EXPERT_GATINGS",
+  "Activation",
+  "ExpertGating",
+  "RopeScaling",
+  "RopeStyle",
+  "TransformerConfig",
+]

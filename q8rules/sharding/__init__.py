@@ -1,7 +1,8 @@
 """Tensor-parallel Q8_0 on a device mesh, with JAX's own SPMD machinery.
 
 `specs`: PartitionSpecs for Q8_0 weights; `product`: a product per shard in
-`shard_map`; `params`: placing a Q8 param tree. The provider's mesh context,
+`shard_map`; `params`: placing a Q8 param tree; `adapters`: a LoRA adapter's spec beside
+its Q8_0 base's split. The provider's mesh context,
 `q8rules.shard_products`, lives in `q8rules.providers.mesh`.
 
 Limits: a model that calls `shard_map` itself around a weight does not get

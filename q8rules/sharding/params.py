@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from q8rules._qwix import WithAux
 from q8rules.layout import Q8How
-from q8rules.lora.names import adapter_of, adapter_spec
 from q8rules.q8_0 import Q8Array
+from q8rules.sharding.adapters import adapter_of, adapter_spec
 from q8rules.sharding.specs import (
   AnyMesh,
   SpecKey,
@@ -104,7 +104,7 @@ def _float_param_spec(leaf: Any, spec: Any, mesh: AnyMesh, name: str) -> P:
 
 def _adapter_spec(keys: tuple[str, ...], q8_specs: Mapping[tuple[str, ...], P]) -> P | None:
   """The spec of a LoRA adapter at `keys` ('up', 'kernel_lora_a') that follows its Q8 base's
-  (`q8rules.lora.names`), or None when `keys` is not an adapter of a Q8 param."""
+  (`q8rules.sharding.adapters`), or None when `keys` is not an adapter of a Q8 param."""
   found = adapter_of(keys[-1]) if keys else None
   if found is None:
     return None
@@ -140,7 +140,7 @@ def param_shardings(
       no key matches are replicated, except LoRA adapters (`<name>_lora_a`, `<name>_lora_b`
       beside a Q8 param `<name>`, `q8rules.Q8LoraProvider`), which follow their base:
       A (K, rank) split along K as a row-parallel base is, B (rank, N) along N as a
-      column-parallel base is (`q8rules.lora.names`; a key naming one wins).
+      column-parallel base is (`q8rules.sharding.adapters`; a key naming one wins).
     strict: raise when a key of `specs` matches no param (a typo).
 
   Returns:

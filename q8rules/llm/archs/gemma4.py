@@ -33,8 +33,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from q8rules.checkpoint import CheckpointError
+from q8rules.llm.arch import Arch
+from q8rules.llm.archs.gemma import GEMMA_FIELDS
 
-ARCH = "gemma4"
+NAME = "gemma4"
 DEFAULT_FINAL_SOFTCAP = 30.0
 """llama.cpp's `f_final_logit_softcapping` default, which gemma4 (unlike gemma3) keeps."""
 LAYER_ARRAYS = ("attention.head_count_kv", "feed_forward_length")
@@ -43,19 +45,19 @@ other key is refused."""
 
 
 def _required(meta: Mapping[str, Any], path: str, key: str) -> Any:
-  value = meta.get(f"{ARCH}.{key}")
+  value = meta.get(f"{NAME}.{key}")
   if value is None:
-    raise CheckpointError(f"{path}: metadata has no '{ARCH}.{key}', which a gemma4 model needs")
+    raise CheckpointError(f"{path}: metadata has no '{NAME}.{key}', which a gemma4 model needs")
   return value
 
 
 def _per_layer(meta: Mapping[str, Any], path: str, key: str, layers: int) -> tuple[int, ...]:
   """A LAYER_ARRAYS key's per-layer values, or () when the file gives one value."""
-  value = meta.get(f"{ARCH}.{key}")
+  value = meta.get(f"{NAME}.{key}")
   if not isinstance(value, list | tuple):
     return ()
   if len(value) != layers:
-    raise CheckpointError(f"{path}: {ARCH}.{key} has {len(value)} entries for {layers} layers")
+    raise CheckpointError(f"{path}: {NAME}.{key} has {len(value)} entries for {layers} layers")
   return tuple(int(v) for v in value)
 
 
@@ -64,7 +66,7 @@ def _local_layers(meta: Mapping[str, Any], path: str, layers: int) -> tuple[bool
   pattern = _required(meta, path, key)
   if not isinstance(pattern, list | tuple) or len(pattern) != layers:
     raise CheckpointError(
-      f"{path}: {ARCH}.{key} must be one bool per layer ({layers}), got {pattern!r}"
+      f"{path}: {NAME}.{key} must be one bool per layer ({layers}), got {pattern!r}"
     )
   return tuple(bool(p) for p in pattern)
 
@@ -73,7 +75,7 @@ def _shared_kv(meta: Mapping[str, Any], path: str, local: tuple[bool, ...]) -> i
   """`attention.shared_kv_layers`, checked as llama.cpp's KV reuse needs it: at least two layers
   compute KV, and each sharing layer's source (`kv_layers - 2` local, `- 1` global) is of its
   kind."""
-  key = f"{ARCH}.attention.shared_kv_layers"
+  key = f"{NAME}.attention.shared_kv_layers"
   shared, layers = int(meta.get(key, 0)), len(local)
   if not shared:
     return 0
@@ -99,7 +101,7 @@ def _kv_heads(
     seen = {values[i] for i in range(own) if local[i] == kind} if values else set()
     if len(seen) > 1:
       raise CheckpointError(
-        f"{path}: {ARCH}.attention.head_count_kv gives the {'local' if kind else 'global'}"
+        f"{path}: {NAME}.attention.head_count_kv gives the {'local' if kind else 'global'}"
         f" layers different KV heads {sorted(seen)}; one per kind is supported"
       )
   return values
@@ -108,19 +110,19 @@ def _kv_heads(
 def _experts(meta: Mapping[str, Any], path: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
   """The expert fields (none without `expert_count`), checked as llama.cpp's loader checks
   them."""
-  experts = int(meta.get(f"{ARCH}.expert_count", 0))
-  used = meta.get(f"{ARCH}.expert_used_count", 0)
+  experts = int(meta.get(f"{NAME}.expert_count", 0))
+  used = meta.get(f"{NAME}.expert_used_count", 0)
   if isinstance(used, list | tuple):
-    raise CheckpointError(f"{path}: per-layer values of '{ARCH}.expert_used_count': {used}")
+    raise CheckpointError(f"{path}: per-layer values of '{NAME}.expert_used_count': {used}")
   if experts <= 0:
     return {}
   if not 1 <= int(used) <= experts:
     raise CheckpointError(
-      f"{path}: {ARCH}.expert_used_count {used} must be in [1, {ARCH}.expert_count {experts}]"
+      f"{path}: {NAME}.expert_used_count {used} must be in [1, {NAME}.expert_count {experts}]"
     )
   ffn = _required(meta, path, "expert_feed_forward_length")
   if isinstance(ffn, list | tuple):
-    raise CheckpointError(f"{path}: per-layer values of '{ARCH}.expert_feed_forward_length'")
+    raise CheckpointError(f"{path}: per-layer values of '{NAME}.expert_feed_forward_length'")
   return dict(
     experts=experts,
     experts_used=int(used),
@@ -157,13 +159,13 @@ def gemma4_fields(
   value_local = int(_required(meta, path, "attention.value_length_swa"))
   if value_local != head_local:
     raise CheckpointError(
-      f"{path}: {ARCH}.attention.value_length_swa {value_local} differs from key_length_swa"
+      f"{path}: {NAME}.attention.value_length_swa {value_local} differs from key_length_swa"
       f" {head_local}"
     )
-  rot_local = int(meta.get(f"{ARCH}.rope.dimension_count_swa", c["head_dim"]))
+  rot_local = int(meta.get(f"{NAME}.rope.dimension_count_swa", c["head_dim"]))
   if any(local) and rot_local != head_local:
     raise CheckpointError(
-      f"{path}: partial rotary embeddings ({ARCH}.rope.dimension_count_swa {rot_local} of the"
+      f"{path}: partial rotary embeddings ({NAME}.rope.dimension_count_swa {rot_local} of the"
       f" local head dim {head_local}) are not supported"
     )
   shared = _shared_kv(meta, path, local)
@@ -179,8 +181,8 @@ def gemma4_fields(
     per_layer_dim=int(_required(meta, path, "embedding_length_per_layer_input")),
     layer_out_scale="blk.0.layer_output_scale.weight" in tensors,
     rope_freq_factors=not all(local),
-    rope_base_local=float(meta.get(f"{ARCH}.rope.freq_base_swa", 10000.0)),
-    final_softcap=float(meta.get(f"{ARCH}.final_logit_softcapping", DEFAULT_FINAL_SOFTCAP)),
+    rope_base_local=float(meta.get(f"{NAME}.rope.freq_base_swa", 10000.0)),
+    final_softcap=float(meta.get(f"{NAME}.final_logit_softcapping", DEFAULT_FINAL_SOFTCAP)),
     attn_scale=1.0,
     v_norm=True,
     scan_layers=False,
@@ -188,4 +190,13 @@ def gemma4_fields(
   )
 
 
-__all__ = ["ARCH", "DEFAULT_FINAL_SOFTCAP", "LAYER_ARRAYS", "gemma4_fields"]
+ARCH = Arch(
+  NAME,
+  dict(GEMMA_FIELDS, post_norms=True, qk_norm=True),
+  layer_arrays=LAYER_ARRAYS,
+  read=gemma4_fields,
+)
+"""Gemma 4 as `q8rules.llm.archs.ARCHS` holds it: gemma3's norms and QK-norm, the rest read by
+`gemma4_fields`."""
+
+__all__ = ["ARCH", "DEFAULT_FINAL_SOFTCAP", "LAYER_ARRAYS", "NAME", "gemma4_fields"]

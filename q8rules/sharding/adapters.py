@@ -1,5 +1,8 @@
 """LoRA adapters' specs: they follow the split of their frozen Q8_0 base's (K, N) matrix.
 
+Here, below `q8rules.lora`, because placing a param tree (`q8rules.sharding.params`) gives an
+adapter param its base's split as the LoRA provider does.
+
 A base param `<name>` (Q8 values (..., K, N)) has its adapters `<name>_lora_a` (..., K, rank) and
 `<name>_lora_b` (..., rank, N) beside it (`q8rules.Q8LoraProvider`). A column-parallel base
 (N split) gives B the N split and leaves A whole; a row-parallel base (K split) gives A the K

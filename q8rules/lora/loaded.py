@@ -1,6 +1,7 @@
 """`LoadedModel`: what the helpers that rebuild, adapt or train a loaded GGUF model read of it
-(`q8rules.llm.GGUFModel` is one). A Protocol, so that `q8rules.llm.model`, which calls those
-helpers from its methods, and the helpers, which take its models, do not import each other."""
+(`q8rules.llm.GGUFModel` is one). A Protocol, so that the helpers of `q8rules.lora` take the
+loader's models without importing `q8rules.llm`: `q8rules.llm` imports `q8rules.lora` (its
+models' `with_lora`, `merged`, `loss`, `load_gguf(lora=)`), never the reverse."""
 
 from __future__ import annotations
 
