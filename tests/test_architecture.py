@@ -431,6 +431,42 @@ def test_scripts_import_no_benchmark():
   assert imports_of(sorted(SCRIPTS.rglob("*.py")), "benchmarks") == []
 
 
+def folder_imports(folder: Path) -> dict[str, set[str]]:
+  """Module -> the modules of `folder` (scripts run from it, importing each other by their file's
+  name) that its import statements name, lazily or not."""
+  names = {p.stem for p in folder.glob("*.py")}
+  edges: dict[str, set[str]] = {}
+  for path in sorted(folder.glob("*.py")):
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        found |= {a.name.split(".")[0] for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        found.add(node.module.split(".")[0])
+    edges[path.stem] = (found & names) - {path.stem}
+  return edges
+
+
+def test_scripts_have_no_import_circle():
+  """No script of scripts/ imports another that imports it back, directly or through others (the
+  test-file writers share scripts/tiny_gguf_parts.py; scripts/make_gguf_references.py runs
+  them)."""
+  edges = folder_imports(SCRIPTS)
+  assert "tiny_gguf_parts" in edges["gguf_moe"]
+  assert "gguf_moe" in edges["make_gguf_references"]
+  cycle = find_cycle(edges)
+  assert cycle is None, " -> ".join(cycle)
+
+
+def test_scripts_circle_check_catches_a_circle(tmp_path):
+  (tmp_path / "writer.py").write_text("import numpy\nfrom parts import TEXT\n")
+  (tmp_path / "parts.py").write_text("TEXT = 'x'\n\n\ndef run():\n  import writer\n")
+  (tmp_path / "other.py").write_text("import os.path\nimport parts\n")
+  edges = folder_imports(tmp_path)
+  assert edges == {"other": {"parts"}, "parts": {"writer"}, "writer": {"parts"}}
+  assert find_cycle(edges) == ["parts", "writer", "parts"]
+
+
 MAX_PY_LINES = 500
 MAX_CC_LINES = 600
 
