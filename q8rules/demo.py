@@ -17,6 +17,7 @@ import numpy as np
 import qwix
 
 import q8rules
+from q8rules.demo_options import add_arguments
 from q8rules.models import Transformer, TransformerConfig, init_cache
 from q8rules.timing import median_time
 
@@ -28,46 +29,6 @@ def tree_bytes(tree) -> int:
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
   """Defaults shown after each option's help; the description kept as written."""
-
-
-def count(text: str) -> int:
-  """argparse type: an integer >= 1 (a model has at least one layer, one head, ...)."""
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-  return value
-
-
-def width(text: str) -> int:
-  """argparse type: a positive multiple of 64 (the demo's heads are 64 wide)."""
-  value = count(text)
-  if value % 64:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 64")
-  return value
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-  """The demo's options (the model's shape, the decode steps, the implementation)."""
-  p.add_argument("--layers", type=count, default=4, help="decoder layers")
-  p.add_argument("--dim", type=width, default=512, help="model width D (heads = D / 64)")
-  p.add_argument(
-    "--kv-heads", type=count, default=None, help="key/value heads (None: half the heads)"
-  )
-  p.add_argument("--ffn", type=count, default=1408, help="MLP hidden width F")
-  p.add_argument("--vocab", type=count, default=2048, help="vocabulary size V (lm_head D x V)")
-  p.add_argument("--steps", type=count, default=16, help="greedy decode steps compared")
-  p.add_argument("--repeats", type=count, default=30, help="timed decode steps")
-  p.add_argument(
-    "--implementation",
-    choices=q8rules.kernels.IMPLEMENTATIONS,
-    default=None,
-    help="force one Q8_0 implementation (None: the best for the backend and shape)",
-  )
-  p.add_argument("--tied", action="store_true", help="tied embeddings (the table is the head)")
-  p.add_argument("--bf16", action="store_true", help="bfloat16 activations")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

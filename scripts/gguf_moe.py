@@ -29,7 +29,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from make_gguf_references import (
+from tiny_gguf_parts import (
   N_NEW,
   PROMPT,
   TEXT,

@@ -57,6 +57,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
       "q8rules.llm",
       "q8rules.cli",
       "q8rules.demo",
+      "q8rules.demo_options",
       "q8rules.__main__",
       "q8rules.serve",
       "q8rules.lora.gguf_model",
@@ -219,35 +220,96 @@ def test_docs_show_the_floors():
   ]
 
 
-def test_import_q8rules_loads_no_application():
-  """`import q8rules` loads the core only: no checkpoint/llm/models, no gguf, safetensors or
-  tokenizers (they load on first use of `q8rules.load_gguf` / `q8rules.checkpoint`)."""
-  code = (
-    "import sys, q8rules\n"
-    "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'safetensors',"
-    f" 'tokenizers') or m.startswith({APPLICATIONS!r}))\n"
-    "print(','.join(bad))\n"
-    "assert callable(q8rules.load_gguf) and 'q8rules.llm' in sys.modules\n"
+FILE_LIBRARIES = ("gguf", "safetensors", "tokenizers")
+"""What only the applications import (a checkpoint touched)."""
+
+HEAVY = ("jax", "jaxlib", "flax", "qwix", "numpy", *FILE_LIBRARIES)
+"""What the command line's parsing and `import q8rules` must not import: a command's work loads
+them when it runs."""
+
+
+def applications_in(loaded: list[str]) -> list[str]:
+  """The application modules and file libraries among `loaded` module names."""
+  return [m for m in loaded if m.startswith(APPLICATIONS) or m.split(".")[0] in FILE_LIBRARIES]
+
+
+def loaded_after(code: str) -> list[str]:
+  """The modules of `HEAVY` (and of q8rules, but the package itself, its command line and the
+  demo's options) that running `code` in a fresh interpreter leaves in sys.modules."""
+  probe = (
+    f"{code}\n"
+    "import sys\n"
+    "own = ('q8rules', 'q8rules.demo_options')\n"
+    f"print('LOADED', ','.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}"
+    " or m.startswith('q8rules.') and not m.startswith('q8rules.cli') and m not in own)),"
+    " file=sys.stderr)\n"
   )
   out = subprocess.run(
-    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+    [sys.executable, "-c", probe], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300
   )
-  assert out.stdout.strip() == "", out.stdout
+  line = [t for t in out.stderr.splitlines() if t.startswith("LOADED")]
+  assert line, out.stderr
+  return [m for m in line[-1].removeprefix("LOADED").strip().split(",") if m]
+
+
+def test_import_q8rules_loads_nothing_else():
+  """`import q8rules` loads no submodule and neither JAX nor numpy: every name resolves on first
+  use, and the core's names load the core, not the applications (checkpoint, llm, models) nor
+  gguf, safetensors or tokenizers."""
+  assert loaded_after("import q8rules") == []
+  core = loaded_after("import q8rules\nq8rules.Q8Provider, q8rules.kernels, q8rules.sharding")
+  assert "jax" in core and "q8rules.providers" in core and "q8rules.kernels" in core
+  assert applications_in(core) == [], core
+  app = loaded_after("import q8rules\nassert callable(q8rules.load_gguf)")
+  assert "q8rules.llm" in app and "gguf" in app
 
 
 def test_star_import_loads_no_application():
-  """`from q8rules import *` takes the core only: `__all__` names no application."""
-  code = (
-    "import sys\n"
-    "from q8rules import *\n"
-    "bad = sorted(m for m in sys.modules if m.startswith("
-    f"{APPLICATIONS!r}) or m.split('.')[0] in ('gguf', 'safetensors'))\n"
-    "print(','.join(bad))\n"
+  """`from q8rules import *` takes the core (every name of `__all__`, resolved), and no
+  application."""
+  loaded = loaded_after(
+    "from q8rules import *\nimport q8rules\nassert all(n in globals() for n in q8rules.__all__)"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+  assert "q8rules.providers" in loaded and "q8rules.lora.merge" in loaded
+  assert applications_in(loaded) == [], loaded
+
+
+COMMAND_LINES = (
+  ["--help"],
+  ["run", "--help"],
+  ["serve", "--help"],
+  ["chat", "--help"],
+  ["finetune", "--help"],
+  ["demo", "--help"],
+  ["run", "--nope"],
+  ["run", "model.gguf", "-n", "0"],
+  ["--layers", "x"],
+  ["--version"],
+)
+"""Command lines answered by the parser alone (help, the version, a bad argument)."""
+
+
+def test_command_line_parsing_imports_no_jax():
+  """`python -m q8rules --help`, `q8rules CMD --help` and bad arguments build the parsers and
+  answer without importing JAX (nor numpy, Flax, Qwix): the command's work imports them."""
+  for argv in COMMAND_LINES:
+    module = (
+      f"import sys, runpy\nsys.argv = ['q8rules', *{argv!r}]\n"
+      "try:\n  runpy.run_module('q8rules', run_name='__main__')\nexcept SystemExit: pass"
+    )
+    entry = f"from q8rules.cli import main\ntry:\n  main({argv!r})\nexcept SystemExit: pass"
+    assert loaded_after(module) == [], argv
+    assert loaded_after(entry) == [], argv
+
+
+def test_loaded_modules_check_catches_an_import():
+  """The probe sees what a command that ran far enough to load a model imported: JAX and the
+  model's modules."""
+  found = loaded_after(
+    "from q8rules.cli import main\ntry:\n  main(['run', '/nonexistent.gguf', '-p', 'x'])\n"
+    "except SystemExit: pass"
   )
-  assert out.stdout.strip() == "", out.stdout
+  assert "jax" in found and "q8rules.llm" in found
 
 
 def test_graph_sees_imports():
@@ -441,6 +503,42 @@ def test_import_direction_check_catches_a_reverse_import():
 def test_scripts_import_no_benchmark():
   """Imports between scripts/ and benchmarks/ go one way: benchmarks/ -> scripts/."""
   assert imports_of(sorted(SCRIPTS.rglob("*.py")), "benchmarks") == []
+
+
+def folder_imports(folder: Path) -> dict[str, set[str]]:
+  """Module -> the modules of `folder` (scripts run from it, importing each other by their file's
+  name) that its import statements name, lazily or not."""
+  names = {p.stem for p in folder.glob("*.py")}
+  edges: dict[str, set[str]] = {}
+  for path in sorted(folder.glob("*.py")):
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        found |= {a.name.split(".")[0] for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        found.add(node.module.split(".")[0])
+    edges[path.stem] = (found & names) - {path.stem}
+  return edges
+
+
+def test_scripts_have_no_import_circle():
+  """No script of scripts/ imports another that imports it back, directly or through others (the
+  test-file writers share scripts/tiny_gguf_parts.py; scripts/make_gguf_references.py runs
+  them)."""
+  edges = folder_imports(SCRIPTS)
+  assert "tiny_gguf_parts" in edges["gguf_moe"]
+  assert "gguf_moe" in edges["make_gguf_references"]
+  cycle = find_cycle(edges)
+  assert cycle is None, " -> ".join(cycle)
+
+
+def test_scripts_circle_check_catches_a_circle(tmp_path):
+  (tmp_path / "writer.py").write_text("import numpy\nfrom parts import TEXT\n")
+  (tmp_path / "parts.py").write_text("TEXT = 'x'\n\n\ndef run():\n  import writer\n")
+  (tmp_path / "other.py").write_text("import os.path\nimport parts\n")
+  edges = folder_imports(tmp_path)
+  assert edges == {"other": {"parts"}, "parts": {"writer"}, "writer": {"parts"}}
+  assert find_cycle(edges) == ["parts", "writer", "parts"]
 
 
 MAX_PY_LINES = 500

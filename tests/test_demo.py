@@ -37,3 +37,12 @@ def test_demo_runs_and_reports(capsys):
   assert paths["embed/take0"] == "lookup"  # the table is read from its Q8_0 values
   assert out["q8_bytes"] < 0.5 * out["float_bytes"]
   assert 0 < out["prefill_err"] < 0.05  # Q8_0 error against float: real but small
+
+
+def test_implementation_choices_are_the_registered_ones():
+  """`--implementation`'s choices (written out in `q8rules.demo_options`, which loads no JAX)
+  are the Q8_0 product's registered implementations, in their order."""
+  from q8rules.demo_options import IMPLEMENTATIONS
+  from q8rules.kernels import IMPLEMENTATIONS as REGISTERED
+
+  assert IMPLEMENTATIONS == REGISTERED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,3 +62,39 @@ def test_a_freed_row_stops_and_the_others_go_on():
   assert np.asarray(rows.active).tolist() == [True, False]
   runner.decode(3)
   assert np.asarray(runner.rows.positions).tolist() == [10, 0]
+
+
+def test_warm_up_compiles_every_program_without_running_them():
+  """After `warm_up` a request's programs (its prompt's chunks, the decode steps, the slot's
+  release, its key) compile nothing more, and the warm-up ran none of them: the cache and the
+  rows are the arrays they were (not donated)."""
+  from q8rules.llm import compile_cache
+
+  m = q8rules.load_gguf(DATA / "tiny-qwen2-q8_0.gguf", dtype=jnp.float32, progress=False)
+  runner = BatchRunner(m, 2, 64, chunk=8, steps=4)
+  cache, rows = runner.cache, runner.rows
+
+  def compiles() -> int:
+    s = compile_cache.stats()
+    return s["compiled"] + s["cache_hits"]
+
+  start = compiles()
+  runner.warm_up()
+  assert runner.cache is cache and runner.rows is rows
+  assert not any(a.is_deleted() for a in jax.tree.leaves((cache, rows)))
+  before = compiles()
+  assert before > start
+  p = SamplingParams(temperature=0.9, top_k=20, seed=7)
+  ids = np.arange(1, 14, dtype=np.int32)  # 13 tokens: chunks of 8, 4 and 1
+  runner.set_settings(1, p)
+  pos = 0
+  for i, t in enumerate(chunks := [8, 4, 1]):
+    last = i == len(chunks) - 1
+    runner.prefill(1, ids[pos : pos + t], pos, p.key(), np.full(HISTORY, -1, np.int32),
+                   RowSettings.of([p]), last).fetch(True)  # fmt: skip
+    pos += t
+  for n in (1, 4, 2):
+    runner.decode(n).fetch(logprobs=True)
+  runner.free(1)
+  jax.block_until_ready(runner.rows)
+  assert compiles() == before

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+from q8rules import demo_options
+
 NAME = "demo"
 HELP = "the rules on the built-in decoder: matches, paths, bytes, error, time"
 EXAMPLE = "q8rules demo --layers 2 --dim 256"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-  from q8rules import demo
-
-  demo.add_arguments(p)
+  demo_options.add_arguments(p)
 
 
 def execute(args: argparse.Namespace) -> dict:

@@ -8,8 +8,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from q8rules.checkpoint._common import CheckpointError
-
 PROG = "q8rules"
 
 
@@ -36,7 +34,16 @@ class OneLineParser(argparse.ArgumentParser):
     fail(f"{message} (see `{self.prog} --help`)", 2)
 
 
-FILE_ERRORS = (FileNotFoundError, IsADirectoryError, PermissionError, CheckpointError, ModelError)
+OS_FILE_ERRORS = (FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def file_errors() -> tuple[type[Exception], ...]:
+  """The errors of a file or model that cannot be used: `OS_FILE_ERRORS`, `ModelError` and
+  `CheckpointError`, imported here, when an error is being handled: the checkpoint modules load
+  JAX, which parsing the command line must not."""
+  from q8rules.checkpoint import CheckpointError
+
+  return (*OS_FILE_ERRORS, CheckpointError, ModelError)
 
 
 def guarded(run: Callable[[], object], debug: bool) -> int:
@@ -48,14 +55,14 @@ def guarded(run: Callable[[], object], debug: bool) -> int:
     if debug:
       raise
     fail(str(e), 2)
-  except FILE_ERRORS as e:
+  except KeyboardInterrupt:
+    print(file=sys.stderr)
+    return 130
+  except file_errors() as e:  # evaluated only once an error is raised
     if debug:
       raise
     what = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"
     fail(what, 1)
-  except KeyboardInterrupt:
-    print(file=sys.stderr)
-    return 130
   except Exception as e:
     if debug:
       raise

@@ -16,12 +16,14 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from q8rules.cli import errors as E
 from q8rules.cli.progress import bars
 from q8rules.cli.threads import add_threads
-from q8rules.llm.model import GGUFModel
+
+if TYPE_CHECKING:  # the annotations only: importing the model loads JAX
+  from q8rules.llm.model import GGUFModel
 
 NAME = "run"
 HELP = "generate text from a GGUF model"

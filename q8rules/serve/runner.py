@@ -289,18 +289,25 @@ class BatchRunner:
     return Step(out)
 
   def warm_up(self) -> None:
-    """Compile the decode step, each chunk shape and the slot's release now (greedy and
-    sampled, with and without log-probabilities), writing only slot 0 at position 0 (free:
-    nothing there is read)."""
-    self.decode().fetch(logprobs=True)
-    key = np.zeros((2,), np.uint32)
-    history = np.full((HISTORY,), -1, np.int32)
+    """Compile the decode step, each chunk shape and the slot's release now, without running
+    any of them (running them cost a prefill of every chunk shape over the slot's row of the
+    cache): each is lowered for the arguments its calls pass and compiled ahead of time, which
+    puts it in `jax.jit`'s caches (and in the persistent compilation cache, when on), so its
+    first call runs at once. The first request's key (`jax.random.key`) is compiled too."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # shapes suffice for a lowering
+    history = jax.ShapeDtypeStruct((HISTORY,), jnp.int32)
     one = RowSettings.empty(1)
+    settings = jax.tree.map(jnp.asarray, self.settings)
+    params, cache, rows, zero = self.model.params, self.cache, self.rows, jnp.int32(0)
+    self._decode.lower(params, cache, rows, settings, jnp.int32(1)).compile()
+    self._free.lower(rows, zero).compile()
     for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
       if t <= self.context:
-        self.prefill(0, np.zeros((t,), np.int32), 0, key, history, one, False).fetch(True)
-    self.free(0)
-    jax.block_until_ready(self.rows)
+        tokens = jax.ShapeDtypeStruct((t,), jnp.int32)
+        self._prefill.lower(
+          params, cache, rows, zero, tokens, zero, key, history, one, jnp.bool_(False)
+        ).compile()
+    SamplingParams(temperature=0.0).key()
 
 
 __all__ = [
