@@ -1,6 +1,7 @@
 """Decode with sampling against greedy decode, on the real SmolLM2-135M-Instruct (vocab 49,152).
 
-    python benchmarks/bench_sampling.py [--rounds 5] [--new 65] [--threads N] [--write]
+    python benchmarks/bench_sampling.py [--rounds 5] [--new 65] [--threads N] [--model PATH]
+                                        [--write]
 
 One process, the model loaded once; per round each setting in turn (the order rotating), each
 a `GGUFModel.stream` of --new tokens after a 9-token prompt, its decode rate counted as
@@ -31,7 +32,7 @@ from scripts.fetch_real_models import MODELS, cache_dir  # noqa: E402
 SETTINGS = {
   "greedy": {},
   "--temp 0.8 --top-k 40 --top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
-  "--temp 0.8 --top-p 0.95 (sorts the vocabulary)": dict(temperature=0.8, top_p=0.95),
+  "--temp 0.8 --top-p 0.9 (top-p alone)": dict(temperature=0.8, top_p=0.9),
   "--temp 0.8": dict(temperature=0.8),
 }
 
@@ -55,6 +56,8 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every setting")
   ap.add_argument("--new", type=int, default=65, help="tokens generated per run")
   ap.add_argument("--threads", type=int, default=None, help="CPUs (None: all)")
+  ap.add_argument("--model", default=None,
+                  help="the GGUF file (None: SmolLM2-135M-Instruct Q4_1 in the models' cache)")  # fmt: skip
   ap.add_argument("--write", action="store_true", help="write RESULTS.md's `sampling` section")
   args = ap.parse_args()
   if args.threads:
@@ -64,14 +67,16 @@ def main() -> None:
   import jax.numpy as jnp
 
   import q8rules
-  from q8rules.llm.sampling import Sampler
+  from q8rules.engine.sampling import SamplingParams
 
-  path = cache_dir() / MODELS["smollm2-q4_1"].file
+  path = Path(args.model) if args.model else cache_dir() / MODELS["smollm2-q4_1"].file
   if not path.exists():
     raise SystemExit(f"{path}: missing; run scripts/fetch_real_models.py first")
   m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
   prompt = m.tokenizer.encode("Once upon a time, in a small village by the sea,")
-  samplers = {name: Sampler(seed=1, **kw) for name, kw in SETTINGS.items()}
+  samplers = {
+    name: SamplingParams(**{"temperature": 0.0, **kw}, seed=1) for name, kw in SETTINGS.items()
+  }
   for s in samplers.values():  # compile every program first
     rate(m, prompt, args.new, s)
   runs: dict[str, list[float]] = {name: [] for name in samplers}

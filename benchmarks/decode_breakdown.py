@@ -117,8 +117,8 @@ def serve_steps(m, rows: int, steps: int, total: int):
   slots, every one decoding (each slot prefilled with PROMPT, greedy), and returns ms a step."""
   import numpy as np
 
-  from q8rules.serve.runner import HISTORY, BatchRunner
-  from q8rules.serve.sampling import RowSettings
+  from q8rules.engine.sampling import HISTORY, RowSettings
+  from q8rules.serve.runner import BatchRunner
 
   runner = BatchRunner(m, slots=rows, context=len(PROMPT) + 4 * total + 8, steps=steps)
   key, history = np.zeros((2,), np.uint32), np.full((HISTORY,), -1, np.int32)

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from q8rules.engine.detokenize import TextStream
+from q8rules.engine.sampling import SamplingParams
 from q8rules.serve import Server, free_port
-from q8rules.serve.output import TextStream
-from q8rules.serve.sampling import SamplingParams
 from tests.test_serve import tiny_chat_model
 
 CTX = 128

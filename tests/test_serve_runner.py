@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import q8rules
+from q8rules.engine.sampling import HISTORY, RowSettings, SamplingParams
 from q8rules.serve.runner import BatchRunner
-from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 

@@ -12,8 +12,9 @@
   scheduler.py  the queue, the slots, chunked prefill between decode steps, cancellation,
                 faults kept to their request
   runner.py     the batched KV cache and its programs (a prompt chunk, a decode step)
-  sampling.py   per-request sampling, batch-invariant
-  output.py     incremental text and stop strings
+
+The sampler chain and the detokenizer are the engine's (`q8rules.engine`), shared with
+`q8rules run` and `chat`.
 
     import q8rules
     m = q8rules.load_gguf("model-q8_0.gguf")

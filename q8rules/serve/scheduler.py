@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from q8rules.engine.detokenize import TextStream
+from q8rules.engine.sampling import RowSettings, SamplingParams, history_of
 from q8rules.serve.metrics import EngineState, Metrics
-from q8rules.serve.output import TextStream
 from q8rules.serve.runner import BatchRunner, Sampled, Step, chunks
-from q8rules.serve.sampling import RowSettings, SamplingParams, history_of
 
 
 @dataclasses.dataclass
