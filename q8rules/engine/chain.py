@@ -213,15 +213,17 @@ def filtered_logits(logits: jax.Array, history: jax.Array, settings: RowSettings
 def draw_rows(x: jax.Array, keys: jax.Array, settings: RowSettings) -> tuple[jax.Array, jax.Array]:
   """Each sampled row's draw from its biased and penalized logits `x` (P, V) float32, and its
   key data split once (P, 2) uint32; a greedy row's argmax and its key unchanged."""
-  greedy = first_max(x)
   s = settings
 
   def sampled() -> tuple[jax.Array, jax.Array]:
+    greedy = jax.lax.cond(  # the argmax only when some row is greedy
+      jnp.any(s.temperature <= 0), lambda: first_max(x), lambda: jnp.zeros(x.shape[:1], jnp.int32)
+    )
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
     nxt, subs = jax.random.key_data(split[:, 0]), split[:, 1]
     want = s.temperature > 0
     small = _small_top_k(s)
-    none = jnp.zeros_like(greedy)
+    none = jnp.zeros(x.shape[:1], jnp.int32)
 
     def by_k() -> jax.Array:
       ranked, ids = _top_k_candidates(x, s)
@@ -237,7 +239,7 @@ def draw_rows(x: jax.Array, keys: jax.Array, settings: RowSettings) -> tuple[jax
     return jnp.where(want, tok, greedy), jnp.where(want[:, None], nxt, keys)
 
   return jax.lax.cond(
-    jnp.any(settings.temperature > 0), sampled, lambda: (greedy, jnp.asarray(keys))
+    jnp.any(settings.temperature > 0), sampled, lambda: (first_max(x), jnp.asarray(keys))
   )
 
 
