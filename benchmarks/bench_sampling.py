@@ -8,9 +8,9 @@ a `GGUFModel.stream` of --new tokens after a 9-token prompt, its decode rate cou
 `q8rules run` counts it (generated tokens after the decode loop's first chunk, over the time
 since that chunk: q8rules/cli/rates.py). Every setting runs once before the rounds, so no
 compilation is timed. The settings: greedy; `--temp 0.8 --top-k 40 --top-p 0.95` (top-k
-picks 40 candidates with `lax.top_k`, the chain and the draw work on those 40); `--temp 0.8
---top-p 0.95` alone, which sorts the whole vocabulary every step (the cost top-k avoids); plain
-temperature 0.8 (a draw over the whole vocabulary, no sort). Beside the ratio of the medians,
+picks its candidates with `lax.top_k`, the chain and the draw work on those); `--temp 0.8
+--top-p 0.9` alone (its cut found by bisection over the logits, never a sort:
+q8rules/engine/chain.py); plain temperature 0.8 (a draw over the whole vocabulary). Beside the ratio of the medians,
 the median of each round's ratio to that round's greedy run (the runs of a round are seconds
 apart, so a machine shared with other work slows them alike).
 """
@@ -108,6 +108,8 @@ def main() -> None:
     cmd = f"python benchmarks/bench_sampling.py --rounds {args.rounds} --new {args.new}" + (
       f" --threads {args.threads}" if args.threads else ""
     )
+    if args.model:
+      cmd += f" --model {path.name}"
     note = (
       "Each round's ratio compares runs seconds apart; on a machine shared with other work the"
       " medians of the runs (taken at different moments) move with its load, that ratio less."
