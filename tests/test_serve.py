@@ -23,8 +23,8 @@ from gguf import GGUFValueType as V
 
 import q8rules
 from q8rules.engine.sampling import SamplingParams
+from q8rules.engine.scheduler import DoneEvent, ErrorEvent, Request, TokenEvent
 from q8rules.serve import Server
-from q8rules.serve.scheduler import DoneEvent, ErrorEvent, Request, TokenEvent
 from tests._chromium import CHROMIUM, chat_once
 from tests.test_llm_gguf_errors import rewrite_to
 

@@ -227,7 +227,7 @@ def test_a_dead_engine_answers_everyone_503_at_once(model):
 
 KILL = """
 import sys
-from q8rules.serve.scheduler import Scheduler
+from q8rules.engine.scheduler import Scheduler
 
 admit = Scheduler._admit
 
