@@ -1,15 +1,16 @@
 """Decode with sampling against greedy decode, on the real SmolLM2-135M-Instruct (vocab 49,152).
 
-    python benchmarks/bench_sampling.py [--rounds 5] [--new 65] [--threads N] [--write]
+    python benchmarks/bench_sampling.py [--rounds 5] [--new 65] [--threads N] [--model PATH]
+                                        [--write]
 
 One process, the model loaded once; per round each setting in turn (the order rotating), each
 a `GGUFModel.stream` of --new tokens after a 9-token prompt, its decode rate counted as
 `q8rules run` counts it (generated tokens after the decode loop's first chunk, over the time
 since that chunk: q8rules/cli/rates.py). Every setting runs once before the rounds, so no
 compilation is timed. The settings: greedy; `--temp 0.8 --top-k 40 --top-p 0.95` (top-k
-picks 40 candidates with `lax.top_k`, the chain and the draw work on those 40); `--temp 0.8
---top-p 0.95` alone, which sorts the whole vocabulary every step (the cost top-k avoids); plain
-temperature 0.8 (a draw over the whole vocabulary, no sort). Beside the ratio of the medians,
+picks its candidates with `lax.top_k`, the chain and the draw work on those); `--temp 0.8
+--top-p 0.9` alone (its cut found by bisection over the logits, never a sort:
+q8rules/engine/chain.py); plain temperature 0.8 (a draw over the whole vocabulary). Beside the ratio of the medians,
 the median of each round's ratio to that round's greedy run (the runs of a round are seconds
 apart, so a machine shared with other work slows them alike).
 """
@@ -31,7 +32,7 @@ from scripts.fetch_real_models import MODELS, cache_dir  # noqa: E402
 SETTINGS = {
   "greedy": {},
   "--temp 0.8 --top-k 40 --top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
-  "--temp 0.8 --top-p 0.95 (sorts the vocabulary)": dict(temperature=0.8, top_p=0.95),
+  "--temp 0.8 --top-p 0.9 (top-p alone)": dict(temperature=0.8, top_p=0.9),
   "--temp 0.8": dict(temperature=0.8),
 }
 
@@ -55,6 +56,8 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every setting")
   ap.add_argument("--new", type=int, default=65, help="tokens generated per run")
   ap.add_argument("--threads", type=int, default=None, help="CPUs (None: all)")
+  ap.add_argument("--model", default=None,
+                  help="the GGUF file (None: SmolLM2-135M-Instruct Q4_1 in the models' cache)")  # fmt: skip
   ap.add_argument("--write", action="store_true", help="write RESULTS.md's `sampling` section")
   args = ap.parse_args()
   if args.threads:
@@ -64,14 +67,16 @@ def main() -> None:
   import jax.numpy as jnp
 
   import q8rules
-  from q8rules.llm.sampling import Sampler
+  from q8rules.engine.sampling import SamplingParams
 
-  path = cache_dir() / MODELS["smollm2-q4_1"].file
+  path = Path(args.model) if args.model else cache_dir() / MODELS["smollm2-q4_1"].file
   if not path.exists():
     raise SystemExit(f"{path}: missing; run scripts/fetch_real_models.py first")
   m = q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
   prompt = m.tokenizer.encode("Once upon a time, in a small village by the sea,")
-  samplers = {name: Sampler(seed=1, **kw) for name, kw in SETTINGS.items()}
+  samplers = {
+    name: SamplingParams(**{"temperature": 0.0, **kw}, seed=1) for name, kw in SETTINGS.items()
+  }
   for s in samplers.values():  # compile every program first
     rate(m, prompt, args.new, s)
   runs: dict[str, list[float]] = {name: [] for name in samplers}
@@ -103,6 +108,8 @@ def main() -> None:
     cmd = f"python benchmarks/bench_sampling.py --rounds {args.rounds} --new {args.new}" + (
       f" --threads {args.threads}" if args.threads else ""
     )
+    if args.model:
+      cmd += f" --model {path.name}"
     note = (
       "Each round's ratio compares runs seconds apart; on a machine shared with other work the"
       " medians of the runs (taken at different moments) move with its load, that ratio less."

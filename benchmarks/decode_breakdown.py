@@ -5,7 +5,7 @@ kind of Q8_0 product reads and its rate against the read probe.
     python benchmarks/decode_breakdown.py FILE [--tokens 32] [--threads 2] [--top 0] [--act-qtype q8_0]
     python benchmarks/decode_breakdown.py FILE --serve-rows 4 [...]   # the server's batched step
 
-With `--serve-rows P` the step measured is `q8rules serve`'s (`serve.runner.BatchRunner`'s
+With `--serve-rows P` the step measured is `q8rules serve`'s (`engine.runner.BatchRunner`'s
 device program: P slots, every one decoding, greedy, `--steps` decode steps a program as the
 server runs them) instead of `GGUFModel.stream`'s one row.
 
@@ -117,8 +117,8 @@ def serve_steps(m, rows: int, steps: int, total: int):
   slots, every one decoding (each slot prefilled with PROMPT, greedy), and returns ms a step."""
   import numpy as np
 
-  from q8rules.serve.runner import HISTORY, BatchRunner
-  from q8rules.serve.sampling import RowSettings
+  from q8rules.engine.runner import BatchRunner
+  from q8rules.engine.sampling import HISTORY, RowSettings
 
   runner = BatchRunner(m, slots=rows, context=len(PROMPT) + 4 * total + 8, steps=steps)
   key, history = np.zeros((2,), np.uint32), np.full((HISTORY,), -1, np.int32)

@@ -51,6 +51,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
       "q8rules.lora.gguf_file",
     ),
   ),
+  ("engine", ("q8rules.engine",)),
   (
     "applications",
     (

@@ -13,8 +13,8 @@ import pytest
 from q8rules.cli import main, parser
 from q8rules.cli import run as run_cmd
 from q8rules.cli.rates import decode_rate
+from q8rules.engine.sampling import SamplingParams
 from q8rules.llm import load_gguf
-from q8rules.llm.sampling import Sampler
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 QWEN2 = DATA / "tiny-qwen2-q8_0.gguf"
@@ -61,7 +61,7 @@ def test_sampling_flags_reach_the_sampler(capsys):
   args += ["--top-p", "0.9", "--min-p", "0.05", "--repeat-penalty", "1.2", "-s", "3"]
   out = execute(str(QWEN2), *args)
   m = load_gguf(QWEN2, dtype=jnp.float32)
-  sampler = Sampler(0.8, top_k=7, top_p=0.9, min_p=0.05, repeat_penalty=1.2, seed=3)
+  sampler = SamplingParams(0.8, top_k=7, top_p=0.9, min_p=0.05, repeat_penalty=1.2, seed=3)
   want = m.generate(out["prompt_ids"], 6, sampler=sampler, stop_ids=sorted(m.tokenizer.eog_ids))
   assert out["new_ids"] == want
 

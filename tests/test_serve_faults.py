@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from q8rules.engine.detokenize import TextStream
+from q8rules.engine.sampling import SamplingParams
 from q8rules.serve import Server, free_port
-from q8rules.serve.output import TextStream
-from q8rules.serve.sampling import SamplingParams
 from tests.test_serve import tiny_chat_model
 
 CTX = 128
@@ -227,7 +227,7 @@ def test_a_dead_engine_answers_everyone_503_at_once(model):
 
 KILL = """
 import sys
-from q8rules.serve.scheduler import Scheduler
+from q8rules.engine.scheduler import Scheduler
 
 admit = Scheduler._admit
 

@@ -6,14 +6,13 @@ text alone goes to stdout (`> out.txt` holds only the text; `--echo` puts the pr
 llama.cpp's `--no-display-prompt` off does); the load's progress (on a terminal only), the model
 line and the rates (prompt tokens/s, generated tokens/s) go to stderr. Sampling follows
 llama.cpp's chain (repetition penalty, top-k, top-p, min-p, temperature:
-`q8rules.llm.sampling`); greedy by default. The compilation cache is on
+`q8rules.engine`); greedy by default. The compilation cache is on
 (`q8rules.llm.enable_compile_cache`; `Q8RULES_NO_COMPILE_CACHE=1` turns it off).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -90,10 +89,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampler_of(args: argparse.Namespace) -> Any:
-  """The `Sampler` of `add_sampling`'s flags (each one's dest is the name of a field)."""
-  from q8rules.llm.sampling import Sampler
+  """The `SamplingParams` of `add_sampling`'s flags (the seed's low 32 bits: the same key)."""
+  from q8rules.engine.sampling import SEED_MODULUS, SamplingParams
 
-  return Sampler(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampler)})
+  return SamplingParams(
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    min_p=args.min_p,
+    repeat_penalty=args.repeat_penalty,
+    penalty_last_n=args.repeat_last_n,
+    seed=args.seed % SEED_MODULUS,
+  )
 
 
 def load(args: argparse.Namespace) -> tuple[Any, float]:
@@ -224,13 +231,13 @@ def prompt_ids(m: GGUFModel, args: argparse.Namespace, text: str | None = None) 
 
 def stream_text(m: GGUFModel, ids: list[int], args: argparse.Namespace, stop: list[int]) -> dict:
   """Generate after `ids`, writing the text to stdout as it comes; the ids and the times."""
+  from q8rules.engine.detokenize import TextStream
   from q8rules.llm import compile_cache
 
-  tok, before = m.tokenizer, compile_cache.stats()
+  text, before = TextStream(m.tokenizer, []), compile_cache.stats()
   times: dict[str, float] = {}
   new: list[int] = []
   stamps: list[float] = []
-  shown = ""
   start = time.perf_counter()
   for t in m.stream(
     ids,
@@ -243,16 +250,9 @@ def stream_text(m: GGUFModel, ids: list[int], args: argparse.Namespace, stop: li
     if len(stamps) == 1:
       times["compiled"] = {k: v - before[k] for k, v in compile_cache.stats().items()}
     new.append(t)
-    if tok is not None:
-      text = tok.decode(new).rstrip("\ufffd")  # hold back a character's leading bytes
-      sys.stdout.write(text[len(shown) :])
-      shown = text
-    else:
-      sys.stdout.write(f" {t}")
+    sys.stdout.write(text.add(t)[0])  # ' <id>' a token without a tokenizer
     sys.stdout.flush()
-  if tok is not None:
-    sys.stdout.write(tok.decode(new)[len(shown) :])
-  sys.stdout.write("\n")
+  sys.stdout.write(text.flush() + "\n")
   sys.stdout.flush()
   return dict(new_ids=new, stamps=stamps, start=start, **times)
 

@@ -73,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> dict:
   """Take the port, then load the model and serve it until interrupted (or until the engine
   fails: exit 1)."""
+  from q8rules.engine.scheduler import EngineDown
   from q8rules.serve import bind
-  from q8rules.serve.scheduler import EngineDown
 
   if args.chunk & (args.chunk - 1):
     raise E.UsageError(f"--chunk {args.chunk}: a power of 2 is needed")

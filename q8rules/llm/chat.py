@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from q8rules.checkpoint._common import CheckpointError
+from q8rules.engine.detokenize import TextStream
 
 Message = Mapping[str, Any]
 """One chat message: {'role': 'system' | 'user' | 'assistant' | ..., 'content': str}."""
@@ -192,22 +193,19 @@ class ChatSession:
     tok = self.model.tokenizer
     ids = self.prompt_ids()
     eog = set(tok.eog_ids)
-    new: list[int] = []
-    shown = ""
+    text = TextStream(tok, [])
     for t in self.model.stream(
       ids, self.max_new_tokens, stop_ids=sorted(eog), sampler=self.sampler
     ):
       if t in eog:
         break
-      new.append(t)
-      piece = tok.decode(new).rstrip("\ufffd")  # hold back a character's leading bytes
-      if len(piece) > len(shown):
-        yield piece[len(shown) :]
-        shown = piece
-    reply = tok.decode(new)
-    if len(reply) > len(shown):
-      yield reply[len(shown) :]
-    self.messages.append({"role": "assistant", "content": reply})
+      piece, _ = text.add(t)
+      if piece:
+        yield piece
+    rest = text.flush()
+    if rest:
+      yield rest
+    self.messages.append({"role": "assistant", "content": tok.decode(text.ids)})
 
 
 __all__ = [

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from q8rules.engine.sampling import SEED_MODULUS, RowSettings, SamplingParams, history_of
 from q8rules.llm import distributed
-from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token
-from q8rules.llm.sampling import Sampler
+from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token, history_length
 from q8rules.llm.sources import GGUFSource
 from q8rules.llm.unstack import rebuilt, unrolled
 from q8rules.lora.convert import merged_params
@@ -276,24 +276,25 @@ class GGUFModel:
     seed: int = 0,
     stop_ids: Sequence[int] = (),
     on_prefill: Callable[[], None] | None = None,
-    sampler: Sampler | None = None,
+    sampler: SamplingParams | None = None,
   ) -> Iterator[int]:
     """Yield new token ids: the prompt in one pass, then the decode loop on the device
     (`q8rules.llm.generate`: `CHUNK` tokens per device call, yielded as each chunk ends).
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature);
-    `sampler` (a `q8rules.llm.sampling.Sampler`: top-k, top-p, min-p, repetition penalty,
-    as llama.cpp's chain) replaces `temperature` and `seed` when given.
+    `sampler` (a `q8rules.engine.sampling.SamplingParams`: top-k, top-p, min-p, penalties,
+    logit bias, as llama.cpp's chain) replaces `temperature` and `seed` when given.
     Stops after `max_new_tokens` or after yielding a token in `stop_ids`.
     `on_prefill` is called once the prompt's logits are ready (for timing).
     """
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    sampler = sampler or Sampler(temperature=temperature, seed=seed)
+    sampler = sampler or SamplingParams(temperature=temperature, seed=seed % SEED_MODULUS)
     last, cache = self.prefill(prompt_ids, max_new_tokens)
     t = np.size(prompt_ids)  # checked by prefill: a 1-D sequence
-    key = jax.random.key(sampler.seed)
-    first, key, recent = first_token(last, key, sampler, sampler.recent(prompt_ids))
+    settings = jax.tree.map(jnp.asarray, RowSettings.of([sampler]))
+    history = history_of(np.asarray(prompt_ids), history_length(sampler))
+    first, key, recent = first_token(last, sampler.key(), history, settings)
     first.block_until_ready()
     if on_prefill is not None:
       on_prefill()
@@ -301,7 +302,7 @@ class GGUFModel:
       return
     variables = {"params": self.params}
     yield from decode(
-      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, sampler, recent
+      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, settings, recent
     )
 
   def generate(

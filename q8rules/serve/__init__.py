@@ -8,12 +8,10 @@
   app.py        the FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health,
                 /metrics, /tokenize, /detokenize, /openapi.json, the chat page at /
   guards.py     what a request passes first: the key, a JSON body within the limit, room
-  metrics.py    the Prometheus metrics
-  scheduler.py  the queue, the slots, chunked prefill between decode steps, cancellation,
-                faults kept to their request
-  runner.py     the batched KV cache and its programs (a prompt chunk, a decode step)
-  sampling.py   per-request sampling, batch-invariant
-  output.py     incremental text and stop strings
+
+The engine under it (the scheduler, the batched runner, the sampler chain, the detokenizer,
+the metrics) is `q8rules.engine`; its sampler chain and detokenizer are `q8rules run`'s and
+`chat`'s too.
 
     import q8rules
     m = q8rules.load_gguf("model-q8_0.gguf")
@@ -110,10 +108,10 @@ def build(
       cross-origin calls).
     warm_up: compile every program before returning.
   """
+  from q8rules.engine.runner import CHUNK, STEPS, BatchRunner
+  from q8rules.engine.scheduler import Scheduler
   from q8rules.serve.api import API, MAX_BODY
   from q8rules.serve.app import create_app
-  from q8rules.serve.runner import CHUNK, STEPS, BatchRunner
-  from q8rules.serve.scheduler import Scheduler
 
   if parallel < 1:
     raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -232,7 +230,7 @@ def serve(
     OSError: the port is in use (before anything is compiled).
     EngineDown: the engine failed (after the server has stopped).
   """
-  from q8rules.serve.scheduler import EngineDown
+  from q8rules.engine.scheduler import EngineDown
 
   sock = sock if sock is not None else bind(host, port)
   bound = sock.getsockname()[0]

@@ -21,10 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 
-from q8rules.serve import protocol as P
-from q8rules.serve import responses as R
-from q8rules.serve.errors import APIError
-from q8rules.serve.scheduler import (
+from q8rules.engine.scheduler import (
   DoneEvent,
   EngineDown,
   ErrorEvent,
@@ -32,6 +29,9 @@ from q8rules.serve.scheduler import (
   Scheduler,
   TokenEvent,
 )
+from q8rules.serve import protocol as P
+from q8rules.serve import responses as R
+from q8rules.serve.errors import APIError
 
 MAX_BODY = 4 << 20
 """The largest request body read (bytes); a larger one gets 413."""
@@ -51,7 +51,7 @@ class API:
 
   Args:
     model: the `GGUFModel` served (its tokenizer, chat template and config).
-    scheduler: the engine (`q8rules.serve.scheduler.Scheduler`), started.
+    scheduler: the engine (`q8rules.engine.scheduler.Scheduler`), started.
     name: the model's id in `/v1/models` and in responses; a request naming another model
       gets 404.
     timeout: the most seconds a completion request may take from its arrival to its last

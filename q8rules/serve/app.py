@@ -7,7 +7,7 @@
   GET  /v1/models             the one model served
   GET  /health                200 {"status": "ok", ...} while the engine runs, else 503
                               (no key needed)
-  GET  /metrics               Prometheus text (`q8rules.serve.metrics`)
+  GET  /metrics               Prometheus text (`q8rules.engine.metrics`)
   POST /tokenize, /detokenize llama-server's
   GET  /openapi.json          the OpenAPI schema of all of these (no key needed)
   GET  /                      a chat page (static HTML and JS; no key needed)

@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from q8rules.serve.sampling import (
+from q8rules.engine.sampling import (
   HISTORY,
   MAX_LOGIT_BIAS,
   MAX_TOP_LOGPROBS,

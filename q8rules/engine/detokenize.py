@@ -1,4 +1,5 @@
-"""A request's text as its tokens come: decoded incrementally, cut at stop strings.
+"""The text of generated tokens as they come (`q8rules run`'s, `chat`'s and `serve`'s): decoded
+incrementally, cut at stop strings.
 
 `TextStream.add(token)` returns the new text that is safe to send: a character whose bytes are
 not all there yet is held back (the decoder gives U+FFFD for it), and so is a tail that could
@@ -14,7 +15,8 @@ from typing import Any
 
 
 class TextStream:
-  """The text of one request's tokens.
+  """The text of one request's tokens (the pieces `add` and `flush` return join to the
+  tokenizer's text of them all, up to a stop string).
 
   Args:
     tokenizer: a `GGUFTokenizer` (None: each token's text is ' <id>').

@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from q8rules.serve.metrics import EngineState, Metrics
-from q8rules.serve.output import TextStream
-from q8rules.serve.runner import BatchRunner, Sampled, Step, chunks
-from q8rules.serve.sampling import RowSettings, SamplingParams, history_of
+from q8rules.engine.detokenize import TextStream
+from q8rules.engine.metrics import EngineState, Metrics
+from q8rules.engine.runner import BatchRunner, Sampled, Step, chunks
+from q8rules.engine.sampling import RowSettings, SamplingParams, history_of
 
 
 @dataclasses.dataclass
@@ -169,7 +169,7 @@ class Scheduler:
     tokenizer: the model's `GGUFTokenizer` (for the text and the stop strings), or None.
 
   Attributes:
-    metrics: its counters and histograms (`q8rules.serve.metrics`).
+    metrics: its counters and histograms (`q8rules.engine.metrics`).
     failure: the exception that ended the engine, or None.
   """
 

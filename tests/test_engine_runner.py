@@ -1,4 +1,4 @@
-"""The server's runner (`q8rules.serve.runner`): one program of several decode steps gives each
+"""The engine's batched runner (`q8rules.engine.runner`, what `q8rules serve` runs): one program of several decode steps gives each
 row the tokens of as many one-step programs, whatever rows decode beside it; a freed row stops."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import q8rules
-from q8rules.serve.runner import BatchRunner
-from q8rules.serve.sampling import HISTORY, RowSettings, SamplingParams
+from q8rules.engine.runner import BatchRunner
+from q8rules.engine.sampling import HISTORY, RowSettings, SamplingParams
 
 DATA = Path(__file__).parent / "data" / "gguf_models"
 

@@ -20,7 +20,7 @@ A decode step runs the decoder on tokens (P, 1) with one position per row (the d
 per-row positions: each row writes, masks and attends at its own position), so every weight is
 read once for all P rows, and a row's logits are the same computation whatever the other rows
 hold: its product rows are computed on their own, its attention runs per row, its sampling
-(`q8rules.serve.sampling`) uses its own settings and key. Rows that are not decoding (free, or
+(`q8rules.engine.chain`) uses its own settings and key. Rows that are not decoding (free, or
 between prompt chunks) still run, on a dummy token at their next position, and do not move on:
 what it writes there is overwritten before it is ever visible (the next chunk or token writes
 that position first; in a sliding-window ring, that slot holds a position outside every later
@@ -41,14 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.engine.chain import sample_rows
+from q8rules.engine.sampling import HISTORY, MAX_TOP_LOGPROBS, RowSettings, SamplingParams
 from q8rules.models.attention import init_cache
-from q8rules.serve.sampling import (
-  HISTORY,
-  MAX_TOP_LOGPROBS,
-  RowSettings,
-  SamplingParams,
-  sample_rows,
-)
 
 CHUNK = 128
 """The longest prompt chunk prefilled between two decode steps (a power of 2)."""
