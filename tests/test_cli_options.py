@@ -44,6 +44,16 @@ def test_every_option_has_help_and_shows_its_default(name):
   assert "(default: " in p.format_help()
 
 
+def test_run_chat_and_serve_load_a_model_with_the_same_options():
+  load_options = {"--bf16", "--quantize", "--dequantize-other", "--act-qtype", "--no-progress",
+                  "--lora", "--lora-scale"}  # fmt: skip
+  for name in ("run", "chat", "serve"):
+    have = {o for a in subparsers()[name]._actions for o in a.option_strings}
+    assert load_options <= have, f"{name} lacks {sorted(load_options - have)}"
+  args = parser().parse_args(["serve", str(QWEN2), "--quantize", "q8_0", "--dequantize-other"])
+  assert (args.quantize, args.dequantize_other) == ("q8_0", True)
+
+
 def test_a_required_option_shows_no_default():
   p = subparsers()["finetune"]
   (out,) = [a for a in p._actions if "--out" in a.option_strings]

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from q8rules.cli import errors as E
-from q8rules.cli.progress import bars
+from q8rules.cli.load_options import add_load_options, load_model
 from q8rules.cli.threads import add_threads
 
 if TYPE_CHECKING:  # the annotations only: importing the model loads JAX
@@ -52,28 +52,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
                  help="how many of the last tokens the repeat penalty looks at")  # fmt: skip
   p.add_argument("-s", "--seed", type=int, default=0, help="the sampling's seed")
   add_threads(p)
-  p.add_argument("--bf16", action="store_true",
-                 help="bfloat16 activations (default float32, as llama.cpp: on a small model"
-                 " bfloat16 moves the logits by a few percent)")  # fmt: skip
-  p.add_argument("--float32", action="store_true", help=argparse.SUPPRESS)  # the default
-  p.add_argument(
-    "--quantize",
-    choices=["q8_0"],
-    default=None,
-    help="quantize the file's float weight matrices (F16 / BF16 / F32) to Q8_0 at load"
-    " (None: they keep their type)",
-  )
-  p.add_argument("--dequantize-other", action="store_true",
-                 help="hold Q4_0, Q4_K, ... as float32 instead of requantizing them to Q8_0")  # fmt: skip
-  p.add_argument("--act-qtype", choices=["q8_0"], default=None,
-                 help="Q8_0 activations too, as llama.cpp (int8 block dots; None: float)")  # fmt: skip
-  p.add_argument("--no-progress", action="store_true",
-                 help="no loading progress bar (it shows only on a terminal anyway)")  # fmt: skip
-  p.add_argument("--lora", action="append", default=None, metavar="FILE",
-                 help="a llama.cpp LoRA adapter file, applied unmerged (repeatable; None: no"
-                 " adapter)")  # fmt: skip
-  p.add_argument("--lora-scale", type=E.finite_float, default=1.0,
-                 help="the adapters' lora_scale (llama.cpp's --lora-scaled)")  # fmt: skip
+  add_load_options(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,24 +84,10 @@ def sampler_of(args: argparse.Namespace) -> Any:
 
 def load(args: argparse.Namespace) -> tuple[Any, float]:
   """The model of `args` (its line and what was requantized on stderr), and its load time."""
-  import jax.numpy as jnp
-
   from q8rules.checkpoint.gguf.requant import describe_requantized
-  from q8rules.llm import compile_cache
-  from q8rules.llm.load import load_gguf
 
-  compile_cache.enable()
   t0 = time.perf_counter()
-  m = load_gguf(
-    args.model,
-    dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
-    dequantize_other=args.dequantize_other,
-    quantize=args.quantize,
-    progress=bars(args.no_progress),
-    act_qtype=args.act_qtype,
-    lora=args.lora,
-    lora_scale=args.lora_scale,
-  )
+  m = load_model(args)
   load_s = time.perf_counter() - t0
   c = m.config
   print(

@@ -18,6 +18,7 @@ import socket
 import sys
 
 from q8rules.cli import errors as E
+from q8rules.cli.load_options import add_load_options, load_model
 from q8rules.cli.threads import add_threads
 
 NAME = "serve"
@@ -35,11 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="positions per slot, prompt and reply together (None: the model's context"
                  " length, at most 4096)")  # fmt: skip
   add_threads(p)
-  p.add_argument("--lora", action="append", default=None, metavar="FILE",
-                 help="a llama.cpp LoRA adapter file, applied unmerged (repeatable; None: no"
-                 " adapter)")  # fmt: skip
-  p.add_argument("--lora-scale", type=E.finite_float, default=1.0,
-                 help="the adapters' lora_scale (llama.cpp's --lora-scaled)")  # fmt: skip
   p.add_argument("--max-queue", type=E.non_negative_int, default=None,
                  help="requests that may wait for a slot; past it 503 with Retry-After (None:"
                  " 8 per slot)")  # fmt: skip
@@ -62,12 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--steps", type=E.positive_int, default=4,
                  help="the most decode steps one device program runs while no prompt waits (1: a"
                  " program per token)")  # fmt: skip
-  p.add_argument("--bf16", action="store_true",
-                 help="bfloat16 activations (default float32, as llama.cpp)")  # fmt: skip
-  p.add_argument("--act-qtype", choices=["q8_0"], default=None,
-                 help="Q8_0 activations too, as llama.cpp (int8 block dots; None: float)")  # fmt: skip
-  p.add_argument("--no-progress", action="store_true",
-                 help="no loading progress bar (it shows only on a terminal anyway)")  # fmt: skip
+  add_load_options(p)
 
 
 def execute(args: argparse.Namespace) -> dict:
@@ -94,22 +85,9 @@ def execute(args: argparse.Namespace) -> dict:
 
 def load_and_serve(args: argparse.Namespace, sock: socket.socket) -> dict:
   """Load the model of `args` and serve it on `sock` (bound) until interrupted."""
-  import jax.numpy as jnp
-
-  from q8rules.cli.progress import bars
-  from q8rules.llm import compile_cache
-  from q8rules.llm.load import load_gguf
   from q8rules.serve import serve
 
-  compile_cache.enable()
-  m = load_gguf(
-    args.model,
-    dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
-    progress=bars(args.no_progress),
-    act_qtype=args.act_qtype,
-    lora=args.lora,
-    lora_scale=args.lora_scale,
-  )
+  m = load_model(args)
   c = m.config
   if args.ctx is not None and args.ctx > c.context_length:
     raise E.UsageError(f"--ctx {args.ctx}: the model's context is {c.context_length}")
