@@ -18,7 +18,6 @@ new tokens on later turns, one that does not pays for the whole history again.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_vs_llama_server import code_version, start  # noqa: E402
-from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from benchmarks.results_md import publish  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -127,15 +126,12 @@ def main() -> None:
     f"\nTurn {args.turns} against turn 1: ours {ours[-1][1] / ours[0][1]:.2f}x, "
     f"llama-server {theirs[-1][1] / theirs[0][1]:.2f}x."
   )
-  table = "\n".join(rows)
-  print(table)
-  if args.write:
-    header = (f"{datetime.date.today()}, {machine()}, {code_version()}, load before: {load_average()}; "
-              f"{args.turns} turns of {args.turn_words} made-up words, replies of at most "
-              f"{args.reply_tokens} tokens, {args.threads} threads")  # fmt: skip
-    command = "python benchmarks/bench_chat_turns.py " + " ".join(sys.argv[1:])
-    heading = "## A multi-turn chat: time to first token as the history grows (`benchmarks/bench_chat_turns.py`)"
-    write_section("chat-turns", section("chat-turns", heading, header, command, [table]))
+  header = (
+    f"Model: {Path(args.model).name}; {args.turns} turns of {args.turn_words} made-up words,"
+    f" replies of at most {args.reply_tokens} tokens, {args.threads} threads. Code: {code_version()}."
+  )
+  heading = "## A multi-turn chat: time to first token as the history grows (`benchmarks/bench_chat_turns.py`)"
+  publish("chat-turns", heading, header, ["\n".join(rows)], args.write)
 
 
 if __name__ == "__main__":

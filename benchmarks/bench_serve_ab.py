@@ -19,7 +19,6 @@ shared with other work slows them alike) are reported.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_vs_llama_server import TOKENS, code_version, fmt, measure  # noqa: E402
 from benchmarks.bench_serve_vs_llama_server import start as start_server  # noqa: E402
-from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from benchmarks.results_md import publish  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
 
@@ -138,19 +137,13 @@ def main() -> None:
     f" a CPU for 2 s; `--quiet-wait {args.quiet_wait:g}`). Load averages before them:"
     f" {'; '.join(sorted(loads))}.",
   ]
-  print("\n\n".join(blocks))
-  if not args.write:
-    return
-  when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   header = (
-    f"{when}. Machine: {machine()}; load average at the end {load_average()}. Model:"
-    f" {Path(args.model).name}; {args.threads} threads; {TOKENS} greedy tokens a stream"
+    f"Model: {Path(args.model).name}; {args.threads} threads; {TOKENS} greedy tokens a stream"
     f" (`ignore_eos`); {args.ctx} positions a slot; {args.rounds} interleaved rounds. A: {base};"
     f" B: {code_version()}."
   )
-  command = "python benchmarks/bench_serve_ab.py " + " ".join(sys.argv[1:])
   heading = "## q8rules serve, one commit against another (`benchmarks/bench_serve_ab.py`)"
-  write_section("serve-ab", section("serve-ab", heading, header, command, blocks))
+  publish("serve-ab", heading, header, blocks, args.write)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ the cache.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import socket
 import statistics
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_ab import export  # noqa: E402
 from benchmarks.bench_serve_vs_llama_server import code_version, wait_quiet  # noqa: E402
-from benchmarks.results_md import load_average, machine, section, write_section  # noqa: E402
+from benchmarks.results_md import load_average, publish  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
 MODES = ("off", "cold", "warm")
@@ -207,18 +206,12 @@ def main() -> None:
     f" `--quiet-wait {args.quiet_wait:g}`); load averages before them:"
     f" {', '.join(sorted(set(loads))[:3])} ... {', '.join(sorted(set(loads))[-3:])}.",
   ]
-  print("\n\n".join(blocks))
-  if not args.write:
-    return
-  when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   header = (
-    f"{when}. Machine: {machine()}; load average at the end {load_average()}. Model:"
-    f" {Path(args.model).name}; `q8rules serve` with {' '.join(extra) or 'its defaults'}."
+    f"Model: {Path(args.model).name}; `q8rules serve` with {' '.join(extra) or 'its defaults'}."
     f" Code: {code_version()}."
   )
-  command = "python benchmarks/bench_serve_start.py " + " ".join(sys.argv[1:])
   heading = "## `q8rules serve`'s start, to its first answer (`benchmarks/bench_serve_start.py`)"
-  write_section("serve-start", section("serve-start", heading, header, command, blocks))
+  publish("serve-start", heading, header, blocks, args.write)
 
 
 if __name__ == "__main__":

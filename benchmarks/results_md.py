@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -24,6 +26,21 @@ def section(name: str, heading: str, header: str, command: str, blocks: list[str
   return "\n".join(
     [start, heading, "", header, "", f"Command: `{command}`", "", "\n\n".join(blocks), end]
   )
+
+
+def publish(name: str, heading: str, header: str, blocks: list[str], write: bool) -> None:
+  """Print `blocks`; with `write`, also replace section `name` of RESULTS.md by them, under
+  `heading` and a header that starts with the time, the machine and the load average and goes
+  on with `header`, and the command line that ran (this script and its arguments)."""
+  print("\n\n".join(blocks))
+  if not write:
+    return
+  when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  stamp = f"{when}. Machine: {machine()}; load average at the end {load_average()}. {header}"
+  command = "python " + " ".join(
+    [os.path.relpath(sys.argv[0], RESULTS.parent.parent), *sys.argv[1:]]
+  )
+  write_section(name, section(name, heading, stamp, command, blocks))
 
 
 def write_section(name: str, text: str, path: Path = RESULTS) -> None:
