@@ -201,12 +201,12 @@ FIELDS = [  # (what, path, body, the `param` named)
   ("tools", CHAT, {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
   ("tool_choice", CHAT, {**GOOD, "tool_choice": "auto"}, "tool_choice"),
   (
-    "response_format",
+    "response_format of no known type",
     CHAT,
-    {**GOOD, "response_format": {"type": "json_object"}},
-    "response_format",
+    {**GOOD, "response_format": {"type": "yaml"}},
+    "response_format.type",
   ),  # fmt: skip
-  ("grammar", CHAT, {**GOOD, "grammar": "root ::= [a-z]+"}, "grammar"),
+  ("grammar not a string", CHAT, {**GOOD, "grammar": ["root"]}, "grammar"),
   ("echo", "/v1/completions", {"prompt": "a", "echo": True}, "echo"),
   ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "16"}, "max_tokens"),
   ("max_tokens not whole", CHAT, {**GOOD, "max_tokens": 16.0}, "max_tokens"),

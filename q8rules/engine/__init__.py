@@ -6,6 +6,7 @@ the text of what it generates.
                 (`RowSettings`)
   chain.py      the chain, traced (`sample_rows`): bias, penalties, top-k, top-p, min-p,
                 temperature, a draw; the vocabulary never sorted
+  bitmask.py    a packed bitmask of allowed tokens (a grammar's) applied to logits
   reference.py  the chain in float64 numpy, the tests' yardstick
   detokenize.py incremental text from ids (a character's bytes and a possible stop string
                 held back), cut at stop strings

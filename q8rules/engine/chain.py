@@ -34,6 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from q8rules.engine.bitmask import apply_bitmask
 from q8rules.engine.sampling import MAX_TOP_LOGPROBS, RowSettings
 
 TOP_K_MAX = 128
@@ -244,7 +245,11 @@ def draw_rows(x: jax.Array, keys: jax.Array, settings: RowSettings) -> tuple[jax
 
 
 def sample_rows(
-  logits: jax.Array, keys: jax.Array, history: jax.Array, settings: RowSettings
+  logits: jax.Array,
+  keys: jax.Array,
+  history: jax.Array,
+  settings: RowSettings,
+  allowed: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """The next token of every row (traced).
 
@@ -254,6 +259,9 @@ def sample_rows(
     history: (P, H) int32, each row's last ids, newest last (-1 for none); H >= every row's
       `penalty_last_n`.
     settings: the rows' settings (`RowSettings`, as device or host arrays).
+    allowed: (P, ceil(V / 32)) int32, each row's allowed tokens as a packed bitmask
+      (`q8rules.engine.bitmask`: a grammar's next tokens; all bits set for a free row), or
+      None (every token). A disallowed token's logit is -inf before the chain.
 
   Returns:
     tokens (P,) int32; keys (P, 2) uint32 (a sampled row's split once); history (P, H)
@@ -261,7 +269,8 @@ def sample_rows(
     `MAX_TOP_LOGPROBS` ids (P, K) int32 and their log-probabilities (P, K) float32 (zeros
     when no row wants log-probabilities).
   """
-  x = filtered_logits(logits, history, settings)
+  masked = logits if allowed is None else apply_bitmask(logits, allowed)
+  x = filtered_logits(masked, history, settings)
   tokens, keys = draw_rows(x, keys, settings)
   history = jnp.concatenate([history[:, 1:], tokens[:, None]], axis=1)
   k = min(MAX_TOP_LOGPROBS, logits.shape[1])

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from q8rules.engine.bitmask import free_bitmask
 from q8rules.engine.chain import sample_rows
 from q8rules.engine.sampling import HISTORY, MAX_TOP_LOGPROBS, RowSettings, SamplingParams
 from q8rules.models.attention import init_cache
@@ -169,15 +170,19 @@ class BatchRunner:
     self.rows = Rows.empty(slots)
     self.settings = RowSettings.empty(slots)
     self._device_settings: RowSettings | None = None
+    self.allowed = free_bitmask(slots, self.vocab)
+    self._device_allowed: jax.Array | None = None
     self._decode = jax.jit(self._decode_steps, donate_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
     self._free = jax.jit(self._free_row, donate_argnums=(0,))
 
-  def _decode_step(self, params, cache, rows: Rows, settings):
+  def _decode_step(self, params, cache, rows: Rows, settings, allowed):
     tokens = jnp.where(rows.active, rows.tokens, 0)  # a dummy token where not decoding
     positions = jnp.minimum(rows.positions, self.context - 1)
     logits, cache = self.model.model.apply({"params": params}, tokens[:, None], cache, positions)
-    tok, keys, history, *rest = sample_rows(logits[:, -1], rows.keys, rows.history, settings)
+    tok, keys, history, *rest = sample_rows(
+      logits[:, -1], rows.keys, rows.history, settings, allowed
+    )
     a = rows.active
     rows = Rows(
       jnp.where(a, tok, rows.tokens),
@@ -188,7 +193,7 @@ class BatchRunner:
     )
     return cache, rows, (tok, *rest)
 
-  def _decode_steps(self, params, cache, rows: Rows, settings, n):
+  def _decode_steps(self, params, cache, rows: Rows, settings, allowed, n):
     """`n` (<= `steps`, traced) decode steps in a loop; their samples stacked (steps, P, ...)."""
     p = self.slots
     k = min(MAX_TOP_LOGPROBS, self.vocab)
@@ -201,19 +206,21 @@ class BatchRunner:
 
     def body(i, carry):
       cache, rows, outs = carry
-      cache, rows, out = self._decode_step(params, cache, rows, settings)
+      cache, rows, out = self._decode_step(params, cache, rows, settings, allowed)
       return cache, rows, tuple(o.at[i].set(x) for o, x in zip(outs, out, strict=True))
 
     return jax.lax.fori_loop(0, n, body, (cache, rows, outs))
 
   def _prefill_chunk(self, params, cache, rows: Rows, slot, tokens, pos, key, history, settings,
-                     last):  # fmt: skip
+                     allowed, last):  # fmt: skip
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
     logits, row = self.model.model.apply({"params": params}, tokens[None], row, pos, last_only=True)
     cache = jax.tree.map(
       lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row
     )
-    tok, keys, hist, *rest = sample_rows(logits[:, -1], key[None], history[None], settings)
+    tok, keys, hist, *rest = sample_rows(
+      logits[:, -1], key[None], history[None], settings, allowed[None]
+    )
     end = pos + tokens.shape[0]
     rows = Rows(  # after the last chunk the row decodes from its first token; before, it waits
       rows.tokens.at[slot].set(jnp.where(last, tok[0], rows.tokens[slot])),
@@ -235,11 +242,18 @@ class BatchRunner:
     prompt writes first); its settings become greedy with nothing else on."""
     self.rows = self._free(self.rows, jnp.int32(slot))
     self.set_settings(slot, SamplingParams(temperature=0.0))
+    self.set_allowed(slot, None)
 
   def set_settings(self, slot: int, params: SamplingParams) -> None:
     """Row `slot` samples with `params` from the next decode step on."""
     self.settings.set(slot, params)
     self._device_settings = None
+
+  def set_allowed(self, slot: int, bits: np.ndarray | None) -> None:
+    """Row `slot`'s allowed tokens for the next decode step: `bits` (words,) int32, a packed
+    bitmask (`q8rules.engine.bitmask`), or None (every token)."""
+    self.allowed[slot] = -1 if bits is None else bits
+    self._device_allowed = None
 
   def prefill(
     self,
@@ -250,11 +264,15 @@ class BatchRunner:
     history: np.ndarray,
     settings: RowSettings,
     last: bool,
+    allowed: np.ndarray | None = None,
   ) -> Step:
     """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`; the token
     after it (sampled with the one-row `settings`, `key` (2,) uint32 and `history`
-    (HISTORY,) int32; meaningful after the prompt's `last` chunk, which makes the row decode
-    from that token at pos + T), as a one-step, one-row `Step`."""
+    (HISTORY,) int32, among the tokens `allowed` (words,) int32 lets through, every token when
+    None; meaningful after the prompt's `last` chunk, which makes the row decode from that
+    token at pos + T), as a one-step, one-row `Step`."""
+    if allowed is None:
+      allowed = free_bitmask(1, self.vocab)[0]
     self.cache, self.rows, out = self._prefill(
       self.model.params,
       self.cache,
@@ -265,6 +283,7 @@ class BatchRunner:
       jnp.asarray(key, jnp.uint32),
       jnp.asarray(history, jnp.int32),
       settings,
+      jnp.asarray(allowed, jnp.int32),
       jnp.bool_(last),
     )
     return Step(out)
@@ -278,8 +297,15 @@ class BatchRunner:
       raise ValueError(f"decode runs 1 to {self.steps} steps, got {n}")
     if self._device_settings is None:
       self._device_settings = jax.tree.map(jnp.asarray, self.settings)
+    if self._device_allowed is None:
+      self._device_allowed = jnp.asarray(self.allowed)
     self.cache, self.rows, out = self._decode(
-      self.model.params, self.cache, self.rows, self._device_settings, jnp.int32(n)
+      self.model.params,
+      self.cache,
+      self.rows,
+      self._device_settings,
+      self._device_allowed,
+      jnp.int32(n),
     )
     return Step(out)
 
@@ -294,13 +320,14 @@ class BatchRunner:
     one = RowSettings.empty(1)
     settings = jax.tree.map(jnp.asarray, self.settings)
     params, cache, rows, zero = self.model.params, self.cache, self.rows, jnp.int32(0)
-    self._decode.lower(params, cache, rows, settings, jnp.int32(1)).compile()
+    allowed = jnp.asarray(self.allowed)
+    self._decode.lower(params, cache, rows, settings, allowed, jnp.int32(1)).compile()
     self._free.lower(rows, zero).compile()
     for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
       if t <= self.context:
         tokens = jax.ShapeDtypeStruct((t,), jnp.int32)
         self._prefill.lower(
-          params, cache, rows, zero, tokens, zero, key, history, one, jnp.bool_(False)
+          params, cache, rows, zero, tokens, zero, key, history, one, allowed[0], jnp.bool_(False)
         ).compile()
     SamplingParams(temperature=0.0).key()
 

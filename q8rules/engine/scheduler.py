@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from q8rules.engine.constraints import constrained, first_mask, set_masks, take
 from q8rules.engine.detokenize import TextStream
 from q8rules.engine.metrics import EngineState, Metrics
 from q8rules.engine.runner import BatchRunner, Sampled, Step, chunks
@@ -113,6 +114,7 @@ class Request:
     rid: the request's id in the API's response and the log.
     arrived: when the API took it in (perf_counter seconds; default: when made), for the time
       to first token and the duration.
+    grammar: what constrains its tokens (`q8rules.engine.constraints`), or None.
   """
 
   prompt_ids: list[int]
@@ -123,6 +125,7 @@ class Request:
   emit: Callable[[Event], None]
   rid: str = ""
   arrived: float | None = None
+  grammar: Any = None
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -294,15 +297,23 @@ class Scheduler:
     self._drop_cancelled()
     self._admit()
     self._prefill_some()
-    decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
+    decoding = self._decoding()
+    if constrained(decoding):  # each mask needs the token before it: hand out, then one step
+      while self._started:
+        self._hand_out(self._started.popleft())
+      decoding = self._decoding()
+      set_masks(self.runner, decoding)
     if decoding:
-      n = self._steps(decoding)
+      n = 1 if constrained(decoding) else self._steps(decoding)
       for _, r in decoding:
         r.pending += n
       self._started.append(Started(self.runner.decode(n), decoding, time.perf_counter(), n))
     while len(self._started) > (1 if decoding else 0):  # the step just started keeps running
       self._hand_out(self._started.popleft())
     return True
+
+  def _decoding(self) -> list[tuple[int, Request]]:
+    return [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.plan]
 
   def _steps(self, decoding: list[tuple[int, Request]]) -> int:
     """The decode steps of the next program: 1 while a prompt waits for its next chunk or a
@@ -368,7 +379,8 @@ class Scheduler:
     t = r.plan.pop(0)
     ids = np.asarray(r.prompt_ids[r.prefilled : r.prefilled + t], np.int32)
     one = RowSettings.of([r.params])
-    step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan)
+    allowed = None if r.plan else first_mask(r.grammar, self.runner.vocab)
+    step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan, allowed)
     r.prefilled += t
     if not r.plan:  # its first token, handed out after the steps started before it
       r.pending += 1
@@ -418,6 +430,7 @@ class Scheduler:
     if tok in r.stop_ids:
       self._finish(r, "stop")
       return
+    take(r, tok)
     r.generated.append(tok)
     logprobs = None
     if r.params.logprobs:

@@ -145,6 +145,25 @@ class API:
     except ValueError as e:  # a message the renderer refuses
       raise APIError(400, str(e), param="messages") from None
 
+  def grammar(self, body: Any) -> Any:
+    """The matcher of the grammar `body`'s structured-output fields ask for, or None (APIError
+    400 naming the field that does not compile)."""
+    fields = body.constraint()
+    if not fields:
+      return None
+    from q8rules.llm.grammar import GrammarError, RowMatcher, grammar_for_request
+
+    tok = self.tokenizer()
+    try:
+      return RowMatcher(grammar_for_request(tok, **fields), tok)
+    except GrammarError as e:
+      raise APIError(400, str(e), param=e.field) from None
+    except ImportError as e:
+      raise APIError(
+        400, f"structured output needs llguidance (pip install 'q8rules[serve]'): {e}",
+        param=next(iter(fields)),
+      ) from None  # fmt: skip
+
   def completion_ids(self, body: P.CompletionRequest) -> list[int]:
     """The prompt's ids: `body.prompt` tokenized, or as given."""
     if not isinstance(body.prompt, str):
@@ -199,6 +218,7 @@ class API:
     else:
       ids = await run_in_threadpool(self.completion_ids, body)
     limit = self.check_ids(ids, body.limit(), "messages" if chat else "prompt")
+    grammar = await run_in_threadpool(self.grammar, body)
     want, top = body.logprob_settings()
     try:
       params = body.sampling(secrets.randbits(31), want, top)
@@ -208,7 +228,9 @@ class API:
     queue, emit = Request.queue_for(loop)
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     stop_ids = frozenset() if body.ignore_eos else self.stop_ids
-    request = Request(ids, limit, params, body.stops(), stop_ids, emit, rid=rid, arrived=arrived)
+    request = Request(
+      ids, limit, params, body.stops(), stop_ids, emit, rid=rid, arrived=arrived, grammar=grammar
+    )
     try:
       self.scheduler.submit(request)
     except EngineDown as e:

@@ -14,9 +14,11 @@ integer and keeps its low 32 bits, as llama-server reads it into a uint32 (-1 is
 What depends on the model (`top_k` and `logit_bias` ids within the vocabulary, the prompt and
 `max_tokens` within the context) is checked by the API (`q8rules.serve.api`).
 
-Fields that would change the reply but are not implemented (`tools`, `tool_choice`,
-`response_format`, `grammar`, ...: `UNSERVED`) are refused by name, unless they hold the value
-that changes nothing (`"tools": []`, `"response_format": {"type": "text"}`). Other unknown
+Structured output: `response_format` (OpenAI's `json_object` and `json_schema`) and
+llama-server's `grammar` (GBNF) and `json_schema` constrain the reply (the API compiles them
+against the vocabulary: a bad one is a 400 naming its field). Fields that would change the
+reply but are not implemented (`tools`, `tool_choice`, ...: `UNSERVED`) are refused by name,
+unless they hold the value that changes nothing (`"tools": []`). Other unknown
 fields are ignored (clients send many: `user`, `store`, `metadata`). A field sent as null is
 its default, as OpenAI reads it. The responses are `responses`'; the error body, `errors`'.
 """
@@ -63,9 +65,6 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
   "tool_choice": ("none",),
   "functions": ([],),
   "function_call": ("none",),
-  "response_format": ({"type": "text"},),
-  "grammar": ("",),
-  "json_schema": (),
   "audio": (),
   "modalities": (["text"],),
   "suffix": ("",),
@@ -88,12 +87,33 @@ def _refuse_unserved(name: str, value: Any) -> Any:
   )
 
 
-class TextFormat(BaseModel):
-  """`response_format` as served: plain text (structured output is not supported yet)."""
+class JsonSchemaFormat(BaseModel):
+  """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured: the
+  reply is constrained to the schema token by token)."""
 
   model_config = ConfigDict(extra="forbid", strict=True)
 
-  type: Literal["text"]
+  name: str | None = None
+  description: str | None = None
+  schema_: dict[str, Any] = Field(alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+  """`response_format`: "text" (free), "json_object" (any JSON object) or "json_schema" (JSON
+  valid for `json_schema.schema`)."""
+
+  model_config = ConfigDict(extra="forbid", strict=True)
+
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+  def as_request_field(self) -> dict[str, Any]:
+    """The form `q8rules.llm.grammar.grammar_for_request` reads."""
+    out: dict[str, Any] = {"type": self.type}
+    if self.json_schema is not None:
+      out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_}
+    return out
 
 
 def _float32_positive(name: str, v: float | None) -> float | None:
@@ -147,16 +167,26 @@ class _Request(BaseModel):
     max_length=MAX_LOGIT_BIAS,
     description="token id (a decimal string) -> a bias added to its logit, in [-100, 100]",
   )
-  response_format: TextFormat | None = Field(
-    default=None, description='not supported yet: only {"type": "text"}'
+  response_format: ResponseFormat | None = Field(
+    default=None, description="text, json_object or json_schema: the reply constrained to it"
   )
-  grammar: Literal[None, ""] = Field(default=None, description="not supported yet")
-  json_schema: None = Field(default=None, description="not supported yet")
+  grammar: str | None = Field(
+    default=None, description="llama-server's: a GBNF grammar the reply follows ('' : none)"
+  )
+  json_schema: dict[str, Any] | None = Field(
+    default=None, description="llama-server's: a JSON Schema the reply follows"
+  )
 
-  @field_validator("response_format", "grammar", "json_schema", mode="before")
-  @classmethod
-  def _unserved(cls, v: Any, info: Any) -> Any:
-    return _refuse_unserved(info.field_name, v)
+  def constraint(self) -> dict[str, Any]:
+    """The structured-output fields set, as `grammar_for_request`'s keyword arguments."""
+    out: dict[str, Any] = {}
+    if self.response_format is not None and self.response_format.type != "text":
+      out["response_format"] = self.response_format.as_request_field()
+    if self.grammar:
+      out["grammar"] = self.grammar
+    if self.json_schema is not None:
+      out["json_schema"] = self.json_schema
+    return out
 
   @field_validator("top_p")
   @classmethod

@@ -5,7 +5,7 @@ A request that asks for structured output (OpenAI's `response_format` with `json
 the grammar compiled and checked once against the model's vocabulary, or a `GrammarError`
 naming the field. Each generated row then holds a `RowMatcher` (`matcher`): before a step it
 writes its allowed tokens as a packed bitmask row (int32 words, bit `j % 32` of word `j // 32`
-for token j), after the step it consumes the sampled token. `apply_bitmask` (`mask`) applies a
+for token j), after the step it consumes the sampled token. `apply_bitmask` (`q8rules.engine.bitmask`) applies a
 (rows, words) bitmask to (rows, vocab) logits on the device, inside the batched sampling step,
 so constrained and free rows (an all-ones row) sample together.
 
@@ -14,8 +14,8 @@ as llama.cpp's `token_to_piece` gives them, control tokens marked special (a 0xF
 llguidance's own llama.cpp bridge does), the file's EOS as the end token.
 """
 
+from q8rules.engine.bitmask import apply_bitmask, free_bitmask, words_for
 from q8rules.llm.grammar.forms import Grammar, GrammarError, grammar_for_request
-from q8rules.llm.grammar.mask import apply_bitmask, free_bitmask, words_for
 from q8rules.llm.grammar.matcher import RowMatcher
 from q8rules.llm.grammar.vocab import ll_tokenizer
 
