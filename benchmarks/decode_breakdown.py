@@ -149,7 +149,7 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=4, help="decode steps a server program runs")
   args = ap.parse_args()
   dump = tempfile.mkdtemp(prefix="decode-breakdown-")
-  module = "jit__decode_steps" if args.serve_rows else "jit__loop"
+  module = "jit__decode_steps"  # run's and serve's decode: the engine runner's program
   flags = (
     f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*{module.removeprefix('jit_')}.*"
     " --xla_dump_hlo_as_text"

@@ -1,4 +1,4 @@
-"""q8rules.llm.generate: the decode loop on the device gives the tokens of a host loop (one
+"""q8rules.llm.generate: the decode on the engine runner gives the tokens of a host loop (one
 jitted model call per token, sampling in eager JAX), greedy and sampled, across chunks and
 with stop ids."""
 
@@ -82,3 +82,36 @@ def test_stop_ids_inside_a_chunk(m):
 def test_short_runs(m):
   assert m.generate(PROMPT, 1) == host_loop(m, PROMPT, 1)
   assert m.generate(PROMPT, 0) == []
+
+
+def test_repeated_calls_compile_nothing(m):
+  """`stream` decodes on a runner kept on the model per context size: a second call of the
+  same prompt length and context, with other settings and another prompt, compiles nothing."""
+  from q8rules.llm import compile_cache
+
+  m.generate(PROMPT, 5, temperature=0.9, seed=1)
+  before = compile_cache.stats()
+  got = m.generate(PROMPT[::-1], 7, temperature=0.5, seed=2)
+  after = compile_cache.stats()
+  assert len(got) == 7
+  assert after["compiled"] + after["cache_hits"] == before["compiled"] + before["cache_hits"]
+
+
+def test_a_long_penalty_window_sees_the_whole_prompt(m):
+  """`penalty_last_n` beyond the runner's default history (`HISTORY` ids) keeps that many:
+  greedy with a repeat penalty over the last 200 ids of a 100-token prompt gives the tokens of
+  a host loop that penalizes every id of the prompt and of the reply (logits from full passes)."""
+  from q8rules.engine.sampling import HISTORY, SamplingParams
+
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, m.config.vocab, 100).tolist()
+  assert len(prompt) > HISTORY
+  params = SamplingParams(temperature=0.0, repeat_penalty=4.0, penalty_last_n=200)
+  want, ids = [], list(prompt)
+  for _ in range(6):
+    logits = np.asarray(m.logits(ids)[-1], np.float64)
+    seen = np.unique(ids[-200:])
+    logits[seen] = np.where(logits[seen] > 0, logits[seen] / 4.0, logits[seen] * 4.0)
+    want.append(int(np.argmax(logits)))
+    ids.append(want[-1])
+  assert m.generate(prompt, 6, sampler=params) == want

@@ -44,7 +44,6 @@ import numpy as np
 from q8rules.engine.bitmask import free_bitmask
 from q8rules.engine.chain import sample_rows
 from q8rules.engine.sampling import HISTORY, MAX_TOP_LOGPROBS, RowSettings, SamplingParams
-from q8rules.models.attention import init_cache
 
 CHUNK = 128
 """The longest prompt chunk prefilled between two decode steps (a power of 2)."""
@@ -77,7 +76,7 @@ class Rows:
     positions: (P,) int32, where that token goes (a row that is not decoding writes its dummy
       token there).
     keys: (P, 2) uint32, each row's key data.
-    history: (P, HISTORY) int32, each row's last ids, newest last (-1 for none).
+    history: (P, H) int32 (H: the runner's `history`), each row's last ids, newest last (-1 for none).
     active: (P,) bool, whether a row is decoding (its steps sample and move it on).
   """
 
@@ -88,14 +87,15 @@ class Rows:
   active: jax.Array
 
   @classmethod
-  def empty(cls, rows: int) -> Rows:
-    """`rows` rows that are not decoding, at position 0."""
+  def empty(cls, rows: int, history: int = HISTORY) -> Rows:
+    """`rows` rows that are not decoding, at position 0 (host arrays), each keeping `history`
+    recent ids."""
     return cls(
-      jnp.zeros((rows,), jnp.int32),
-      jnp.zeros((rows,), jnp.int32),
-      jnp.zeros((rows, 2), jnp.uint32),
-      jnp.full((rows, HISTORY), -1, jnp.int32),
-      jnp.zeros((rows,), bool),
+      np.zeros((rows,), np.int32),
+      np.zeros((rows,), np.int32),
+      np.zeros((rows, 2), np.uint32),
+      np.full((rows, history), -1, np.int32),
+      np.zeros((rows,), bool),
     )
 
 
@@ -142,16 +142,25 @@ class BatchRunner:
   programs.
 
   Args:
-    model: a `GGUFModel` (its module and params; one device, no mesh).
+    model: a `GGUFModel`: its module and params, and where the runner's arrays go
+      (`new_cache`, `on_device`, `products`: on one device, or split over its mesh as its
+      own calls are, over one process or several).
     slots: the rows of the cache: the requests decoded together.
     context: positions per slot (the prompt and the generated tokens together).
     chunk: the longest prompt chunk, a power of 2.
     steps: the most decode steps one program runs.
+    history: the recent ids each row keeps for the penalties (`penalty_last_n` at most this).
   """
 
-  def __init__(self, model: Any, slots: int, context: int, chunk: int = CHUNK, steps: int = STEPS):
-    if model.mesh is not None:
-      raise ValueError("q8rules serve runs a model on one device; this one is on a mesh")
+  def __init__(
+    self,
+    model: Any,
+    slots: int,
+    context: int,
+    chunk: int = CHUNK,
+    steps: int = STEPS,
+    history: int = HISTORY,
+  ):
     if chunk < 1 or chunk & (chunk - 1):
       raise ValueError(f"the prompt chunk must be a power of 2, got {chunk}")
     if steps < 1:
@@ -165,9 +174,10 @@ class BatchRunner:
     self.context = context
     self.chunk = chunk
     self.steps = steps
+    self.history = history
     self.vocab = model.config.vocab
-    self.cache = init_cache(model.config, context, slots)
-    self.rows = Rows.empty(slots)
+    self.cache = model.new_cache(context, slots)
+    self.rows = self._place(Rows.empty(slots, history))
     self.settings = RowSettings.empty(slots)
     self._device_settings: RowSettings | None = None
     self.allowed = free_bitmask(slots, self.vocab)
@@ -175,6 +185,10 @@ class BatchRunner:
     self._decode = jax.jit(self._decode_steps, donate_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
     self._free = jax.jit(self._free_row, donate_argnums=(0,))
+
+  def _place(self, tree: Any) -> Any:
+    """Host values (numpy leaves) as the model's device arrays (replicated over its mesh)."""
+    return jax.tree.map(lambda a: self.model.on_device(a, np.asarray(a).dtype), tree)
 
   def _decode_step(self, params, cache, rows: Rows, settings, allowed):
     tokens = jnp.where(rows.active, rows.tokens, 0)  # a dummy token where not decoding
@@ -240,7 +254,8 @@ class BatchRunner:
   def free(self, slot: int) -> None:
     """Row `slot` stops decoding; its dummy token goes to position 0 (where a next request's
     prompt writes first); its settings become greedy with nothing else on."""
-    self.rows = self._free(self.rows, jnp.int32(slot))
+    with self.model.products():
+      self.rows = self._free(self.rows, self._place(np.int32(slot)))
     self.set_settings(slot, SamplingParams(temperature=0.0))
     self.set_allowed(slot, None)
 
@@ -268,24 +283,25 @@ class BatchRunner:
   ) -> Step:
     """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`; the token
     after it (sampled with the one-row `settings`, `key` (2,) uint32 and `history`
-    (HISTORY,) int32, among the tokens `allowed` (words,) int32 lets through, every token when
-    None; meaningful after the prompt's `last` chunk, which makes the row decode from that
+    (`history`,) int32, among the tokens `allowed` (words,) int32 lets through, every token
+    when None; meaningful after the prompt's `last` chunk, which makes the row decode from that
     token at pos + T), as a one-step, one-row `Step`."""
     if allowed is None:
       allowed = free_bitmask(1, self.vocab)[0]
-    self.cache, self.rows, out = self._prefill(
-      self.model.params,
-      self.cache,
-      self.rows,
-      jnp.int32(slot),
-      jnp.asarray(tokens, jnp.int32),
-      jnp.int32(pos),
-      jnp.asarray(key, jnp.uint32),
-      jnp.asarray(history, jnp.int32),
+    host = (
+      np.int32(slot),
+      np.asarray(tokens, np.int32),
+      np.int32(pos),
+      np.asarray(key, np.uint32),
+      np.asarray(history, np.int32),
       settings,
-      jnp.asarray(allowed, jnp.int32),
-      jnp.bool_(last),
+      np.asarray(allowed, np.int32),
+      np.bool_(last),
     )
+    with self.model.products():
+      self.cache, self.rows, out = self._prefill(
+        self.model.params, self.cache, self.rows, *self._place(host)
+      )
     return Step(out)
 
   def decode(self, n: int = 1) -> Step:
@@ -296,17 +312,18 @@ class BatchRunner:
     if not 1 <= n <= self.steps:
       raise ValueError(f"decode runs 1 to {self.steps} steps, got {n}")
     if self._device_settings is None:
-      self._device_settings = jax.tree.map(jnp.asarray, self.settings)
+      self._device_settings = self._place(self.settings)
     if self._device_allowed is None:
-      self._device_allowed = jnp.asarray(self.allowed)
-    self.cache, self.rows, out = self._decode(
-      self.model.params,
-      self.cache,
-      self.rows,
-      self._device_settings,
-      self._device_allowed,
-      jnp.int32(n),
-    )
+      self._device_allowed = self._place(self.allowed)
+    with self.model.products():
+      self.cache, self.rows, out = self._decode(
+        self.model.params,
+        self.cache,
+        self.rows,
+        self._device_settings,
+        self._device_allowed,
+        self._place(np.int32(n)),
+      )
     return Step(out)
 
   def warm_up(self) -> None:
@@ -315,20 +332,24 @@ class BatchRunner:
     cache): each is lowered for the arguments its calls pass and compiled ahead of time, which
     puts it in `jax.jit`'s caches (and in the persistent compilation cache, when on), so its
     first call runs at once. The first request's key (`jax.random.key`) is compiled too."""
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # shapes suffice for a lowering
-    history = jax.ShapeDtypeStruct((HISTORY,), jnp.int32)
-    one = RowSettings.empty(1)
-    settings = jax.tree.map(jnp.asarray, self.settings)
-    params, cache, rows, zero = self.model.params, self.cache, self.rows, jnp.int32(0)
-    allowed = jnp.asarray(self.allowed)
-    self._decode.lower(params, cache, rows, settings, allowed, jnp.int32(1)).compile()
-    self._free.lower(rows, zero).compile()
-    for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
-      if t <= self.context:
-        tokens = jax.ShapeDtypeStruct((t,), jnp.int32)
-        self._prefill.lower(
-          params, cache, rows, zero, tokens, zero, key, history, one, allowed[0], jnp.bool_(False)
-        ).compile()
+    place, params, cache, rows = self._place, self.model.params, self.cache, self.rows
+    with self.model.products():  # the arguments placed as the calls place theirs
+      settings, allowed, one = place(self.settings), place(self.allowed), place(np.int32(1))
+      self._decode.lower(params, cache, rows, settings, allowed, one).compile()
+      self._free.lower(rows, place(np.int32(0))).compile()
+      for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
+        if t <= self.context:
+          host = (
+            np.int32(0),
+            np.zeros(t, np.int32),
+            np.int32(0),
+            np.zeros(2, np.uint32),
+            np.full(self.history, -1, np.int32),
+            RowSettings.empty(1),
+            free_bitmask(1, self.vocab)[0],
+            np.bool_(False),
+          )
+          self._prefill.lower(params, cache, rows, *place(host)).compile()
     SamplingParams(temperature=0.0).key()
 
 

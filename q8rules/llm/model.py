@@ -12,6 +12,7 @@ rules; token ids in, logits out, whether or not the file's tokenizer loaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from q8rules.engine.sampling import SEED_MODULUS, RowSettings, SamplingParams, history_of
+from q8rules.engine.runner import BatchRunner
+from q8rules.engine.sampling import SEED_MODULUS, SamplingParams
 from q8rules.llm import distributed
-from q8rules.llm.generate import CHUNK, DecodeLoop, decode, first_token, history_length
+from q8rules.llm.generate import CHUNK, history_length, stream_tokens
 from q8rules.llm.sources import GGUFSource
 from q8rules.llm.unstack import rebuilt, unrolled
 from q8rules.lora.convert import merged_params
@@ -37,6 +39,10 @@ from q8rules.providers import shard_products
 
 CACHE_ROUND = 64
 """KV cache lengths are rounded up to a multiple of this (fewer recompilations)."""
+
+RUNNERS = 4
+"""The most runners (`GGUFModel.runner`) a model keeps, each with its KV cache: the least
+recently used goes when another is made."""
 
 TP_SPECS = {  # Megatron: the PartitionSpecs of one block's float Dense kernels (in, out)
   r".*/attn/(q|k|v)/kernel": P(None, "tp"),
@@ -109,8 +115,7 @@ class GGUFModel:
     self._apply = jax.jit(self.model.apply, donate_argnums=(2,), static_argnames=("last_only",))
     # the products run per layer (inside the scan a kernel has no layer axis): unstacked specs
     self._specs = tp_specs(dataclasses.replace(self.config, scan_layers=False))
-    context = None if self.mesh is None else lambda: shard_products(self.mesh, self._specs)
-    self._loop = DecodeLoop(self.model.apply, CHUNK, context)  # decode on the device
+    self._runners: dict[tuple[int, int], BatchRunner] = {}  # `stream`'s, compiled once each
 
   @property
   def product_specs(self) -> dict[str, P]:
@@ -197,6 +202,23 @@ class GGUFModel:
     save_gguf(self, path, progress=progress)
     return Path(path)
 
+  def new_cache(self, length: int, batch: int = 1) -> Any:
+    """A zero KV cache of `batch` rows of `length` positions, split over the mesh as k / v
+    are (`distributed.init_cache_on`)."""
+    return distributed.init_cache_on(self.config, length, self.mesh, batch)
+
+  def on_device(self, value: Any, dtype: Any = jnp.int32) -> jax.Array:
+    """A host value as a `dtype` array where this model's calls take it: replicated over its
+    mesh (a global array, for runs over several processes), else on the default device."""
+    return distributed.on_mesh(value, self.mesh, dtype)
+
+  def products(self) -> contextlib.AbstractContextManager[Any]:
+    """The context this model's programs are traced in: its products split over its mesh
+    (`shard_products`), nothing without one."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return shard_products(self.mesh, self._specs)
+
   def _run(
     self, tokens: jax.Array, cache: Any, pos: int, last_only: bool = False
   ) -> tuple[jax.Array, Any]:
@@ -204,17 +226,33 @@ class GGUFModel:
     if self.mesh is None:
       return self._apply(variables, tokens, cache, jnp.int32(pos), last_only=last_only)
     # mesh hook (llm/distributed.py): inputs as global arrays, for runs over several processes
-    tokens, at = distributed.on_mesh(tokens, self.mesh), distributed.on_mesh(pos, self.mesh)
-    with shard_products(self.mesh, self._specs):
+    tokens, at = self.on_device(tokens), self.on_device(pos)
+    with self.products():
       return self._apply(variables, tokens, cache, at, last_only=last_only)
 
-  def _cache(self, length: int) -> Any:
+  def _length(self, length: int) -> int:
+    """`length` positions rounded up to a multiple of `CACHE_ROUND` (at most the model's)."""
     if length > self.config.context_length:
       raise ValueError(
         f"{length} positions exceed the model's context length {self.config.context_length}"
       )
-    rounded = min(-(-length // CACHE_ROUND) * CACHE_ROUND, self.config.context_length)
-    return distributed.init_cache_on(self.config, rounded, self.mesh)  # split like k / v
+    return min(-(-length // CACHE_ROUND) * CACHE_ROUND, self.config.context_length)
+
+  def _cache(self, length: int) -> Any:
+    return self.new_cache(self._length(length))
+
+  def runner(self, length: int, history: int) -> BatchRunner:
+    """The one-slot runner `stream` decodes `length` positions on (its context `length`
+    rounded up like a cache), keeping `history` recent ids: made (and its programs compiled)
+    once per context and history, then reused (the `RUNNERS` most recently used are kept)."""
+    key = (self._length(length), history)
+    runner = self._runners.pop(key, None)
+    if runner is None:
+      runner = BatchRunner(self, 1, key[0], steps=CHUNK, history=history)
+    self._runners[key] = runner  # the newest last
+    while len(self._runners) > RUNNERS:
+      self._runners.pop(next(iter(self._runners)))
+    return runner
 
   def _check_ids(self, ids: Sequence[int] | np.ndarray) -> jax.Array:
     arr = np.asarray(ids)
@@ -278,7 +316,7 @@ class GGUFModel:
     on_prefill: Callable[[], None] | None = None,
     sampler: SamplingParams | None = None,
   ) -> Iterator[int]:
-    """Yield new token ids: the prompt in one pass, then the decode loop on the device
+    """Yield new token ids: the prompt in one pass, then the decode on the engine's runner
     (`q8rules.llm.generate`: `CHUNK` tokens per device call, yielded as each chunk ends).
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature);
@@ -290,20 +328,9 @@ class GGUFModel:
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     sampler = sampler or SamplingParams(temperature=temperature, seed=seed % SEED_MODULUS)
-    last, cache = self.prefill(prompt_ids, max_new_tokens)
-    t = np.size(prompt_ids)  # checked by prefill: a 1-D sequence
-    settings = jax.tree.map(jnp.asarray, RowSettings.of([sampler]))
-    history = history_of(np.asarray(prompt_ids), history_length(sampler))
-    first, key, recent = first_token(last, sampler.key(), history, settings)
-    first.block_until_ready()
-    if on_prefill is not None:
-      on_prefill()
-    if max_new_tokens < 1:
-      return
-    variables = {"params": self.params}
-    yield from decode(
-      self._loop, variables, cache, first, t, key, max_new_tokens, stop_ids, settings, recent
-    )
+    ids = np.asarray(self._check_ids(prompt_ids)[0])
+    runner = self.runner(ids.size + max_new_tokens, history_length(sampler))
+    yield from stream_tokens(runner, ids, max_new_tokens, sampler, stop_ids, on_prefill)
 
   def generate(
     self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, **options: Any
