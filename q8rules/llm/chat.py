@@ -62,12 +62,24 @@ def _environment() -> Any:
     lstrip_blocks=True,
     extensions=[IgnoreGenerationTags, jinja2.ext.loopcontrols],
   )
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
   env.filters["tojson"] = (
     lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
       x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
   )
   return env
+
+
+def _raise_exception(message: str) -> None:
+  """A template's `raise_exception(...)` (Hugging Face's global): the render fails with it."""
+  raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+  """A template's `strftime_now(...)` (Hugging Face's global): the local time, formatted."""
+  return datetime.datetime.now().strftime(fmt)
 
 
 def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
@@ -102,13 +114,6 @@ def render(
   import jinja2
 
   messages = check_messages(messages)
-
-  def raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-  def strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
   try:
     compiled = _environment().from_string(template)
     return compiled.render(
@@ -116,8 +121,6 @@ def render(
       bos_token=bos_token,
       eos_token=eos_token,
       add_generation_prompt=add_generation_prompt,
-      raise_exception=raise_exception,
-      strftime_now=strftime_now,
       **extra,
     )
   except (jinja2.TemplateError, ValueError, TypeError) as e:

@@ -169,15 +169,10 @@ def load_gguf(
     progress=progress,
   )
   try:
-    m = _load(
-      ckpt,
-      dtype=dtype,
-      mesh=mesh,
-      progress=progress,
-      fuse=fuse,
-      act_qtype=act_qtype,
-      trainable=trainable,
+    plan = plan_load(
+      ckpt, dtype=dtype, mesh=mesh, fuse=fuse, act_qtype=act_qtype, trainable=trainable
     )
+    m = _assemble(ckpt, plan, mesh=mesh, progress=progress, trainable=trainable)
   finally:
     ckpt.close()
   if files:
@@ -288,19 +283,11 @@ def plan_load(
   return LoadPlan(config, model, provider, rule, q8_paths, tensors, names, shapes, source)
 
 
-def _load(
-  ckpt: Any,
-  *,
-  dtype: Any,
-  mesh: Any,
-  progress: bool | None,
-  fuse: bool,
-  act_qtype: str | None,
-  trainable: str | None = None,
+def _assemble(
+  ckpt: Any, plan: LoadPlan, *, mesh: Any, progress: bool | None, trainable: str | None
 ) -> GGUFModel:
-  plan = plan_load(
-    ckpt, dtype=dtype, mesh=mesh, fuse=fuse, act_qtype=act_qtype, trainable=trainable
-  )
+  """The `GGUFModel` of `plan`: its parameters read from `ckpt` (placed on `mesh`), its
+  tokenizer built from the metadata."""
   config, tensors, names = plan.config, plan.tensors, plan.names
   # the tree jax.eval_shape of the model's init gives (param_specs.traced_params), untraced
   abstract = param_specs.file_params(tensors, names, plan.q8_paths, plan.rule.scale_dtype)
