@@ -97,6 +97,7 @@ def test_repeated_calls_compile_nothing(m):
   assert after["compiled"] + after["cache_hits"] == before["compiled"] + before["cache_hits"]
 
 
+@pytest.mark.slow
 def test_a_long_penalty_window_sees_the_whole_prompt(m):
   """`penalty_last_n` beyond the runner's default history (`HISTORY` ids) keeps that many:
   greedy with a repeat penalty over the last 200 ids of a 100-token prompt gives the tokens of

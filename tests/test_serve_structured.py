@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from q8rules.serve import Server
+from tests._utils import matrix
 from tests.test_grammar import SCHEMAS
 from tests.test_serve import tiny_chat_model
 
@@ -55,7 +56,7 @@ def ask(client, name: str, **kw):
   )
 
 
-@pytest.mark.parametrize("name", list(SERVED))
+@pytest.mark.parametrize("name", matrix(list(SERVED), "nested"))
 def test_json_schema_replies_validate(client, name):
   for kw in (
     {"temperature": 0},
