@@ -137,6 +137,16 @@ class Step:
     return Sampled(*(np.asarray(a) for a in self.out))
 
 
+def _like_output(out: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros as a program gives `out`: on one device uncommitted (as the outputs of a program
+  whose inputs are), over a mesh committed to its sharding; a program lowered for them is the
+  one a call with that output compiles."""
+  zeros = np.zeros(out.shape, out.dtype)
+  if isinstance(out.sharding, jax.sharding.SingleDeviceSharding):
+    return jnp.asarray(zeros)
+  return jax.device_put(zeros, out.sharding)
+
+
 class BatchRunner:
   """A model's batched KV cache (`slots` rows of `context` positions), its rows' state and its
   programs.
@@ -184,6 +194,7 @@ class BatchRunner:
     self._device_allowed: jax.Array | None = None
     self._decode = jax.jit(self._decode_steps, donate_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
+    self._start = jax.jit(self._start_row, donate_argnums=(0,))
     self._free = jax.jit(self._free_row, donate_argnums=(0,))
 
   def _place(self, tree: Any) -> Any:
@@ -225,25 +236,34 @@ class BatchRunner:
 
     return jax.lax.fori_loop(0, n, body, (cache, rows, outs))
 
-  def _prefill_chunk(self, params, cache, rows: Rows, slot, tokens, pos, key, history, settings,
-                     allowed, last):  # fmt: skip
+  def _prefill_chunk(self, params, cache, rows: Rows, slot, tokens, pos):
+    """The chunk `tokens` (T,) into row `slot` of the cache at [pos, pos + T): the cache, the
+    rows with that row waiting at pos + T (not decoding), and the chunk's last logits (1, V)."""
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
     logits, row = self.model.model.apply({"params": params}, tokens[None], row, pos, last_only=True)
     cache = jax.tree.map(
       lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, row
     )
-    tok, keys, hist, *rest = sample_rows(
-      logits[:, -1], key[None], history[None], settings, allowed[None]
+    rows = dataclasses.replace(
+      rows,
+      positions=rows.positions.at[slot].set(pos + tokens.shape[0]),
+      active=rows.active.at[slot].set(False),
     )
-    end = pos + tokens.shape[0]
-    rows = Rows(  # after the last chunk the row decodes from its first token; before, it waits
-      rows.tokens.at[slot].set(jnp.where(last, tok[0], rows.tokens[slot])),
-      rows.positions.at[slot].set(end),
-      rows.keys.at[slot].set(jnp.where(last, keys[0], rows.keys[slot])),
-      rows.history.at[slot].set(jnp.where(last, hist[0], rows.history[slot])),
-      rows.active.at[slot].set(last),
+    return cache, rows, logits[:, -1]
+
+  @staticmethod
+  def _start_row(rows: Rows, logits, slot, key, history, settings, allowed):
+    """Row `slot`'s first token sampled from the prompt's last logits (1, V), and the row
+    decoding from it: the rows, and the sample as a one-step, one-row program's output."""
+    tok, keys, hist, *rest = sample_rows(logits, key[None], history[None], settings, allowed[None])
+    rows = Rows(
+      rows.tokens.at[slot].set(tok[0]),
+      rows.positions,
+      rows.keys.at[slot].set(keys[0]),
+      rows.history.at[slot].set(hist[0]),
+      rows.active.at[slot].set(True),
     )
-    return cache, rows, (tok[None], *(a[None] for a in rest))
+    return rows, (tok[None], *(a[None] for a in rest))
 
   @staticmethod
   def _free_row(rows: Rows, slot):
@@ -280,28 +300,33 @@ class BatchRunner:
     settings: RowSettings,
     last: bool,
     allowed: np.ndarray | None = None,
-  ) -> Step:
-    """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`; the token
-    after it (sampled with the one-row `settings`, `key` (2,) uint32 and `history`
-    (`history`,) int32, among the tokens `allowed` (words,) int32 lets through, every token
-    when None; meaningful after the prompt's `last` chunk, which makes the row decode from that
-    token at pos + T), as a one-step, one-row `Step`."""
-    if allowed is None:
-      allowed = free_bitmask(1, self.vocab)[0]
-    host = (
-      np.int32(slot),
-      np.asarray(tokens, np.int32),
-      np.int32(pos),
-      np.asarray(key, np.uint32),
-      np.asarray(history, np.int32),
-      settings,
-      np.asarray(allowed, np.int32),
-      np.bool_(last),
-    )
+  ) -> Step | None:
+    """Write the chunk `tokens` (T,) int32 at positions [pos, pos + T) of `slot`. After the
+    prompt's `last` chunk, the token after it is sampled (with the one-row `settings`, `key`
+    (2,) uint32 and `history` (`history`,) int32, among the tokens `allowed` (words,) int32 lets
+    through, every token when None), the row decodes from it at pos + T, and it is returned as
+    a one-step, one-row `Step`; before the last chunk the row waits and None is returned.
+
+    The chunk and the first token are two programs: one a chunk shape (the decoder alone) and
+    one sampling program for every prompt, so the sampler chain is compiled once, not once a
+    chunk shape."""
     with self.model.products():
-      self.cache, self.rows, out = self._prefill(
-        self.model.params, self.cache, self.rows, *self._place(host)
+      self.cache, self.rows, logits = self._prefill(
+        self.model.params, self.cache, self.rows,
+        *self._place((np.int32(slot), np.asarray(tokens, np.int32), np.int32(pos))),
+      )  # fmt: skip
+      if not last:
+        return None
+      if allowed is None:
+        allowed = free_bitmask(1, self.vocab)[0]
+      host = (
+        np.int32(slot),
+        np.asarray(key, np.uint32),
+        np.asarray(history, np.int32),
+        settings,
+        np.asarray(allowed, np.int32),
       )
+      self.rows, out = self._start(self.rows, logits, *self._place(host))
     return Step(out)
 
   def decode(self, n: int = 1) -> Step:
@@ -337,19 +362,20 @@ class BatchRunner:
       settings, allowed, one = place(self.settings), place(self.allowed), place(np.int32(1))
       self._decode.lower(params, cache, rows, settings, allowed, one).compile()
       self._free.lower(rows, place(np.int32(0))).compile()
+      logits = None
       for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
         if t <= self.context:
-          host = (
-            np.int32(0),
-            np.zeros(t, np.int32),
-            np.int32(0),
-            np.zeros(2, np.uint32),
-            np.full(self.history, -1, np.int32),
-            RowSettings.empty(1),
-            free_bitmask(1, self.vocab)[0],
-            np.bool_(False),
-          )
-          self._prefill.lower(params, cache, rows, *place(host)).compile()
+          chunk = place((np.int32(0), np.zeros(t, np.int32), np.int32(0)))
+          out = self._prefill.lower(params, cache, rows, *chunk).compile().out_info[2]
+          logits = _like_output(out)
+      host = (
+        np.int32(0),
+        np.zeros(2, np.uint32),
+        np.full(self.history, -1, np.int32),
+        RowSettings.empty(1),
+        free_bitmask(1, self.vocab)[0],
+      )
+      self._start.lower(rows, logits, *place(host)).compile()
     SamplingParams(temperature=0.0).key()
 
 
