@@ -99,11 +99,17 @@ def tokenizer(request) -> GGUFTokenizer:
 
 
 def draw(
-  tokenizer: GGUFTokenizer, grammar, rng: np.random.Generator, limit: int = 300, lean: float = 0.0
+  tokenizer: GGUFTokenizer,
+  grammar,
+  rng: np.random.Generator,
+  limit: int = 300,
+  lean: float = 0.0,
+  special: bool = False,
 ) -> str:
   """A reply drawn from random logits through the grammar's mask (greedy on fresh noise).
   `lean` is added to the logits of the one-token texts that close a string or an object, so
-  that a grammar without bounds (any object) ends in a few dozen tokens."""
+  that a grammar without bounds (any object) ends in a few dozen tokens; `special`: the text
+  writes control tokens out."""
   closing = np.zeros(tokenizer.vocab_size, np.float32)
   for text in ('"', "}", '"}', '",'):
     ids = tokenizer.encode(text, add_special=False)
@@ -118,7 +124,7 @@ def draw(
     token = int(jnp.argmax(apply_bitmask(logits, jnp.asarray(bitmask))[0]))
     if token == tokenizer.eos_id:
       assert matcher.finished or matcher.advance(token)
-      return tokenizer.decode(ids)
+      return tokenizer.decode(ids, special=special)
     assert matcher.advance(token), matcher.error
     ids.append(token)
   raise AssertionError(f"no EOS in {limit} tokens: {tokenizer.decode(ids)!r}")

@@ -44,12 +44,16 @@ TEMPLATE = (
 )
 
 
-def tiny_chat_model(tmp_path_factory, folder: str):
-  """The tiny qwen2 Q8_0 file as `NAME` with `TEMPLATE` for its chat template, loaded in
-  float32 (the served model of the serve tests)."""
+def tiny_chat_model(
+  tmp_path_factory, folder: str, template: str = TEMPLATE, context: int | None = None
+):
+  """The tiny qwen2 Q8_0 file as `NAME` with `template` for its chat template (and `context`
+  for its context length, when given), loaded in float32 (the served model of the serve
+  tests)."""
   path = rewrite_to(
     tmp_path_factory.mktemp(folder), NAME, src=DATA / "tiny-qwen2-q8_0.gguf",
-    typed_meta={"tokenizer.chat_template": (TEMPLATE, V.STRING, None)},
+    typed_meta={"tokenizer.chat_template": (template, V.STRING, None)},
+    meta={} if context is None else {"qwen2.context_length": context},
   )  # fmt: skip
   return q8rules.load_gguf(path, dtype=jnp.float32, progress=False)
 
@@ -182,7 +186,13 @@ BAD = [
 ]
 FIELDS = [  # (what, path, body, the `param` named)
   ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-  ("tool role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+  ("function role", CHAT, {"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
+  (
+    "tool message without its call's id",
+    CHAT,
+    {"messages": [{"role": "tool", "content": "x"}]},
+    "messages.0.tool_call_id",
+  ),  # fmt: skip
   ("null content", CHAT, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
   ("no content", CHAT, {"messages": [{"role": "user"}]}, "messages.0.content"),
   ("empty parts", CHAT, {"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
@@ -196,10 +206,15 @@ FIELDS = [  # (what, path, body, the `param` named)
     "tool calls",
     CHAT,
     {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
-    "messages.0.tool_calls",
+    "messages.0.tool_calls.0.function",
   ),  # fmt: skip
-  ("tools", CHAT, {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-  ("tool_choice", CHAT, {**GOOD, "tool_choice": "auto"}, "tool_choice"),
+  (  # the test template defines no tool calls
+    "tools",
+    CHAT,
+    {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tools",
+  ),  # fmt: skip
+  ("tool_choice required without tools", CHAT, {**GOOD, "tool_choice": "required"}, "tool_choice"),
   (
     "response_format of no known type",
     CHAT,
@@ -471,22 +486,22 @@ def test_requests_beyond_parallel_wait_in_the_queue(server, model):
   assert not any(isinstance(e, ErrorEvent) for _, ev, _ in out for e in ev)
 
 
-def curl_examples() -> list[str]:
-  """The curl commands of docs/serve.md's ```bash blocks (continuation lines joined)."""
+def curl_examples(tools: bool = False) -> list[str]:
+  """The curl commands of docs/serve.md's ```bash blocks (continuation lines joined): those
+  that send `tools` when `tools` (they need a template that defines calls), else the others."""
   blocks = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), re.S)
   commands = []
   for block in blocks:
     for cmd in block.replace("\\\n", " ").splitlines():
-      if cmd.strip().startswith("curl "):
+      if cmd.strip().startswith("curl ") and ('"tools"' in cmd) == tools:
         commands.append(cmd.strip())
   return commands
 
 
-def test_the_docs_curl_examples_work(server):
-  commands = curl_examples()
-  assert len(commands) >= 4
+def run_curl_examples(commands: list[str], url: str, key: str) -> None:
+  """Each command against the server at `url`: it succeeds and no body or event is an error."""
   for cmd in commands:
-    cmd = cmd.replace("http://127.0.0.1:8080", server.url).replace("$Q8RULES_API_KEY", KEY)
+    cmd = cmd.replace("http://127.0.0.1:8080", url).replace("$Q8RULES_API_KEY", key)
     cmd = cmd.replace("SmolLM2-135M-Instruct-Q8_0.gguf", NAME)
     r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, (cmd, r.stderr)
@@ -496,6 +511,12 @@ def test_the_docs_curl_examples_work(server):
       assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
     else:
       assert "error" not in json.loads(out), (cmd, out)
+
+
+def test_the_docs_curl_examples_work(server):
+  commands = curl_examples()
+  assert len(commands) >= 4
+  run_curl_examples(commands, server.url, KEY)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")

@@ -21,10 +21,13 @@ class TextStream:
   Args:
     tokenizer: a `GGUFTokenizer` (None: each token's text is ' <id>').
     stop: stop strings: the text ends before the first one, which is not part of it.
+    special: write control tokens' text too (a tool-call syntax's markers: `<|channel|>`,
+      `[TOOL_CALLS]`); by default they are left out, as llama.cpp's detokenizer does.
   """
 
-  def __init__(self, tokenizer: Any, stop: list[str]):
+  def __init__(self, tokenizer: Any, stop: list[str], special: bool = False):
     self.tokenizer = tokenizer
+    self.special = special
     self.stop = [s for s in stop if s]
     self.ids: list[int] = []
     self.text = ""  # all the text decoded so far (up to a stop string once found)
@@ -36,7 +39,7 @@ class TextStream:
   def _decode(self, ids: list[int]) -> str:
     if self.tokenizer is None:
       return "".join(f" {i}" for i in ids)
-    return self.tokenizer.decode(ids)
+    return self.tokenizer.decode(ids, special=self.special)
 
   def add(self, token: int) -> tuple[str, bool]:
     """Take `token`; returns (the text that may go out now, whether a stop string ended it)."""

@@ -115,6 +115,7 @@ class Request:
     arrived: when the API took it in (perf_counter seconds; default: when made), for the time
       to first token and the duration.
     grammar: what constrains its tokens (`q8rules.engine.constraints`), or None.
+    special: its text writes control tokens out (`TextStream`'s `special`).
   """
 
   prompt_ids: list[int]
@@ -126,6 +127,7 @@ class Request:
   rid: str = ""
   arrived: float | None = None
   grammar: Any = None
+  special: bool = False
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -355,7 +357,7 @@ class Scheduler:
     r.plan = chunks(len(r.prompt_ids), self.runner.chunk)
     r.key = r.params.key()
     r.history = history_of(r.prompt_ids)
-    r.text = TextStream(self.tokenizer, r.stop)
+    r.text = TextStream(self.tokenizer, r.stop, special=r.special)
     self.slots[i] = r
     self.runner.set_settings(i, r.params)
     self.metrics.prompt_tokens += len(r.prompt_ids)

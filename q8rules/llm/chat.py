@@ -83,12 +83,14 @@ def _strftime_now(fmt: str) -> str:
 
 
 def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-  """`messages` as plain dicts; ValueError naming the first without a str role and content."""
+  """`messages` as plain dicts; ValueError naming the first without a str role and content
+  (an assistant message with `tool_calls` may have a null content)."""
   out = []
   for i, m in enumerate(messages):
     if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
       raise ValueError(f"message {i} has no 'role' string: {m!r}")
-    if not isinstance(m.get("content"), str):
+    calls = m["role"] == "assistant" and m.get("tool_calls")
+    if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
       raise ValueError(f"message {i} ({m['role']}) has no 'content' string: {m!r}")
     out.append(dict(m))
   return out
@@ -136,9 +138,12 @@ def apply_chat_template(
   tokenize: bool = True,
   path: object = "<gguf>",
   template: str | None = None,
+  tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int] | str:
   """The file's chat template (or `template`) over `messages`: its token ids (special tokens
-  parsed, nothing added), or the text when `tokenize` is False."""
+  parsed, nothing added), or the text when `tokenize` is False. `tools` (OpenAI's
+  `{"type": "function", "function": {...}}` entries) reach the template as Hugging Face's
+  `apply_chat_template(tools=...)` passes them; left out when None."""
   template = template if template is not None else template_of(metadata, path)
 
   def text_of(i: int | None) -> str:
@@ -151,6 +156,7 @@ def apply_chat_template(
     eos_token=text_of(tokenizer.eos_id),
     add_generation_prompt=add_generation_prompt,
     path=path,
+    **({} if tools is None else {"tools": [dict(t) for t in tools]}),
   )
   if not tokenize:
     return text

@@ -287,11 +287,13 @@ class GGUFModel:
     *,
     add_generation_prompt: bool = True,
     tokenize: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
   ) -> list[int] | str:
     """The file's `tokenizer.chat_template` over `messages` ([{'role': ..., 'content': ...}]),
     rendered and tokenized as llama-cpp-python does (`q8rules.llm.chat`): token ids, or the
-    text when `tokenize` is False. ChatTemplateError naming the file when it has no template
-    or the template fails to render."""
+    text when `tokenize` is False; `tools` (OpenAI's function entries) reach the template as
+    Hugging Face passes them. ChatTemplateError naming the file when it has no template or
+    the template fails to render."""
     from q8rules.llm.chat import ChatTemplateError, apply_chat_template
 
     if self.tokenizer is None:
@@ -303,6 +305,7 @@ class GGUFModel:
       add_generation_prompt=add_generation_prompt,
       tokenize=tokenize,
       path=self.path,
+      tools=tools,
     )
 
   def stream(

@@ -31,6 +31,7 @@ from q8rules.engine.scheduler import (
 )
 from q8rules.serve import protocol as P
 from q8rules.serve import responses as R
+from q8rules.serve import tool_replies as T
 from q8rules.serve.errors import APIError
 
 MAX_BODY = 4 << 20
@@ -69,6 +70,7 @@ class API:
     self.metrics = scheduler.metrics
     tok = model.tokenizer
     self.stop_ids = frozenset(tok.eog_ids) if tok is not None else frozenset()
+    self._syntax: Any = None
 
   def count_error(self, status: int) -> None:
     self.metrics.http_errors.labels(status=str(status)).inc()
@@ -128,14 +130,31 @@ class API:
 
   # --- prompts (in worker threads) ------------------------------------------------------------
 
-  def chat_ids(self, body: P.ChatCompletionRequest) -> list[int]:
-    """The chat template over `body.messages`, tokenized."""
+  def tool_syntax(self) -> Any:
+    """The tool-call syntax the model's chat template writes (`q8rules.llm.tools`); APIError
+    400 naming `tools` when it writes none."""
+    if self._syntax is None:
+      from q8rules.llm.chat import TEMPLATE_KEY
+      from q8rules.llm.tools import syntax_for_template
+
+      template = self.model.metadata.get(TEMPLATE_KEY)
+      self._syntax = (isinstance(template, str) and syntax_for_template(template)) or False
+    if self._syntax is False:
+      raise APIError(
+        400, f"tools: the chat template of {self.name} defines no tool calls (it renders no"
+        " tools and no call syntax is known for it); leave tools out, or serve a model whose"
+        " template defines them", param="tools",
+      )  # fmt: skip
+    return self._syntax
+
+  def chat_ids(self, body: P.ChatCompletionRequest, tools: list | None = None) -> list[int]:
+    """The chat template over `body.messages` (and `tools`, when given), tokenized."""
     from q8rules.llm.chat import ChatTemplateError
 
     self.tokenizer()
     messages = [m.as_template_input() for m in body.messages]
     try:
-      return list(self.model.apply_chat_template(messages, add_generation_prompt=True))
+      return list(self.model.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
     except ChatTemplateError as e:
       raise APIError(400, str(e), param="messages", code="template_error") from None
     except UnicodeError as e:
@@ -145,23 +164,38 @@ class API:
     except ValueError as e:  # a message the renderer refuses
       raise APIError(400, str(e), param="messages") from None
 
-  def grammar(self, body: Any) -> Any:
-    """The matcher of the grammar `body`'s structured-output fields ask for, or None (APIError
-    400 naming the field that does not compile)."""
+  def grammar(self, body: Any, tools: Any = None) -> Any:
+    """The matcher of the grammar `body`'s structured-output fields ask for, or of the call
+    a required or named `tool_choice` makes (`tools`: (syntax, the tools' template form)), or
+    None (APIError 400 naming the field that does not compile)."""
     fields = body.constraint()
-    if not fields:
+    forced = tools is not None and body.tool_mode() in ("required", "named")
+    if not fields and not forced:
       return None
     from q8rules.llm.grammar import GrammarError, RowMatcher, grammar_for_request
+    from q8rules.llm.tools.grammar import call_grammar
 
     tok = self.tokenizer()
+    if forced and fields:
+      raise APIError(
+        400, f"tool_choice: a required tool call and {next(iter(fields))} cannot both constrain"
+        " the reply", param="tool_choice",
+      )  # fmt: skip
     try:
+      if forced:
+        syntax, entries = tools
+        only = body.tool_choice.function.name if body.tool_mode() == "named" else None
+        parallel = body.parallel_tool_calls is not False
+        return RowMatcher(
+          call_grammar(syntax.name, entries, tok, only=only, parallel=parallel), tok
+        )
       return RowMatcher(grammar_for_request(tok, **fields), tok)
     except GrammarError as e:
       raise APIError(400, str(e), param=e.field) from None
     except ImportError as e:
       raise APIError(
         400, f"structured output needs llguidance (pip install 'q8rules[serve]'): {e}",
-        param=next(iter(fields)),
+        param=next(iter(fields), "tool_choice"),
       ) from None  # fmt: skip
 
   def completion_ids(self, body: P.CompletionRequest) -> list[int]:
@@ -213,12 +247,17 @@ class API:
     arrived = time.perf_counter()
     self.check_model(body.model)
     self.check_vocab(body)
+    tools, stops = None, body.stops()
+    if chat and body.tool_mode() != "none":
+      tools = (self.tool_syntax(), [t.as_template_input() for t in body.tools])
+      if body.tool_mode() == "auto" and body.parallel_tool_calls is False:
+        stops.append(T.ONE_CALL_STOP.get(tools[0].name, ""))
     if chat:
-      ids = await run_in_threadpool(self.chat_ids, body)
+      ids = await run_in_threadpool(self.chat_ids, body, tools and tools[1])
     else:
       ids = await run_in_threadpool(self.completion_ids, body)
     limit = self.check_ids(ids, body.limit(), "messages" if chat else "prompt")
-    grammar = await run_in_threadpool(self.grammar, body)
+    grammar = await run_in_threadpool(self.grammar, body, tools)
     want, top = body.logprob_settings()
     try:
       params = body.sampling(secrets.randbits(31), want, top)
@@ -229,8 +268,10 @@ class API:
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     stop_ids = frozenset() if body.ignore_eos else self.stop_ids
     request = Request(
-      ids, limit, params, body.stops(), stop_ids, emit, rid=rid, arrived=arrived, grammar=grammar
-    )
+      ids, limit, params, stops, stop_ids, emit, rid=rid, arrived=arrived, grammar=grammar,
+      special=tools is not None,
+    )  # fmt: skip
+    syntax = tools[0] if tools is not None else None
     try:
       self.scheduler.submit(request)
     except EngineDown as e:
@@ -241,12 +282,12 @@ class API:
       timer = loop.call_later(left, self._expire, request, queue)
     if body.stream:
       return StreamingResponse(
-        self.stream(request, queue, rid, chat, body.include_usage(), timer),
+        self.stream(request, queue, rid, chat, body.include_usage(), timer, syntax),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
       )
     try:
-      return await self.whole(http, request, queue, rid, chat, want)
+      return await self.whole(http, request, queue, rid, chat, want, syntax)
     finally:
       if timer is not None:
         timer.cancel()
@@ -278,6 +319,7 @@ class API:
     rid: str,
     chat: bool,
     want: bool,
+    syntax: Any = None,
   ) -> Response:
     text, entries = [], []
     watcher = asyncio.ensure_future(self._watch(http, request, queue))
@@ -301,8 +343,13 @@ class API:
     done: DoneEvent = event
     text.append(done.text)
     content = "".join(text)
+    finish = done.finish_reason
     if chat:
-      choice = {"index": 0, "message": {"role": "assistant", "content": content}}
+      message: dict[str, Any] = {"role": "assistant", "content": content}
+      if syntax is not None:
+        message, calls = T.message(syntax, content)
+        finish = "tool_calls" if calls and finish == "stop" else finish
+      choice = {"index": 0, "message": message}
       if want:
         choice["logprobs"] = R.chat_logprobs(entries)
       kind = "chat.completion"
@@ -310,7 +357,7 @@ class API:
       choice = {"index": 0, "text": content}
       choice["logprobs"] = R.completion_logprobs(entries, 0) if want else None
       kind = "text_completion"
-    choice["finish_reason"] = done.finish_reason
+    choice["finish_reason"] = finish
     out = R.base(kind, rid, self.name)
     out["choices"] = [choice]
     out["usage"] = R.usage(done.prompt_tokens, done.completion_tokens)
@@ -324,15 +371,17 @@ class API:
     chat: bool,
     include_usage: bool,
     timer: asyncio.TimerHandle | None = None,
+    syntax: Any = None,
   ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     offset = 0
+    reader = T.DeltaReader(syntax) if syntax is not None else None
 
-    def chunk(text: str | None, finish: str | None, entries: list | None = None) -> dict:
+    def chunk(text: str | dict | None, finish: str | None, entries: list | None = None) -> dict:
       nonlocal offset
       out = R.base(kind, rid, self.name)
       if chat:
-        delta = {} if text is None else {"content": text}
+        delta = text if isinstance(text, dict) else {} if text is None else {"content": text}
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         if entries:
           choice["logprobs"] = R.chat_logprobs(entries)
@@ -356,7 +405,12 @@ class API:
         if isinstance(event, TokenEvent):  # with every token already queued: one write
           out = []
           while isinstance(event, TokenEvent):
-            out.append(sse(chunk(event.text, None, self.logprob_entries(event.logprobs or []))))
+            entries = self.logprob_entries(event.logprobs or [])
+            if reader is None:
+              out.append(sse(chunk(event.text, None, entries)))
+            else:
+              for i, delta in enumerate(reader.feed(event.text) or ([{}] if entries else [])):
+                out.append(sse(chunk(delta, None, entries if i == 0 else None)))
             event = queue.get_nowait() if not queue.empty() else None
           yield "".join(out)
           if event is None:
@@ -367,9 +421,14 @@ class API:
           yield sse(APIError(event.status, event.message).body())
           yield sse("[DONE]")
           return
-        if event.text:
+        finish = event.finish_reason
+        if reader is not None:
+          for delta in reader.feed(event.text) + reader.finish():
+            yield sse(chunk(delta, None))
+          finish = "tool_calls" if reader.calls and finish == "stop" else finish
+        elif event.text:
           yield sse(chunk(event.text, None))
-        yield sse(chunk(None if chat else "", event.finish_reason))
+        yield sse(chunk(None if chat else "", finish))
         if include_usage:
           last = R.base(kind, rid, self.name)
           last["choices"] = []

@@ -89,14 +89,18 @@ def _field_path(loc: tuple[Any, ...]) -> list[str]:
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
   """The 400 for pydantic's `errors`: the field's dotted path as `param` and at the head of the
-  message ('messages.0.role: ...'). Of a union's alternatives, the error that reached deepest
+  message ('messages.0.role: ...'; a check across fields gives its field as `ctx["field"]`). Of a union's alternatives, the error that reached deepest
   into the value is the one told (a content part's wrong type, not "not a string")."""
   if not errors:
     return APIError(400, "the request is invalid")
   first = max(errors, key=lambda e: len(_field_path(tuple(e.get("loc", ())))))
   loc = _field_path(tuple(first.get("loc", ())))
-  param = ".".join(loc) or None
   message = str(first.get("msg", "the request is invalid"))
+  field = (first.get("ctx") or {}).get("field")  # a check across fields names its own
+  if field:
+    loc.append(str(field))
+    message = message.removeprefix(f"{field}: ")
+  param = ".".join(loc) or None
   if first.get("type") == "json_invalid":
     error = (first.get("ctx") or {}).get("error", "")
     return APIError(400, f"the request body is not valid JSON: {error or message}")

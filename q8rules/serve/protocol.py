@@ -16,19 +16,23 @@ What depends on the model (`top_k` and `logit_bias` ids within the vocabulary, t
 
 Structured output: `response_format` (OpenAI's `json_object` and `json_schema`) and
 llama-server's `grammar` (GBNF) and `json_schema` constrain the reply (the API compiles them
-against the vocabulary: a bad one is a 400 naming its field). Fields that would change the
-reply but are not implemented (`tools`, `tool_choice`, ...: `UNSERVED`) are refused by name,
-unless they hold the value that changes nothing (`"tools": []`). Other unknown
+against the vocabulary: a bad one is a 400 naming its field). Tool calling: `tools` (functions
+with JSON Schema parameters), `tool_choice` ("none", "auto", "required" or a named function)
+and `parallel_tool_calls`; assistant messages may carry `tool_calls`, and `role: "tool"`
+messages (with their `tool_call_id`) answer them. Fields that would change the
+reply but are not implemented (`functions`, `audio`, ...: `UNSERVED`) are refused by name,
+unless they hold the value that changes nothing (`"functions": []`). Other unknown
 fields are ignored (clients send many: `user`, `store`, `metadata`). A field sent as null is
 its default, as OpenAI reads it. The responses are `responses`'; the error body, `errors`'.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from q8rules.engine.sampling import (
@@ -38,6 +42,9 @@ from q8rules.engine.sampling import (
   SEED_MODULUS,
   SamplingParams,
 )
+
+MAX_TOOLS = 128
+"""At most this many tools a request (OpenAI's limit)."""
 
 MAX_STOP = 4
 """At most this many stop strings (OpenAI's limit)."""
@@ -56,13 +63,15 @@ under."""
 LOGIT_BIAS_MAX = 100.0
 """A `logit_bias` value is in [-100, 100] (OpenAI's range)."""
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 """The message roles served; 'developer' (OpenAI's newer name for 'system') reaches the chat
-template as 'system'."""
+template as 'system'; 'tool' carries a tool's result back."""
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+"""A function's name (OpenAI's: letters, digits, '_', '-', at most 64; '.' as some templates
+write namespaces)."""
 
 UNSERVED: dict[str, tuple[Any, ...]] = {
-  "tools": ([],),
-  "tool_choice": ("none",),
   "functions": ([],),
   "function_call": ("none",),
   "audio": (),
@@ -263,27 +272,106 @@ class ContentPart(BaseModel):
   text: str
 
 
-class ChatMessage(BaseModel):
-  """One message: a role and its content (a string, or a list of text parts; never null)."""
+class FunctionDef(BaseModel):
+  """`tools[i].function`: a function the model may call, its arguments a JSON Schema."""
 
   model_config = ConfigDict(extra="ignore", strict=True)
 
-  role: Literal["system", "developer", "user", "assistant"]
-  content: str | Annotated[list[ContentPart], Field(min_length=1)]
-  name: str | None = None
-  tool_calls: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
-    default=None, description="not supported yet (no tools)"
+  name: str = Field(pattern=FUNCTION_NAME)
+  description: str | None = None
+  parameters: dict[str, Any] | None = Field(
+    default=None, description="a JSON Schema for the arguments (an object); none: no arguments"
   )
+  strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+  """One entry of `tools`."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  type: Literal["function"]
+  function: FunctionDef
+
+  def as_template_input(self) -> dict[str, Any]:
+    """As Hugging Face's `apply_chat_template(tools=...)` passes it to the template."""
+    f = self.function
+    out: dict[str, Any] = {"name": f.name}
+    if f.description is not None:
+      out["description"] = f.description
+    out["parameters"] = f.parameters if f.parameters is not None else {"type": "object"}
+    return {"type": "function", "function": out}
+
+
+class FunctionName(BaseModel):
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  name: str
+
+
+class NamedToolChoice(BaseModel):
+  """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that function."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  type: Literal["function"]
+  function: FunctionName
+
+
+class CalledFunction(BaseModel):
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  name: str
+  arguments: str = Field(description="the arguments as JSON text")
+
+
+class MessageToolCall(BaseModel):
+  """A call in an assistant message of the conversation (`tool_calls[i]`)."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  id: str | None = None
+  type: Literal["function"] = "function"
+  function: CalledFunction
+
+  def as_template_input(self) -> dict[str, Any]:
+    """As templates read a call: the arguments parsed into an object where they are one (the
+    Qwen, Llama and Mistral templates write `arguments | tojson`), else the text as sent."""
+    args: Any = self.function.arguments
+    try:
+      parsed = json.loads(args)
+    except ValueError:
+      parsed = None
+    if isinstance(parsed, dict):
+      args = parsed
+    out: dict[str, Any] = {"type": "function", "function": {"name": self.function.name,
+                                                             "arguments": args}}  # fmt: skip
+    if self.id is not None:
+      out["id"] = self.id
+    return out
+
+
+class ChatMessage(BaseModel):
+  """One message: a role and its content (a string, or a list of text parts). An assistant
+  message may carry `tool_calls` (its content then may be null); a `tool` message answers one
+  (`tool_call_id`)."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
+  name: str | None = None
+  tool_calls: list[MessageToolCall] | None = None
+  tool_call_id: str | None = None
 
   @field_validator("role", mode="before")
   @classmethod
   def _role(cls, v: Any) -> Any:
-    if v in ("tool", "function"):
+    if v == "function":
       raise PydanticCustomError(
         "unsupported_role",
-        "'{role}' messages answer tool calls, which this server does not make yet (tools are"
-        " not supported)",
-        {"role": v},
+        "'function' messages (OpenAI's deprecated form) are not served; answer a call with a"
+        " 'tool' message and its tool_call_id",
       )
     if isinstance(v, str) and v not in ROLES:
       raise PydanticCustomError(
@@ -293,25 +381,44 @@ class ChatMessage(BaseModel):
       )
     return v
 
-  @field_validator("content", mode="before")
-  @classmethod
-  def _content(cls, v: Any) -> Any:
-    if v is None:
+  @model_validator(mode="after")
+  def _content_and_calls(self) -> ChatMessage:
+    if self.content is None and not (self.role == "assistant" and self.tool_calls):
       raise PydanticCustomError(
-        "null_content", "a message's content is a string or a list of text parts, not null"
+        "null_content",
+        "content: a message's content is a string or a list of text parts (null only in an"
+        " assistant message with tool_calls)",
+        {"field": "content"},
       )
-    return v
-
-  @field_validator("tool_calls", mode="before")
-  @classmethod
-  def _tool_calls(cls, v: Any) -> Any:
-    return _refuse_unserved("tools", v)
+    if self.tool_calls and self.role != "assistant":
+      raise PydanticCustomError(
+        "tool_calls_role",
+        "tool_calls: only an assistant message carries tool calls",
+        {"field": "tool_calls"},
+      )
+    if self.role == "tool" and not self.tool_call_id:
+      raise PydanticCustomError(
+        "tool_call_id",
+        "tool_call_id: a tool message names the call it answers",
+        {"field": "tool_call_id"},
+      )
+    return self
 
   def as_template_input(self) -> dict[str, Any]:
     content = self.content
     if isinstance(content, list):
       content = "".join(p.text for p in content)
-    return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    out: dict[str, Any] = {
+      "role": "system" if self.role == "developer" else self.role,
+      "content": content or "",
+    }
+    if self.tool_calls:
+      out["tool_calls"] = [c.as_template_input() for c in self.tool_calls]
+    if self.tool_call_id is not None:
+      out["tool_call_id"] = self.tool_call_id
+    if self.name is not None and self.role == "tool":
+      out["name"] = self.name
+    return out
 
 
 class ChatCompletionRequest(_Request):
@@ -321,10 +428,15 @@ class ChatCompletionRequest(_Request):
   max_completion_tokens: int | None = Field(default=None, ge=1)
   logprobs: bool | None = None
   top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-  tools: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
-    default=None, description="not supported yet"
+  tools: list[ToolDef] | None = Field(
+    default=None, max_length=MAX_TOOLS, description="functions the model may call"
   )
-  tool_choice: Literal[None, "none"] = Field(default=None, description="not supported yet")
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    default=None, description="default 'auto' with tools, 'none' without"
+  )
+  parallel_tool_calls: bool | None = Field(
+    default=None, description="default true: a reply may make several calls"
+  )
   functions: Literal[None] | Annotated[list[Any], Field(max_length=0)] = Field(
     default=None, description="not supported yet"
   )
@@ -334,8 +446,7 @@ class ChatCompletionRequest(_Request):
     Literal[None] | Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)]
   ) = None
 
-  @field_validator("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
-                   mode="before")  # fmt: skip
+  @field_validator("functions", "function_call", "audio", "modalities", mode="before")
   @classmethod
   def _unserved_chat(cls, v: Any, info: Any) -> Any:
     return _refuse_unserved(info.field_name, v)
@@ -346,6 +457,33 @@ class ChatCompletionRequest(_Request):
     if v and not info.data.get("logprobs"):
       raise PydanticCustomError("logprobs_off", "top_logprobs needs logprobs: true")
     return v
+
+  @model_validator(mode="after")
+  def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+    names = [t.function.name for t in self.tools or []]
+    if len(set(names)) != len(names):
+      raise PydanticCustomError(
+        "duplicate_tool", "tools: two functions share a name", {"field": "tools"}
+      )
+    choice = self.tool_choice
+    if choice == "required" and not names:
+      raise PydanticCustomError(
+        "tool_choice", "tool_choice: 'required' needs tools", {"field": "tool_choice"}
+      )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+      raise PydanticCustomError(
+        "tool_choice", "tool_choice: the function {name} is not among the tools",
+        {"name": repr(choice.function.name), "field": "tool_choice"},
+      )  # fmt: skip
+    return self
+
+  def tool_mode(self) -> str:
+    """'none' (no tools: the reply is text), 'auto', 'required' or 'named'."""
+    if not self.tools or self.tool_choice == "none":
+      return "none"
+    if isinstance(self.tool_choice, NamedToolChoice):
+      return "named"
+    return self.tool_choice or "auto"
 
   def limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -413,6 +551,10 @@ __all__ = [
   "DetokenizeRequest",
   "LOGIT_BIAS_MAX",
   "MAX_STOP",
+  "MAX_TOOLS",
+  "MessageToolCall",
+  "NamedToolChoice",
+  "ToolDef",
   "MAX_STOP_CHARS",
   "REPEAT_PENALTY_RANGE",
   "ROLES",

@@ -72,7 +72,7 @@ def json_grammar(schema: Any, field: str, tokenizer: GGUFTokenizer) -> Grammar:
     text = llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=JSON_LAYOUT)
   except (ValueError, TypeError) as e:
     raise GrammarError(field, str(e)) from None
-  return _checked(text, field, "json", tokenizer)
+  return checked_grammar(text, field, "json", tokenizer)
 
 
 def gbnf_grammar(source: str, field: str, tokenizer: GGUFTokenizer) -> Grammar:
@@ -85,10 +85,12 @@ def gbnf_grammar(source: str, field: str, tokenizer: GGUFTokenizer) -> Grammar:
     text = llguidance.grammar_from("gbnf", source)
   except (ValueError, TypeError) as e:
     raise GrammarError(field, str(e)) from None
-  return _checked(text, field, "grammar", tokenizer)
+  return checked_grammar(text, field, "grammar", tokenizer)
 
 
-def _checked(text: str, field: str, kind: str, tokenizer: GGUFTokenizer) -> Grammar:
+def checked_grammar(text: str, field: str, kind: str, tokenizer: GGUFTokenizer) -> Grammar:
+  """`text` (llguidance's grammar form) checked against `tokenizer`'s vocabulary (GrammarError
+  naming `field` when it is refused)."""
   import llguidance
 
   error = llguidance.LLMatcher.validate_grammar(text, ll_tokenizer(tokenizer))

@@ -24,7 +24,9 @@ class ReplyStream:
   Content and reasoning stream as they come, less a tail that could open a call (held until
   the next text shows it does not); a call is given whole once it is closed. `finish()` reads
   the whole reply (a call cut off by the end is read if its body is whole) and gives the rest.
-  The deltas joined equal `syntax.parse(text)`.
+  The deltas joined equal `syntax.parse(text)`. A reply the syntax cannot read (a call whose
+  body is not JSON) is content: from the point it stops parsing, nothing more is given until
+  `finish`, which gives the rest of the text.
   """
 
   def __init__(self, syntax: Syntax):
@@ -35,10 +37,17 @@ class ReplyStream:
 
   def feed(self, text: str) -> Delta:
     self.text += text
-    return self._advance(self.syntax.parse(self.text, partial=True))
+    try:
+      return self._advance(self.syntax.parse(self.text, partial=True))
+    except ValueError:  # a closed call that does not parse: `finish` gives it as content
+      return Delta()
 
   def finish(self) -> Delta:
-    return self._advance(self.syntax.parse(self.text))
+    try:
+      reply = self.syntax.parse(self.text)
+    except ValueError:  # not a reply the syntax reads: all of it is content
+      reply = Reply(self.text)
+    return self._advance(reply)
 
   def _advance(self, reply: Reply) -> Delta:
     content = reply.content[len(self._content) :] if reply.content.startswith(self._content) else ""
