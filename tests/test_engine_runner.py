@@ -48,8 +48,14 @@ def test_several_steps_a_program_are_the_steps_one_at_a_time():
 
 
 def test_a_freed_row_stops_and_the_others_go_on():
+  """A freed row parks at the last position (where its dummy token lands on no prompt's: the
+  slot's cache keeps its prefix), or at 0 on a model with sliding-window layers (whose ring
+  keeps no prefix)."""
+  ring = q8rules.load_gguf(DATA / "tiny-gemma3-q8_0.gguf", dtype=jnp.float32, progress=False)
+  assert not BatchRunner(ring, 1, 64).keeps_prefixes
   m = q8rules.load_gguf(DATA / "tiny-qwen2-q8_0.gguf", dtype=jnp.float32, progress=False)
   runner = BatchRunner(m, 2, 64, chunk=8, steps=4)
+  assert runner.keeps_prefixes
   greedy = RowSettings.of([SamplingParams(temperature=0.0)])
   for row in (0, 1):
     ids = np.asarray([3, 1, 4, 1, 5], np.int32)
@@ -58,10 +64,10 @@ def test_a_freed_row_stops_and_the_others_go_on():
   runner.decode(2)
   runner.free(1)
   rows = runner.rows
-  assert np.asarray(rows.positions).tolist() == [7, 0]
+  assert np.asarray(rows.positions).tolist() == [7, 63]
   assert np.asarray(rows.active).tolist() == [True, False]
   runner.decode(3)
-  assert np.asarray(runner.rows.positions).tolist() == [10, 0]
+  assert np.asarray(runner.rows.positions).tolist() == [10, 63]
 
 
 def test_warm_up_compiles_every_program_without_running_them():

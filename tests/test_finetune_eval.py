@@ -196,6 +196,10 @@ def test_held_out_text_that_training_reads_is_left_out_with_a_warning(tmp_path):
   dropped, total = int(said.group(1).replace(",", "")), int(said.group(2).replace(",", ""))
   assert 0 < dropped < total
   assert "before training: eval loss" in log  # the rest is evaluated
+
+
+@pytest.mark.slow
+def test_held_out_text_all_repeated_is_no_evaluation_and_unrepeated_text_no_warning(tmp_path):
   status, log, _ = finetune(tmp_path, "--steps", "2", text=REPEATING)
   assert status == 0, log
   assert re.search(r"warning: all [\d,]+ held-out tokens repeat the training text verbatim", log)

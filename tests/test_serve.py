@@ -462,10 +462,40 @@ def test_batch_invariance_alone_and_beside_others(server, model):
   alone_g = run_together(server, model, [greedy])[0]
   alone_s = run_together(server, model, [sampled])[0]
   both = run_together(server, model, [other, sampled, greedy])
-  assert alone_g[3] == alone_s[3] == 0 and {b[3] for b in both} == {0, 1, 2}
+  assert {b[3] for b in both} == {0, 1, 2}
   assert both[2][:3] == alone_g[:3]
   assert both[1][:3] == alone_s[:3]
   assert len(alone_g[1]) == 24
+
+
+def test_a_cached_prefix_gives_the_bits_of_a_miss_alone_and_in_a_batch(server, model):
+  """The prefix cache: a prompt that starts as one a slot ran before prefills only the rest
+  (in whole chunks), and its tokens and log-probabilities are those of the same request with
+  nothing cached, alone and beside others; `/metrics` counts the reused tokens."""
+  sched = server.scheduler
+  assert sched.runner.keeps_prefixes and sched.runner.chunk == 8
+  shared = list(range(3, 30))  # 27 tokens: three whole chunks of 8 can be reused
+  greedy = (shared + [40, 41, 42], 12, dict(temperature=0.0, logprobs=True, top_logprobs=2))
+  sampled = (shared + [50, 51], 12,
+             dict(temperature=0.9, top_p=0.9, seed=5, logprobs=True, top_logprobs=2))  # fmt: skip
+  other = ([7] * 20, 30, dict(temperature=0.0))
+  sched.cached = [[] for _ in sched.cached]  # nothing cached: misses
+  reused = sched.metrics.prompt_tokens_reused
+  miss_g = run_together(server, model, [greedy])[0]
+  sched.cached = [[] for _ in sched.cached]
+  miss_s = run_together(server, model, [sampled])[0]
+  assert sched.metrics.prompt_tokens_reused == reused
+  hit_g = run_together(server, model, [greedy])[0]  # the slot holds `shared` from the miss
+  assert sched.metrics.prompt_tokens_reused == reused + 24
+  assert hit_g[:3] == miss_g[:3]
+  sched.cached = [[] for _ in sched.cached]
+  run_together(server, model, [(shared + [60], 2, dict(temperature=0.0))])  # cache `shared`
+  before = sched.metrics.prompt_tokens_reused
+  both = run_together(server, model, [other, sampled, greedy])  # `other` takes an unused slot
+  assert sched.metrics.prompt_tokens_reused >= before + 24  # `sampled` hits
+  assert both[1][:3] == miss_s[:3] and both[2][:3] == miss_g[:3]
+  text = httpx.get(server.url + "/metrics", headers=auth()).text
+  assert f"q8rules_prompt_tokens_reused_total {float(sched.metrics.prompt_tokens_reused)}" in text
 
 
 def test_requests_beyond_parallel_wait_in_the_queue(server, model):

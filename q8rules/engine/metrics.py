@@ -7,6 +7,8 @@ a collector reads them, and the engine's state, when `/metrics` is scraped:
   q8rules_requests_total{finish_reason}   requests ended: stop, length, cancelled, error,
                                           aborted (the engine stopped under them)
   q8rules_prompt_tokens_total             prompt tokens taken in
+  q8rules_prompt_tokens_reused_total      of them, those a slot's cache held already (not
+                                          prefilled again: the prefix cache)
   q8rules_generation_tokens_total         tokens generated
   q8rules_decode_steps_total              decode steps run
   q8rules_requests_running                requests holding a slot
@@ -72,7 +74,7 @@ class Metrics:
 
   Attributes:
     requests: requests ended, by finish reason.
-    prompt_tokens, generated_tokens, decode_steps: totals since start.
+    prompt_tokens, prompt_tokens_reused, generated_tokens, decode_steps: totals since start.
     recent_decode: the last decode programs' (end time, tokens, seconds).
     recent_durations: the last requests' durations (seconds).
     queue_time, time_to_first_token, inter_token_latency, request_duration: histograms.
@@ -83,6 +85,7 @@ class Metrics:
   def __init__(self) -> None:
     self.requests: collections.Counter = collections.Counter()
     self.prompt_tokens = 0
+    self.prompt_tokens_reused = 0
     self.generated_tokens = 0
     self.decode_steps = 0
     self.recent_decode: collections.deque = collections.deque(maxlen=64)
@@ -151,6 +154,11 @@ class _EngineCollector:
     yield ended
     for name, help, value in (
       ("prompt_tokens", "Prompt tokens taken in.", m.prompt_tokens),
+      (
+        "prompt_tokens_reused",
+        "Prompt tokens a slot's cache held already.",
+        m.prompt_tokens_reused,
+      ),  # fmt: skip
       ("generation_tokens", "Tokens generated.", m.generated_tokens),
       ("decode_steps", "Decode steps run.", m.decode_steps),
     ):

@@ -192,6 +192,10 @@ class BatchRunner:
     self._device_settings: RowSettings | None = None
     self.allowed = free_bitmask(slots, self.vocab)
     self._device_allowed: jax.Array | None = None
+    self.keeps_prefixes = not any(model.config.is_local)
+    """Whether a slot's cache keeps what its prompts wrote, for a later request to reuse: with
+    no sliding-window layer (a window's ring overwrites old positions) and free rows parked at
+    the last position, where a dummy token never lands on a prompt's."""
     self._decode = jax.jit(self._decode_steps, donate_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1, 2))
     self._start = jax.jit(self._start_row, donate_argnums=(0,))
@@ -266,16 +270,19 @@ class BatchRunner:
     return rows, (tok[None], *(a[None] for a in rest))
 
   @staticmethod
-  def _free_row(rows: Rows, slot):
+  def _free_row(rows: Rows, slot, park):
     return dataclasses.replace(
-      rows, positions=rows.positions.at[slot].set(0), active=rows.active.at[slot].set(False)
+      rows, positions=rows.positions.at[slot].set(park), active=rows.active.at[slot].set(False)
     )
 
   def free(self, slot: int) -> None:
-    """Row `slot` stops decoding; its dummy token goes to position 0 (where a next request's
-    prompt writes first); its settings become greedy with nothing else on."""
+    """Row `slot` stops decoding; its settings become greedy with nothing else on. Its dummy
+    token goes to the last position when the cache keeps prefixes (`keeps_prefixes`: a later
+    prompt that starts the same reuses what this one wrote; a request writes the last position
+    before it reads it), else to position 0 (where a next request's prompt writes first)."""
+    park = self.context - 1 if self.keeps_prefixes else 0
     with self.model.products():
-      self.rows = self._free(self.rows, self._place(np.int32(slot)))
+      self.rows = self._free(self.rows, *self._place((np.int32(slot), np.int32(park))))
     self.set_settings(slot, SamplingParams(temperature=0.0))
     self.set_allowed(slot, None)
 
@@ -361,7 +368,7 @@ class BatchRunner:
     with self.model.products():  # the arguments placed as the calls place theirs
       settings, allowed, one = place(self.settings), place(self.allowed), place(np.int32(1))
       self._decode.lower(params, cache, rows, settings, allowed, one).compile()
-      self._free.lower(rows, place(np.int32(0))).compile()
+      self._free.lower(rows, *place((np.int32(0), np.int32(0)))).compile()
       logits = None
       for t in sorted(set(chunks(2 * self.chunk - 1, self.chunk))):
         if t <= self.context:

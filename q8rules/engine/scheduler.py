@@ -192,6 +192,13 @@ class Scheduler:
     self._thread: threading.Thread | None = None
     self._started: collections.deque[Started] = collections.deque()
     self._last_done = 0.0
+    self.cached: list[list[int]] = [[] for _ in range(runner.slots)]
+    """Per slot, the prompt ids whose keys and values its cache row holds as a prompt's full
+    chunks from position 0 wrote them (the prefix cache; empty unless the runner
+    `keeps_prefixes`)."""
+    self.used = [0] * runner.slots
+    """Per slot, when a request last took it (a count of admissions)."""
+    self._admitted = 0
 
   # --- the API's side -------------------------------------------------------------------------
 
@@ -342,25 +349,46 @@ class Scheduler:
         self._finish(r, "cancelled")
 
   def _admit(self) -> None:
-    for i, r in enumerate(self.slots):
-      while r is None and self.waiting:
-        nxt = self.waiting.popleft()
-        try:
-          self._take_slot(nxt, i)
-          r = nxt
-        except Exception as e:
-          self._fail(nxt, e, 400, "admitting it")
+    """The waiting requests, oldest first, into the free slots: each into the one whose cache
+    holds the longest part of its prompt; among equals, the one used least recently (what it
+    holds is the least likely to be asked for again), then the lowest."""
+    while self.waiting and None in self.slots:
+      nxt = self.waiting.popleft()
+      free = [i for i, r in enumerate(self.slots) if r is None]
+      slot = max(free, key=lambda i: (self.reusable(nxt.prompt_ids, i), -self.used[i], -i))
+      try:
+        self._take_slot(nxt, slot)
+      except Exception as e:
+        self._fail(nxt, e, 400, "admitting it")
+
+  def reusable(self, ids: list[int], slot: int) -> int:
+    """How many of `ids`' first tokens slot `slot`'s cache holds for reuse: their common prefix
+    with `cached[slot]`, in whole chunks, leaving at least one token to prefill. A prompt
+    prefilled after them runs the chunks a prompt prefilled from the start runs there (the
+    chunk plan of n - m tokens, m a multiple of the chunk, is that of n past its first m), so
+    its keys, values and tokens are the same bits whether its prefix was cached or not."""
+    cached, chunk = self.cached[slot], self.runner.chunk
+    n = min(len(cached), len(ids) - 1)
+    same = next((k for k in range(n) if cached[k] != ids[k]), n)
+    return same // chunk * chunk
 
   def _take_slot(self, r: Request, i: int) -> None:
-    """`r` gets slot `i`: its prompt's chunks, key, recent ids, text and settings."""
+    """`r` gets slot `i`: its prompt's chunks (after what the slot's cache holds of it), key,
+    recent ids, text and settings."""
     r.slot = i
-    r.plan = chunks(len(r.prompt_ids), self.runner.chunk)
+    self._admitted += 1
+    self.used[i] = self._admitted
+    reused = self.reusable(r.prompt_ids, i)
+    self.cached[i] = r.prompt_ids[:reused]
+    r.prefilled = reused
+    r.plan = chunks(len(r.prompt_ids) - reused, self.runner.chunk)
     r.key = r.params.key()
     r.history = history_of(r.prompt_ids)
     r.text = TextStream(self.tokenizer, r.stop, special=r.special)
     self.slots[i] = r
     self.runner.set_settings(i, r.params)
     self.metrics.prompt_tokens += len(r.prompt_ids)
+    self.metrics.prompt_tokens_reused += reused
     self.metrics.queue_time.observe(time.perf_counter() - r.submitted)
 
   def _prefill_some(self) -> None:
@@ -383,6 +411,12 @@ class Scheduler:
     one = RowSettings.of([r.params])
     allowed = None if r.plan else first_mask(r.grammar, self.runner.vocab)
     step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan, allowed)
+    if (
+      self.runner.keeps_prefixes
+      and t == self.runner.chunk
+      and len(self.cached[r.slot]) == r.prefilled
+    ):
+      self.cached[r.slot] = r.prompt_ids[: r.prefilled + t]  # a full chunk: reusable
     r.prefilled += t
     if not r.plan:  # its first token, handed out after the steps started before it
       r.pending += 1
