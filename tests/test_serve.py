@@ -479,16 +479,16 @@ def test_a_cached_prefix_gives_the_bits_of_a_miss_alone_and_in_a_batch(server, m
   sampled = (shared + [50, 51], 12,
              dict(temperature=0.9, top_p=0.9, seed=5, logprobs=True, top_logprobs=2))  # fmt: skip
   other = ([7] * 20, 30, dict(temperature=0.0))
-  sched.cached = [[] for _ in sched.cached]  # nothing cached: misses
+  sched.prefixes.clear()  # nothing cached: misses
   reused = sched.metrics.prompt_tokens_reused
   miss_g = run_together(server, model, [greedy])[0]
-  sched.cached = [[] for _ in sched.cached]
+  sched.prefixes.clear()
   miss_s = run_together(server, model, [sampled])[0]
   assert sched.metrics.prompt_tokens_reused == reused
   hit_g = run_together(server, model, [greedy])[0]  # the slot holds `shared` from the miss
   assert sched.metrics.prompt_tokens_reused == reused + 24
   assert hit_g[:3] == miss_g[:3]
-  sched.cached = [[] for _ in sched.cached]
+  sched.prefixes.clear()
   run_together(server, model, [(shared + [60], 2, dict(temperature=0.0))])  # cache `shared`
   before = sched.metrics.prompt_tokens_reused
   both = run_together(server, model, [other, sampled, greedy])  # `other` takes an unused slot

@@ -5,7 +5,8 @@ One thread runs the loop (`Scheduler.start`); the API's handlers `submit` reques
 each request's events from its own queue. Each turn of the loop:
 
   1. takes in what was submitted, drops what was cancelled (a cancelled request frees its slot
-     at once) and gives each free slot to the oldest waiting request;
+     at once) and gives the free slots to the oldest waiting requests, each the slot whose
+     cache holds the longest start of its prompt (`prefix_cache`: only the rest is prefilled);
   2. prefills prompt chunks of the requests still in their prompts, oldest first, up to
      `runner.chunk` tokens in all (`runner.CHUNK` by default; at least one chunk), so a long
      prompt never stalls the running streams for more than a chunk;
@@ -23,13 +24,10 @@ A request ends at an end-of-generation id or a stop string ('stop'), after `max_
 the end of its slot's context ('length'), when cancelled, or when the engine stops (its stream
 gets a final error event).
 
-Faults stay with the request they hit: an exception while admitting a request (its values made
-into the engine's state) ends it with a 400 `ErrorEvent`, one while prefilling its prompt or
-handing out its tokens (text, stop strings, log-probabilities) with a 500, logged with its id;
-its slot is freed and every other request goes on. An exception the loop cannot pin on one
-request (a decode program's) ends the engine: every waiting and running request gets a 503
-`ErrorEvent` at once, `alive` turns False, `failure` holds the exception, and `submit` refuses
-with `EngineDown`; `q8rules serve` then exits non-zero, for a supervisor to restart it.
+Faults stay with the request they hit (an exception while admitting it: a 400 `ErrorEvent`;
+while prefilling or handing out its tokens: a 500; its slot freed, the others go on). One the
+loop cannot pin on a request (a decode program's) ends the engine: every request gets a 503 at
+once, `alive` turns False, `failure` holds it and `submit` raises `EngineDown`.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ import numpy as np
 from q8rules.engine.constraints import constrained, first_mask, set_masks, take
 from q8rules.engine.detokenize import TextStream
 from q8rules.engine.metrics import EngineState, Metrics
+from q8rules.engine.prefix_cache import PrefixCache
 from q8rules.engine.runner import BatchRunner, Sampled, Step, chunks
 from q8rules.engine.sampling import RowSettings, SamplingParams, history_of
 
@@ -175,6 +174,7 @@ class Scheduler:
 
   Attributes:
     metrics: its counters and histograms (`q8rules.engine.metrics`).
+    prefixes: what each slot's cache row holds of its prompts (`q8rules.engine.prefix_cache`).
     failure: the exception that ended the engine, or None.
   """
 
@@ -192,13 +192,7 @@ class Scheduler:
     self._thread: threading.Thread | None = None
     self._started: collections.deque[Started] = collections.deque()
     self._last_done = 0.0
-    self.cached: list[list[int]] = [[] for _ in range(runner.slots)]
-    """Per slot, the prompt ids whose keys and values its cache row holds as a prompt's full
-    chunks from position 0 wrote them (the prefix cache; empty unless the runner
-    `keeps_prefixes`)."""
-    self.used = [0] * runner.slots
-    """Per slot, when a request last took it (a count of admissions)."""
-    self._admitted = 0
+    self.prefixes = PrefixCache(runner.slots, runner.chunk, runner.keeps_prefixes)
 
   # --- the API's side -------------------------------------------------------------------------
 
@@ -350,37 +344,20 @@ class Scheduler:
 
   def _admit(self) -> None:
     """The waiting requests, oldest first, into the free slots: each into the one whose cache
-    holds the longest part of its prompt; among equals, the one used least recently (what it
-    holds is the least likely to be asked for again), then the lowest."""
+    holds the longest start of its prompt (`PrefixCache.choose`)."""
     while self.waiting and None in self.slots:
       nxt = self.waiting.popleft()
       free = [i for i, r in enumerate(self.slots) if r is None]
-      slot = max(free, key=lambda i: (self.reusable(nxt.prompt_ids, i), -self.used[i], -i))
       try:
-        self._take_slot(nxt, slot)
+        self._take_slot(nxt, self.prefixes.choose(nxt.prompt_ids, free))
       except Exception as e:
         self._fail(nxt, e, 400, "admitting it")
-
-  def reusable(self, ids: list[int], slot: int) -> int:
-    """How many of `ids`' first tokens slot `slot`'s cache holds for reuse: their common prefix
-    with `cached[slot]`, in whole chunks, leaving at least one token to prefill. A prompt
-    prefilled after them runs the chunks a prompt prefilled from the start runs there (the
-    chunk plan of n - m tokens, m a multiple of the chunk, is that of n past its first m), so
-    its keys, values and tokens are the same bits whether its prefix was cached or not."""
-    cached, chunk = self.cached[slot], self.runner.chunk
-    n = min(len(cached), len(ids) - 1)
-    same = next((k for k in range(n) if cached[k] != ids[k]), n)
-    return same // chunk * chunk
 
   def _take_slot(self, r: Request, i: int) -> None:
     """`r` gets slot `i`: its prompt's chunks (after what the slot's cache holds of it), key,
     recent ids, text and settings."""
     r.slot = i
-    self._admitted += 1
-    self.used[i] = self._admitted
-    reused = self.reusable(r.prompt_ids, i)
-    self.cached[i] = r.prompt_ids[:reused]
-    r.prefilled = reused
+    r.prefilled = reused = self.prefixes.take(r.prompt_ids, i)
     r.plan = chunks(len(r.prompt_ids) - reused, self.runner.chunk)
     r.key = r.params.key()
     r.history = history_of(r.prompt_ids)
@@ -411,12 +388,7 @@ class Scheduler:
     one = RowSettings.of([r.params])
     allowed = None if r.plan else first_mask(r.grammar, self.runner.vocab)
     step = self.runner.prefill(r.slot, ids, r.prefilled, r.key, r.history, one, not r.plan, allowed)
-    if (
-      self.runner.keeps_prefixes
-      and t == self.runner.chunk
-      and len(self.cached[r.slot]) == r.prefilled
-    ):
-      self.cached[r.slot] = r.prompt_ids[: r.prefilled + t]  # a full chunk: reusable
+    self.prefixes.wrote(r.prompt_ids, r.slot, r.prefilled, t)
     r.prefilled += t
     if not r.plan:  # its first token, handed out after the steps started before it
       r.pending += 1

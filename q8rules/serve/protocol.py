@@ -28,7 +28,6 @@ its default, as OpenAI reads it. The responses are `responses`'; the error body,
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -42,6 +41,7 @@ from q8rules.engine.sampling import (
   SEED_MODULUS,
   SamplingParams,
 )
+from q8rules.serve.tool_requests import MessageToolCall, NamedToolChoice, ToolDef
 
 MAX_TOOLS = 128
 """At most this many tools a request (OpenAI's limit)."""
@@ -67,9 +67,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 """The message roles served; 'developer' (OpenAI's newer name for 'system') reaches the chat
 template as 'system'; 'tool' carries a tool's result back."""
 
-FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
-"""A function's name (OpenAI's: letters, digits, '_', '-', at most 64; '.' as some templates
-write namespaces)."""
 
 UNSERVED: dict[str, tuple[Any, ...]] = {
   "functions": ([],),
@@ -270,85 +267,6 @@ class ContentPart(BaseModel):
 
   type: Literal["text"]
   text: str
-
-
-class FunctionDef(BaseModel):
-  """`tools[i].function`: a function the model may call, its arguments a JSON Schema."""
-
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  name: str = Field(pattern=FUNCTION_NAME)
-  description: str | None = None
-  parameters: dict[str, Any] | None = Field(
-    default=None, description="a JSON Schema for the arguments (an object); none: no arguments"
-  )
-  strict: bool | None = None
-
-
-class ToolDef(BaseModel):
-  """One entry of `tools`."""
-
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  type: Literal["function"]
-  function: FunctionDef
-
-  def as_template_input(self) -> dict[str, Any]:
-    """As Hugging Face's `apply_chat_template(tools=...)` passes it to the template."""
-    f = self.function
-    out: dict[str, Any] = {"name": f.name}
-    if f.description is not None:
-      out["description"] = f.description
-    out["parameters"] = f.parameters if f.parameters is not None else {"type": "object"}
-    return {"type": "function", "function": out}
-
-
-class FunctionName(BaseModel):
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  name: str
-
-
-class NamedToolChoice(BaseModel):
-  """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that function."""
-
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  type: Literal["function"]
-  function: FunctionName
-
-
-class CalledFunction(BaseModel):
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  name: str
-  arguments: str = Field(description="the arguments as JSON text")
-
-
-class MessageToolCall(BaseModel):
-  """A call in an assistant message of the conversation (`tool_calls[i]`)."""
-
-  model_config = ConfigDict(extra="ignore", strict=True)
-
-  id: str | None = None
-  type: Literal["function"] = "function"
-  function: CalledFunction
-
-  def as_template_input(self) -> dict[str, Any]:
-    """As templates read a call: the arguments parsed into an object where they are one (the
-    Qwen, Llama and Mistral templates write `arguments | tojson`), else the text as sent."""
-    args: Any = self.function.arguments
-    try:
-      parsed = json.loads(args)
-    except ValueError:
-      parsed = None
-    if isinstance(parsed, dict):
-      args = parsed
-    out: dict[str, Any] = {"type": "function", "function": {"name": self.function.name,
-                                                             "arguments": args}}  # fmt: skip
-    if self.id is not None:
-      out["id"] = self.id
-    return out
 
 
 class ChatMessage(BaseModel):
