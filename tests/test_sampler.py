@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from q8rules.engine.chain import TOP_K_MAX, candidates, first_max, sample_rows
+from q8rules.engine.chain import TOP_K_MAX, candidates, first_max, greedy_rows, sample_rows
 from q8rules.engine.reference import reference_probabilities
 from q8rules.engine.sampling import HISTORY, RowSettings, SamplingParams, history_of
 
@@ -177,6 +177,30 @@ def test_first_max_is_argmax(rng):
   got = np.asarray(jax.jit(first_max)(x))
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, want)
+
+
+def test_greedy_rows_are_the_chains_greedy_tokens(rng):
+  """The argmax-only program (`greedy_rows`, a `greedy_only` runner's) gives the whole chain's
+  tokens for plain greedy rows, bit for bit, with ties, -inf, NaN and a token mask; and a
+  one-slot runner is made `greedy_only` for plain greedy settings alone."""
+  vocab = 600
+  logits = rng.choice(np.array([-np.inf, np.nan, 0.0, 1.0, 2.0], np.float32), (16, vocab),
+                      p=[0.1, 0.002, 0.3, 0.3, 0.298])  # fmt: skip
+  logits[8:] = rng.standard_normal((8, vocab))
+  allowed = rng.integers(-(2**31), 2**31, (16, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+  keys = jnp.zeros((16, 2), jnp.uint32)
+  history = jnp.full((16, HISTORY), -1, jnp.int32)
+  settings = RowSettings.of([S(temperature=0.0)] * 16)
+  for mask in (None, jnp.asarray(allowed)):
+    want = jax.jit(sample_rows)(jnp.asarray(logits), keys, history, settings, mask)
+    got = jax.jit(greedy_rows)(jnp.asarray(logits), keys, history, None, mask)
+    for a, b in zip(got[:3], want[:3], strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert S(temperature=0.0).plain_argmax
+  assert not S(temperature=0.0, logprobs=True).plain_argmax
+  assert not S(temperature=0.0, repeat_penalty=1.1).plain_argmax
+  assert not S(temperature=0.0, logit_bias=((3, 1.0),)).plain_argmax
+  assert not S(temperature=0.5).plain_argmax
 
 
 def test_a_rows_token_does_not_depend_on_the_other_rows():

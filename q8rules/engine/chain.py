@@ -293,11 +293,36 @@ def sample_rows(
   return tokens, keys, history, chosen, top_ids, top_lp
 
 
+def greedy_rows(
+  logits: jax.Array,
+  keys: jax.Array,
+  history: jax.Array,
+  settings: RowSettings | None = None,
+  allowed: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+  """`sample_rows` for rows that are all plain argmax (`SamplingParams.plain_argmax`: greedy,
+  no bias, no penalty, no log-probabilities): the same tokens, bit for bit (the argmax of the
+  same float32 logits, masked alike), and outputs of the same shapes (keys unchanged, the
+  history appended, log-probabilities zeros); `settings` is not read. Its program is a small
+  fraction of the whole chain's to compile."""
+  masked = logits if allowed is None else apply_bitmask(logits, allowed)
+  tokens = first_max(masked.astype(jnp.float32))
+  history = jnp.concatenate([history[:, 1:], tokens[:, None]], axis=1)
+  b, k = logits.shape[0], min(MAX_TOP_LOGPROBS, logits.shape[1])
+  zeros = (
+    jnp.zeros((b,), jnp.float32),
+    jnp.zeros((b, k), jnp.int32),
+    jnp.zeros((b, k), jnp.float32),
+  )
+  return (tokens, jnp.asarray(keys), history, *zeros)
+
+
 __all__ = [
   "TOP_K_MAX",
   "candidates",
   "draw_rows",
   "filtered_logits",
   "first_max",
+  "greedy_rows",
   "sample_rows",
 ]

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from q8rules.engine.bitmask import free_bitmask
-from q8rules.engine.chain import sample_rows
+from q8rules.engine.chain import greedy_rows, sample_rows
 from q8rules.engine.sampling import HISTORY, MAX_TOP_LOGPROBS, RowSettings, SamplingParams
 
 CHUNK = 128
@@ -160,6 +160,9 @@ class BatchRunner:
     chunk: the longest prompt chunk, a power of 2.
     steps: the most decode steps one program runs.
     history: the recent ids each row keeps for the penalties (`penalty_last_n` at most this).
+    greedy_only: every row samples as plain argmax (`SamplingParams.plain_argmax`; others are
+      refused by `set_settings`): the programs hold the argmax instead of the whole sampler
+      chain (`chain.greedy_rows`: the same tokens), a few seconds less to compile.
   """
 
   def __init__(
@@ -170,6 +173,7 @@ class BatchRunner:
     chunk: int = CHUNK,
     steps: int = STEPS,
     history: int = HISTORY,
+    greedy_only: bool = False,
   ):
     if chunk < 1 or chunk & (chunk - 1):
       raise ValueError(f"the prompt chunk must be a power of 2, got {chunk}")
@@ -185,6 +189,8 @@ class BatchRunner:
     self.chunk = chunk
     self.steps = steps
     self.history = history
+    self.greedy_only = greedy_only
+    self._sample = greedy_rows if greedy_only else sample_rows
     self.vocab = model.config.vocab
     self.cache = model.new_cache(context, slots)
     self.rows = self._place(Rows.empty(slots, history))
@@ -209,7 +215,7 @@ class BatchRunner:
     tokens = jnp.where(rows.active, rows.tokens, 0)  # a dummy token where not decoding
     positions = jnp.minimum(rows.positions, self.context - 1)
     logits, cache = self.model.model.apply({"params": params}, tokens[:, None], cache, positions)
-    tok, keys, history, *rest = sample_rows(
+    tok, keys, history, *rest = self._sample(
       logits[:, -1], rows.keys, rows.history, settings, allowed
     )
     a = rows.active
@@ -255,11 +261,10 @@ class BatchRunner:
     )
     return cache, rows, logits[:, -1]
 
-  @staticmethod
-  def _start_row(rows: Rows, logits, slot, key, history, settings, allowed):
+  def _start_row(self, rows: Rows, logits, slot, key, history, settings, allowed):
     """Row `slot`'s first token sampled from the prompt's last logits (1, V), and the row
     decoding from it: the rows, and the sample as a one-step, one-row program's output."""
-    tok, keys, hist, *rest = sample_rows(logits, key[None], history[None], settings, allowed[None])
+    tok, keys, hist, *rest = self._sample(logits, key[None], history[None], settings, allowed[None])
     rows = Rows(
       rows.tokens.at[slot].set(tok[0]),
       rows.positions,
@@ -287,7 +292,12 @@ class BatchRunner:
     self.set_allowed(slot, None)
 
   def set_settings(self, slot: int, params: SamplingParams) -> None:
-    """Row `slot` samples with `params` from the next decode step on."""
+    """Row `slot` samples with `params` from the next decode step on (ValueError on a
+    `greedy_only` runner for params that are not plain argmax)."""
+    if self.greedy_only and not params.plain_argmax:
+      raise ValueError(
+        f"this runner decodes greedily only (no bias, penalty or logprobs): {params}"
+      )
     self.settings.set(slot, params)
     self._device_settings = None
 

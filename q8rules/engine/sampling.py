@@ -112,6 +112,12 @@ class SamplingParams:
       self.repeat_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
     ) and self.penalty_last_n > 0
 
+  @property
+  def plain_argmax(self) -> bool:
+    """Whether the chain reduces to the argmax of the logits: greedy, with no bias, no penalty
+    and no log-probabilities asked for (a runner built `greedy_only` takes these alone)."""
+    return self.greedy and not self.penalized and not self.logit_bias and not self.logprobs
+
   def key(self) -> np.ndarray:
     """The request's first key: `jax.random.key(seed)`'s data, uint32 (2,)."""
     return np.asarray(jax.random.key_data(jax.random.key(self.seed)), np.uint32)

@@ -241,14 +241,16 @@ class GGUFModel:
   def _cache(self, length: int) -> Any:
     return self.new_cache(self._length(length))
 
-  def runner(self, length: int, history: int) -> BatchRunner:
+  def runner(self, length: int, history: int, greedy_only: bool = False) -> BatchRunner:
     """The one-slot runner `stream` decodes `length` positions on (its context `length`
-    rounded up like a cache), keeping `history` recent ids: made (and its programs compiled)
-    once per context and history, then reused (the `RUNNERS` most recently used are kept)."""
-    key = (self._length(length), history)
+    rounded up like a cache), keeping `history` recent ids, `greedy_only` for plain argmax
+    decoding (`BatchRunner`'s: the sampler chain left out of its programs): made (and its
+    programs compiled) once per context, history and kind, then reused (the `RUNNERS` most
+    recently used are kept)."""
+    key = (self._length(length), history, greedy_only)
     runner = self._runners.pop(key, None)
     if runner is None:
-      runner = BatchRunner(self, 1, key[0], steps=CHUNK, history=history)
+      runner = BatchRunner(self, 1, key[0], steps=CHUNK, history=history, greedy_only=greedy_only)
     self._runners[key] = runner  # the newest last
     while len(self._runners) > RUNNERS:
       self._runners.pop(next(iter(self._runners)))
@@ -332,7 +334,9 @@ class GGUFModel:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     sampler = sampler or SamplingParams(temperature=temperature, seed=seed % SEED_MODULUS)
     ids = np.asarray(self._check_ids(prompt_ids)[0])
-    runner = self.runner(ids.size + max_new_tokens, history_length(sampler))
+    runner = self.runner(
+      ids.size + max_new_tokens, history_length(sampler), greedy_only=sampler.plain_argmax
+    )
     yield from stream_tokens(runner, ids, max_new_tokens, sampler, stop_ids, on_prefill)
 
   def generate(
