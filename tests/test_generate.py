@@ -64,7 +64,7 @@ def test_prefill_runs_the_head_on_the_last_position_only(m):
   assert out.shape == (1, 1, m.config.vocab)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
 def test_device_loop_matches_host_loop(m, temperature):
   n = 2 * CHUNK + 3  # three device calls, the last one short
   want = host_loop(m, PROMPT, n, temperature, seed=3)

@@ -92,6 +92,7 @@ def test_a_decode_step_updates_the_cache_at_its_own_width(rng, dtype):
     assert updates and "f32" not in updates, (s, updates)
 
 
+@pytest.mark.slow
 def test_a_decode_step_copies_no_cache(rng):
   """The compiled one-token step of a scanned float32 model with global and sliding-window
   layers, its cache donated, updates every cache in place: no copy of a whole cache. This holds

@@ -156,6 +156,7 @@ def _check_merged(merged_q8: dict, parts: dict, x, y_merged, y_adapted) -> float
   return rel_err(got, np.asarray(y_adapted).reshape(-1, OUT))
 
 
+@pytest.mark.slow
 def test_linen_merge(rng):
   """merge_lora with the provider's rules: per-module alpha / rank; the merged params run in a
   plain Q8Provider model and equal its quantize_params of the float32 merge, bit for bit."""

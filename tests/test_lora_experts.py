@@ -103,6 +103,7 @@ def test_expert_adapters_gradients_against_float64(form):
     assert rel_err(getattr(grads, n + LORA_B)[...], ref[n][1]) <= 1e-5, n
 
 
+@pytest.mark.slow
 def test_expert_adapters_split_join_and_merge():
   """`split_lora` takes the per-expert adapters out ((E, K, rank), (E, rank, N)), `join_lora`
   puts them back (the same outputs), and `merge_lora` folds each expert's adapter into its own

@@ -155,6 +155,7 @@ def unstacked(params: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_decoder_scanned_in_place_served_and_decode_step():
   """A scanned Q8_0 decoder with experts: in place (each layer's experts read from the stack)
   equals unrolled, and a one-token decode step (grouped product, native CPU kernel) continues

@@ -142,6 +142,7 @@ def run_processes(path: Path, out: Path, scenarios: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_one_model(tmp_path):
   path = write_llama(tmp_path / "tp4-llama-q8_0.gguf")
   bad = write_llama(tmp_path / "bad-llama-q8_0.gguf", kv_heads=2, ffn=192)

@@ -22,7 +22,7 @@ import pytest
 from q8rules.cli import main
 from tests.test_real_gguf import model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 COMPOUND = ("for", "while", "if", "try", "with", "function", "class")
 """Topics of `pydoc_data.topics`: the compound statements."""

@@ -295,6 +295,7 @@ def test_real_blocks(name):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", REAL_FILES)
 def test_real_files_in_full(name):
   """Every quantized tensor of the file, whole, as GGUFReader reads it (gguf-py's side in

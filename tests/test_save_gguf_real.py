@@ -24,7 +24,11 @@ from tests.test_save_gguf import assert_same_params, flat, next_token_loss, read
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("key", list(MODELS))
+HEAVY = [pytest.param(k, marks=pytest.mark.heavy) if k.startswith("gemma3") else k for k in MODELS]
+"""Gemma 3 270M's cases take one to two minutes each: `heavy` (out of CI's slow step)."""
+
+
+@pytest.mark.parametrize("key", HEAVY)
 def test_round_trip_is_the_identity(tmp_path, key):
   """Saved without training: every tensor's data and type and every metadata key (tokenizer
   and chat template included) are the source's; `load_gguf` reads back the same params."""
@@ -36,7 +40,7 @@ def test_round_trip_is_the_identity(tmp_path, key):
   assert_same_params(load_gguf(out, dtype=jnp.float32, progress=False).params, m.params)
 
 
-@pytest.mark.parametrize("key", list(MODELS))
+@pytest.mark.parametrize("key", HEAVY)
 def test_qat_model_is_the_served_model(tmp_path, key):
   """trainable='qat': the logits over a real text equal the served model's to float32
   rounding (measured: bit-equal on both files, the same kernels on the same Q8_0 values);
@@ -52,6 +56,7 @@ def test_qat_model_is_the_served_model(tmp_path, key):
   assert read(tmp_path / "out.gguf") == read(src)
 
 
+@pytest.mark.heavy
 def test_qat_trained_file_runs_on_llama_cpp(tmp_path):
   """SmolLM2: two SGD steps of QAT on the first 64 tokens of a real text; the file written
   reads back as the trained weights' Q8_0 values, and llama.cpp's logits on it are as close

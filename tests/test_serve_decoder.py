@@ -23,6 +23,7 @@ from q8rules.models.attention import init_cache
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
 
+@pytest.mark.slow
 def test_per_row_positions_decode_each_sequence_as_alone():
   m = q8rules.load_gguf(DATA / "tiny-gemma2-q8_0.gguf", dtype=jnp.float32, progress=False)
   apply = jax.jit(m.model.apply)

@@ -54,7 +54,7 @@ QWEN = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   model = tiny_chat_model(tmp_path_factory, "structured", template=QWEN, context=2048)
-  with Server(model, parallel=3, ctx=1536, chunk=64) as s:
+  with Server(model, parallel=3, ctx=1536, chunk=64, warm_up=False) as s:
     yield s
 
 

@@ -106,6 +106,7 @@ def _placed(model: nnx.Module, fsdp: int, tp: int) -> nnx.Module:
   return model
 
 
+@pytest.mark.slow
 def test_a_k_split_cutting_a_block_of_a_placed_param_is_refused_naming_it(rng):
   """No mesh in context, the float params placed on one (Tunix's models as restored onto a
   mesh): the placed param's mesh is checked."""
