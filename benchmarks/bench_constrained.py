@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(f"| {name} | {mid:.1f} | {mid / free:.2f}x |")
   publish(
     "constrained",
-    "Constrained decode against free decode (`q8rules serve`)",
+    "## Constrained decode against free decode (`benchmarks/bench_constrained.py`)",
     f"{args.model.name}, {args.tokens} tokens, greedy, --threads {args.threads}, median of"
     f" {args.repeats}; code {code_version()}.",
     ["\n".join(rows)],
