@@ -18,7 +18,6 @@ new tokens on later turns, one that does not pays for the whole history again.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_vs_llama_server import code_version, start  # noqa: E402
 from benchmarks.results_md import publish  # noqa: E402
+from benchmarks.sse import events  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -53,10 +53,7 @@ def turn(http: httpx.Client, url: str, messages: list[dict], tokens: int) -> tup
   begin, first, reply, prompt = time.perf_counter(), None, [], -1
   with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
     r.raise_for_status()
-    for line in r.iter_lines():
-      if not line.startswith("data: ") or line == "data: [DONE]":
-        continue
-      event = json.loads(line[6:])
+    for event in events(r.iter_lines()):
       if event.get("usage"):
         prompt = event["usage"]["prompt_tokens"]
       for choice in event.get("choices") or ():

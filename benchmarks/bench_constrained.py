@@ -19,7 +19,6 @@ on the host (llguidance) between steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serve_vs_llama_server import code_version, start  # noqa: E402
 from benchmarks.results_md import publish  # noqa: E402
+from benchmarks.sse import events  # noqa: E402
 from q8rules.serve import free_port  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "List many fruit names as a JSON array of strings."}]
@@ -55,10 +55,7 @@ def rate(url: str, tokens: int, constrained: bool) -> float:
   stamps, used = [], None
   with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
     r.raise_for_status()
-    for line in r.iter_lines():
-      if not line.startswith("data: ") or line == "data: [DONE]":
-        continue
-      event = json.loads(line[6:])
+    for event in events(r.iter_lines()):
       if event.get("usage"):
         used = event["usage"]["completion_tokens"]
       if event.get("choices") and event["choices"][0]["delta"].get("content"):
@@ -88,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
       for _ in range(args.repeats):
         cases["free"].append(rate(url, args.tokens, False))
         cases["constrained"].append(rate(url, args.tokens, True))
-        got: list[float] = []
-        side = threading.Thread(target=lambda: got.append(rate(url, args.tokens * 2, False)))
+        side = threading.Thread(target=rate, args=(url, args.tokens * 2, False))
         side.start()
         time.sleep(0.5)  # the free request decoding first
         cases["constrained beside free"].append(rate(url, args.tokens, True))
