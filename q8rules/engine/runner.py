@@ -29,7 +29,9 @@ token's window).
 A prompt chunk runs the decoder on that slot's row alone (batch 1, copied out of the cache and
 back), T tokens at one position; the chunk sizes depend on the prompt's length only
 (`chunks`), so a request's prefill is the same computation in any slot beside any others. The
-prompt's last chunk samples the request's first token and makes its row decode from there.
+prompt's last chunk is followed by one sampling program (the same for every chunk shape: the
+sampler chain is compiled once) that draws the request's first token and makes its row decode
+from there.
 """
 
 from __future__ import annotations
