@@ -24,6 +24,7 @@ def _setup():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_nd_weights_served_as_q8_0():
   """q/k/v (D, N, H) and o (N, H, D) become (D, N*H) and (N*H, D) Q8 matrices; the served
   logits are Q8_0's error away from float, equal to QAT's forward, and init-time

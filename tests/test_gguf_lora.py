@@ -407,6 +407,7 @@ def test_chat_data_counts_the_replies_only(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_adapters_on_a_mesh_follow_their_base(tmp_path):
   """On a 2-device 'tp' mesh: A split along K under the row-parallel o / down, B along N under
   the column-parallel q / k / v / gate / up; the logits and a training step equal one

@@ -112,7 +112,7 @@ def test_layer_of_indexes_every_leaf(rng):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3", marks=pytest.mark.heavy)])
 def test_in_place_scan_gives_the_sliced_scans_logits(arch):
   """The decoder's in-place scan and nn.scan's slicing give the same logits and tokens (gemma3
   mixes local and global layers under lax.cond)."""

@@ -186,6 +186,7 @@ def test_llama_cpp_applies_our_expert_adapter_as_we_do(tmp_path, name):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_gemma4_fused_gate_up_stack_adapter_in_llama_cpp(tmp_path):
   """Gemma 4's file stores gate | up as one `ffn_gate_up_exps` stack: its adapter is on that
   stack, as llama.cpp applies one to the fused product; ffn_down_exps, whose per-expert scale

@@ -66,7 +66,9 @@ def test_requantized_blocks_are_llama_quantizes(key):
       assert sha(q8_0_blocks(t)) == ref[n], n
 
 
-@pytest.mark.parametrize("key", list(MODELS))
+@pytest.mark.parametrize(
+  "key", [pytest.param(k, marks=pytest.mark.heavy) if k.startswith("gemma3") else k for k in MODELS]
+)
 def test_f16_quantized_at_load_is_llama_quantizes(key, tmp_path):
   """The file dequantized to F16 (as a converter writes it), quantized at load: each tensor's
   blocks are `llama-quantize ... Q8_0`'s of that F16 file, and llama-quantize quantized the

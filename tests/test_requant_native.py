@@ -320,6 +320,7 @@ def test_library_builds_without_warnings():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_fma_build_gives_the_same_bits(tmp_path):
   """Built with FMA everywhere (`-march=native`), requant.h still rounds each float32 step on
   its own (no contraction): the same bytes as gguf-py, in a fresh process and build."""
