@@ -70,7 +70,12 @@ class API:
     self.metrics = scheduler.metrics
     tok = model.tokenizer
     self.stop_ids = frozenset(tok.eog_ids) if tok is not None else frozenset()
-    self._syntax: Any = None
+    from q8rules.llm.chat import TEMPLATE_KEY
+    from q8rules.llm.tools import syntax_for_template
+
+    template = model.metadata.get(TEMPLATE_KEY)
+    self.syntax = syntax_for_template(template) if isinstance(template, str) else None
+    """The tool-call syntax the model's chat template writes (`q8rules.llm.tools`), or None."""
 
   def count_error(self, status: int) -> None:
     self.metrics.http_errors.labels(status=str(status)).inc()
@@ -133,19 +138,13 @@ class API:
   def tool_syntax(self) -> Any:
     """The tool-call syntax the model's chat template writes (`q8rules.llm.tools`); APIError
     400 naming `tools` when it writes none."""
-    if self._syntax is None:
-      from q8rules.llm.chat import TEMPLATE_KEY
-      from q8rules.llm.tools import syntax_for_template
-
-      template = self.model.metadata.get(TEMPLATE_KEY)
-      self._syntax = (isinstance(template, str) and syntax_for_template(template)) or False
-    if self._syntax is False:
+    if self.syntax is None:
       raise APIError(
         400, f"tools: the chat template of {self.name} defines no tool calls (it renders no"
         " tools and no call syntax is known for it); leave tools out, or serve a model whose"
         " template defines them", param="tools",
       )  # fmt: skip
-    return self._syntax
+    return self.syntax
 
   def chat_ids(self, body: P.ChatCompletionRequest, tools: list | None = None) -> list[int]:
     """The chat template over `body.messages` (and `tools`, when given), tokenized."""
@@ -250,8 +249,9 @@ class API:
     tools, stops = None, body.stops()
     if chat and body.tool_mode() != "none":
       tools = (self.tool_syntax(), [t.as_template_input() for t in body.tools])
-      if body.tool_mode() == "auto" and body.parallel_tool_calls is False:
-        stops.append(T.ONE_CALL_STOP.get(tools[0].name, ""))
+      one_call = T.ONE_CALL_STOP.get(tools[0].name)
+      if one_call and body.tool_mode() == "auto" and body.parallel_tool_calls is False:
+        stops.append(one_call)
     if chat:
       ids = await run_in_threadpool(self.chat_ids, body, tools and tools[1])
     else:

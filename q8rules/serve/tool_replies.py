@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from q8rules.llm.tools import Delta, Reply, ReplyStream, Syntax, ToolCall
+from q8rules.llm.tools import Delta, ReplyStream, Syntax, ToolCall, read_reply
 
 ONE_CALL_STOP = {"hermes": "</tool_call>", "gemma4": "<tool_call|>"}
 """The text that closes a call, per syntax: with `parallel_tool_calls: false` the reply stops
@@ -32,14 +32,6 @@ def call_entry(index: int, call: ToolCall, stream: bool) -> dict[str, Any]:
     "function": {"name": call.name, "arguments": call.arguments},
   }
   return {"index": index, **entry} if stream else entry
-
-
-def read_reply(syntax: Syntax, text: str) -> Reply:
-  """`text` split by `syntax`; a reply it cannot read is all content."""
-  try:
-    return syntax.parse(text)
-  except ValueError:
-    return Reply(text)
 
 
 def message(syntax: Syntax, text: str) -> tuple[dict[str, Any], bool]:
@@ -81,4 +73,4 @@ class DeltaReader:
     return out
 
 
-__all__ = ["DeltaReader", "ONE_CALL_STOP", "call_entry", "message", "read_reply"]
+__all__ = ["DeltaReader", "ONE_CALL_STOP", "call_entry", "message"]

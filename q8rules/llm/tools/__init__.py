@@ -7,7 +7,16 @@ generated (content at once, each call once it is closed).
 """
 
 from q8rules.llm.tools.reply import Reply, ToolCall
-from q8rules.llm.tools.stream import Delta, ReplyStream
+from q8rules.llm.tools.stream import Delta, ReplyStream, read_reply
 from q8rules.llm.tools.syntaxes import FAMILIES, Syntax, syntax_for_template
 
-__all__ = ["FAMILIES", "Delta", "Reply", "ReplyStream", "Syntax", "ToolCall", "syntax_for_template"]
+__all__ = [
+  "FAMILIES",
+  "Delta",
+  "Reply",
+  "ReplyStream",
+  "Syntax",
+  "ToolCall",
+  "read_reply",
+  "syntax_for_template",
+]

@@ -18,6 +18,15 @@ class Delta:
   calls: tuple[tuple[int, ToolCall], ...] = ()
 
 
+def read_reply(syntax: Syntax, text: str) -> Reply:
+  """`text` split by `syntax`; a reply it cannot read (a call whose body is not JSON) is all
+  content."""
+  try:
+    return syntax.parse(text)
+  except ValueError:
+    return Reply(text)
+
+
 class ReplyStream:
   """Feeds a reply's text as it is generated and hands out what is new.
 
@@ -43,11 +52,7 @@ class ReplyStream:
       return Delta()
 
   def finish(self) -> Delta:
-    try:
-      reply = self.syntax.parse(self.text)
-    except ValueError:  # not a reply the syntax reads: all of it is content
-      reply = Reply(self.text)
-    return self._advance(reply)
+    return self._advance(read_reply(self.syntax, self.text))
 
   def _advance(self, reply: Reply) -> Delta:
     content = reply.content[len(self._content) :] if reply.content.startswith(self._content) else ""
