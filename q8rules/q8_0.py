@@ -27,6 +27,7 @@ block gets a NaN scale, so it dequantizes to NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -280,6 +281,11 @@ def quantize(
       f"cannot quantize {name} of shape {w.shape} to Q8_0: axis {axis} has"
       f" {k} rows, not a multiple of {BLOCK}"
     )
+  if _on_one_device(w):
+    q, d, finite = _quantize_in_rows(w, axis, scale_dtype)
+    if check_finite and not bool(finite):
+      raise ValueError(_non_finite_message(name))
+    return Q8Array(q=q, scale=d, axis=axis, dtype=w.dtype)
   moved = jnp.moveaxis(w.astype(jnp.float32), axis, 0)
   rest = moved.shape[1:]
   d, q = _quantize_blocks(moved.reshape(k // BLOCK, BLOCK, *rest))
@@ -289,6 +295,72 @@ def quantize(
   q = jnp.moveaxis(q.reshape(k, *rest), 0, axis)
   d = jnp.moveaxis(d.reshape(k // BLOCK, *rest), 0, axis)
   return Q8Array(q=q, scale=d.astype(scale_dtype), axis=axis, dtype=w.dtype)
+
+
+ROWS_PER_CALL = 1 << 16
+"""Blocks the block quantizer takes a call when it quantizes a large concrete weight (8 MiB of
+float32); a weight of at most `SMALL_ROWS` blocks takes one call of `SMALL_ROWS`. With two sizes a
+process compiles the block quantizer at most twice (XLA takes a second or more to compile it),
+not once per weight shape."""
+
+SMALL_ROWS = 1 << 12
+"""Blocks of the one call that quantizes a small concrete weight (512 KiB of float32)."""
+
+
+def _on_one_device(w: jax.Array) -> bool:
+  """Whether `w` is a concrete array on one device (not traced, not sharded over several)."""
+  return not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "rows"))
+def _to_rows(w: jax.Array, axis: int, rows: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """`w`'s blocks of 32 along `axis` as float32 rows, zero-padded to whole calls of `rows`.
+
+  Returns ((rows, 32) float32 chunks, whether every value of `w` is finite).
+  """
+  moved = jnp.moveaxis(w.astype(jnp.float32), axis, 0)
+  blocks = jnp.swapaxes(moved.reshape(moved.shape[0] // BLOCK, BLOCK, -1), 1, 2).reshape(-1, BLOCK)
+  n = blocks.shape[0]
+  calls = -(-n // rows)
+  blocks = jnp.pad(blocks, ((0, calls * rows - n), (0, 0)))
+  return tuple(blocks[i * rows : (i + 1) * rows] for i in range(calls)), jnp.all(jnp.isfinite(w))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "axis", "scale_dtype"))
+def _from_rows(
+  ds: tuple[jax.Array, ...],
+  qs: tuple[jax.Array, ...],
+  shape: tuple[int, ...],
+  axis: int,
+  scale_dtype: np.dtype,
+) -> tuple[jax.Array, jax.Array]:
+  """The quantized rows of `_to_rows` back in the weight's layout: (q int8 `shape`, scale
+  `scale_dtype` of `shape` with `axis` divided by 32)."""
+  moved = (shape[axis], *shape[:axis], *shape[axis + 1 :])
+  nblocks = moved[0] // BLOCK
+  n = nblocks * int(np.prod(moved[1:], dtype=np.int64))
+  d = jnp.concatenate(ds)[:n, 0].reshape(nblocks, *moved[1:])
+  q = jnp.concatenate(qs)[:n].reshape(nblocks, -1, BLOCK)
+  q = jnp.swapaxes(q, 1, 2).reshape(moved)
+  return jnp.moveaxis(q, 0, axis), jnp.moveaxis(d, 0, axis).astype(scale_dtype)
+
+
+def _quantize_in_rows(
+  w: jax.Array, axis: int, scale_dtype: np.dtype
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Q8_0 of a concrete weight through block-quantizer calls of two fixed sizes.
+
+  The same bits as one call over the weight's own shape: each block's scale and values depend on
+  that block alone. Returns (q int8 of w's shape, scale, whether w is all finite).
+  """
+  blocks = w.size // BLOCK
+  rows = SMALL_ROWS if blocks <= SMALL_ROWS else ROWS_PER_CALL
+  chunks, finite = _to_rows(w, axis, rows)
+  parts = [_quantize_blocks(chunk) for chunk in chunks]
+  q, d = _from_rows(
+    tuple(d for d, _ in parts), tuple(q for _, q in parts), tuple(w.shape), axis, scale_dtype
+  )
+  return q, d, finite
 
 
 def dequantize_blocks(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:

@@ -89,6 +89,41 @@ def test_bit_equal_to_gguf(rng, jit):
   )
 
 
+@pytest.mark.parametrize(
+  "shape,axis",
+  [((3, 64, 5), 1), ((64, 3, 5), 0), ((5, 3, 96), -1), ((64, 40_000), 0)],
+  ids=["middle", "first", "last", "two-calls"],
+)
+def test_concrete_weights_in_every_layout_are_gguf_s(rng, shape, axis):
+  """A concrete weight goes through block-quantizer calls of two fixed sizes (`ROWS_PER_CALL`
+  blocks a call past `SMALL_ROWS`: 80,000 blocks take two); in every layout its bits are the
+  reference's, float32 (adversarial blocks first) and bfloat16, scales float16 and float32."""
+  from q8rules import q8_0
+
+  normal = rng.standard_normal(shape).astype(np.float32)
+  w = normal.copy()  # ties, zeros, subnormals and float32's largest in its first blocks
+  adversarial = adversarial_blocks(rng, 64).ravel()[: w.size]
+  w.reshape(-1)[: adversarial.size] = adversarial
+  assert (w.size // BLOCK > q8_0.ROWS_PER_CALL) == (shape == (64, 40_000))
+  for x in (jnp.asarray(w), jnp.asarray(normal, jnp.bfloat16)):
+    rows = np.moveaxis(np.asarray(x, np.float32), axis, -1)  # gguf blocks the last axis
+    d16, q_ref = gguf_blocks(rows)
+    d32, _ = reference_f32(rows)
+    for scale_dtype, d_ref in ((jnp.float16, d16), (jnp.float32, d32)):
+      a = q8rules.quantize(x, axis=axis, scale_dtype=scale_dtype)
+      assert (a.axis, a.dtype, a.scale.dtype) == (axis % len(shape), x.dtype, scale_dtype)
+      np.testing.assert_array_equal(
+        np.moveaxis(np.asarray(a.q), axis, -1).reshape(-1, BLOCK), q_ref
+      )
+      scale = np.moveaxis(np.asarray(a.scale), axis, -1).ravel()
+      np.testing.assert_array_equal(
+        scale.view(f"u{scale.itemsize}"), d_ref.view(f"u{d_ref.itemsize}")
+      )
+  w.reshape(-1)[w.size // 2] = np.nan  # unchecked: that block dequantizes to nan, no other
+  scale = np.asarray(q8rules.quantize(w, axis=axis, check_finite=False).scale)
+  assert np.isnan(scale).sum() == 1 and np.isfinite(scale).sum() == scale.size - 1
+
+
 def test_layout_and_attributes(rng):
   w = rng.standard_normal((3, 64, 5)).astype(np.float32)
   a = q8rules.quantize(w, axis=1)
