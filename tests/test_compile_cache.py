@@ -74,6 +74,7 @@ def test_default_dir(monkeypatch, tmp_path):
   assert compile_cache.disabled() and compile_cache.enable() is None
 
 
+@pytest.mark.slow
 def test_load_gguf_changes_no_jax_setting(tmp_path):
   """A library call changes no process-wide JAX setting: after `load_gguf` the compilation
   cache is as the process had it (off), until the program opts in."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import q8rules
 from q8rules.engine.runner import BatchRunner
@@ -16,6 +17,7 @@ from q8rules.engine.sampling import HISTORY, RowSettings, SamplingParams
 DATA = Path(__file__).parent / "data" / "gguf_models"
 
 
+@pytest.mark.slow
 def test_several_steps_a_program_are_the_steps_one_at_a_time():
   m = q8rules.load_gguf(DATA / "tiny-qwen2-q8_0.gguf", dtype=jnp.float32, progress=False)
   prompts = [[1, 5, 7, 9, 11, 13], [2, 3, 4], [4, 8, 15, 16, 23]]
@@ -70,6 +72,7 @@ def test_a_freed_row_stops_and_the_others_go_on():
   assert np.asarray(runner.rows.positions).tolist() == [10, 63]
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_every_program_without_running_them():
   """After `warm_up` a request's programs (its prompt's chunks, the decode steps, the slot's
   release, its key) compile nothing more, and the warm-up ran none of them: the cache and the

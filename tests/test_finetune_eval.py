@@ -184,6 +184,7 @@ def test_finetune_reports_evaluations_and_writes_the_best(tmp_path):
   assert read_lora_gguf(out).alpha == 32.0
 
 
+@pytest.mark.slow
 def test_held_out_text_that_training_reads_is_left_out_with_a_warning(tmp_path):
   """A text that says its paragraphs twice: the held-out windows inside a repeat would be read
   from memory (the eval perplexity fell to ~1 while a truly unseen paragraph's rose); those

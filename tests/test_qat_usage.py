@@ -113,6 +113,7 @@ def test_non_finite_weight(rng, bad):
     q8rules.quantize_params(params, abstract)
 
 
+@pytest.mark.slow
 def test_non_finite_weight_nnx_and_stacked(rng):
   x, _ = data(rng)
   net = nnx_model(rng)

@@ -37,6 +37,7 @@ def auth() -> dict[str, str]:
   return {"Authorization": f"Bearer {KEY}"}
 
 
+@pytest.mark.slow
 def test_the_openapi_schema_describes_the_typed_bodies(server):
   schema = httpx.get(server.url + "/openapi.json").json()  # no key needed
   chat = schema["paths"]["/v1/chat/completions"]["post"]

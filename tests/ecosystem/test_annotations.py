@@ -81,6 +81,7 @@ def _mesh(fsdp: int, tp: int) -> AbstractMesh:
   return AbstractMesh((fsdp, tp), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+@pytest.mark.slow
 def test_a_k_split_cutting_a_block_is_refused_naming_the_param(rng):
   x = jnp.asarray(rng.standard_normal((2, 3, D)).astype(np.float32))
   provider = q8rules.Q8Provider([q8rules.Q8Rule()])
