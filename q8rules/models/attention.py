@@ -24,6 +24,7 @@ computation whatever the others hold.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -280,6 +281,19 @@ def _global_write(pair, k, v, slot, pos, keep: Any = False):
   return tuple(out)
 
 
+READ_STEP = 1024
+"""A chunk reads a cache row of S positions in lengths of whole `READ_STEP`s: S/8, S/4, S/2 or S."""
+
+
+def read_lengths(s: int) -> tuple[int, ...]:
+  """The key counts a chunk of several tokens at one position may read of a cache row of `s`
+  positions, shortest first: s/8, s/4 and s/2 where they are whole multiples of `READ_STEP`, and
+  s. The chunk reads the shortest that holds every key it sees (those before its last token's
+  position, and its own), so its attention costs what the row holds, not the row's length; the
+  keys past it are masked out in either case."""
+  return tuple(s // d for d in (8, 4, 2) if s % (d * READ_STEP) == 0) + (s,)
+
+
 def _global_read(c, q, pair, slot, pos, sinks=None):
   """Attend causally over layer `slot`'s full cache (the chunk already written), with the
   heads' sink logits `sinks` (heads,) when given. One new token goes through
@@ -291,7 +305,17 @@ def _global_read(c, q, pair, slot, pos, sinks=None):
     values = jax.lax.dynamic_index_in_dim(call.values, call.slot, 0, keepdims=False)
     positions = jnp.asarray(call.pos)[..., None] + jnp.arange(call.q.shape[1])  # (T,) or (B, T)
     visible = jnp.arange(keys.shape[1]) <= positions[..., None]  # (T, S) or (B, T, S)
-    return _attend_f32(c, call.q, keys, values, visible, call.sinks)
+    lengths = read_lengths(keys.shape[1])
+    if call.q.shape[1] == 1 or jnp.ndim(call.pos) or len(lengths) == 1:
+      return _attend_f32(c, call.q, keys, values, visible, call.sinks)
+    # A chunk at one position reads the shortest start of the row that holds every key it sees.
+    shorter = jnp.sum(jnp.asarray(lengths[:-1]) <= positions[-1])
+
+    def read(n: int, q, keys, values, visible, sinks) -> jax.Array:
+      return _attend_f32(c, q, keys[:, :n], values[:, :n], visible[:, :n], sinks)
+
+    branches = [functools.partial(read, n) for n in lengths]
+    return jax.lax.switch(shorter, branches, call.q, keys, values, visible, call.sinks)
 
   how = AttentionParams.of(_scale(c), c.attn_softcap, xla)
   call = AttentionCall(q, pair[0], pair[1], slot, pos, how, sinks)
