@@ -5,8 +5,8 @@ whole row, and against the same chunk in a row as short as `q8rules run` makes.
     python benchmarks/bench_chunk_read.py MODEL.gguf [--ctx 8192 --short 1024 --repeats 3 --write]
 
 One `BatchRunner` slot, as `q8rules serve` prefills (one row, chunks of `CHUNK` = 128 tokens),
-timed on its prefill program alone (the median of `--repeats` after one warm-up run). "whole"
-patches `read_lengths` to the row's length alone: what every chunk read before. The rate is the
+each timed as `BatchRunner.prefill` of a chunk before the last (the chunk program alone), the
+median of `--repeats` after one warm-up run. "whole" patches `read_lengths` to the row's length alone: what every chunk read before. The rate is the
 chunk's tokens over its time.
 """
 
@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import q8rules  # noqa: E402
 from benchmarks.results_md import publish  # noqa: E402
 from q8rules.engine.runner import CHUNK, BatchRunner  # noqa: E402
+from q8rules.engine.sampling import RowSettings  # noqa: E402
 from q8rules.models import attention  # noqa: E402
 
 
@@ -32,15 +34,12 @@ def chunk_seconds(model, ctx: int, positions: list[int], repeats: int) -> dict[i
   """The median seconds of one CHUNK-token prefill program at each position of a `ctx` row."""
   runner = BatchRunner(model, 1, ctx)
   tokens = np.arange(1000, 1000 + CHUNK, dtype=np.int32)
+  key, history, settings = np.zeros(2, np.uint32), np.full(64, -1, np.int32), RowSettings.empty(1)
 
   def run(pos: int) -> float:
     start = time.perf_counter()
-    with model.products():
-      args = runner._place((np.int32(0), tokens, np.int32(pos)))
-      runner.cache, runner.rows, logits = runner._prefill(
-        model.params, runner.cache, runner.rows, *args
-      )
-    logits.block_until_ready()
+    runner.prefill(0, tokens, pos, key, history, settings, last=False)  # the chunk program alone
+    jax.block_until_ready(runner.cache)
     return time.perf_counter() - start
 
   run(0)

@@ -295,8 +295,9 @@ def read_lengths(s: int) -> tuple[int, ...]:
 
 
 def _global_read(c, q, pair, slot, pos, sinks=None):
-  """Attend causally over layer `slot`'s full cache (the chunk already written), with the
-  heads' sink logits `sinks` (heads,) when given. One new token goes through
+  """Attend causally over layer `slot`'s cache (the chunk already written; a chunk of several
+  tokens at one position reads the start `read_lengths` picks), with the heads' sink logits
+  `sinks` (heads,) when given. One new token goes through
   `hooks.attend_one_token` (this XLA attention; under a q8rules provider, the
   decode-attention kernel where it runs, sinks included)."""
 
