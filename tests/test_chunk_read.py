@@ -13,6 +13,8 @@ from q8rules.models import TransformerConfig
 from q8rules.models.attention import _attend_f32, _global_read, read_lengths
 from tests._utils import rel_err
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32-accurate einsums on a GPU too
+
 S = 8192
 CONFIG = TransformerConfig(
   vocab=64, dim=32, layers=1, heads=4, kv_heads=2, head_dim=16, ffn=64, dtype=jnp.float32
